@@ -1,0 +1,58 @@
+# testbed: a cluster in a box for distributed training.
+# `make testbed TOPO=fat-tree` runs the main job; `make test` runs the tests.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+# torch is pinned so a fresh machine here takes the local CPU wheel; GPU users
+# override it, e.g. `make venv TORCH_SPEC='torch==2.13.0 --index-url ...'`.
+TORCH_SPEC ?= torch==2.13.0
+TOPO   ?= fat-tree
+NAME   ?=
+PY      = $(VENV)/bin/python
+TESTBED = $(VENV)/bin/testbed
+PYTEST_ARGS ?=
+
+.PHONY: help venv testbed down test test-kernel bench image doctor clean
+
+help:
+	@echo "make testbed TOPO=fat-tree   bring up a topology and run the main training job"
+	@echo "make down                    tear down every testbed"
+	@echo "make test                    run the test suite (root tests need root)"
+	@echo "make test-kernel             run the netem tests under a stock kernel (virtme-ng)"
+	@echo "make bench                   benchmarks (up/down speed vs Mininet, ring model)"
+	@echo "make image                   build the Docker worker image (offline-capable)"
+	@echo "make doctor                  what this machine's kernel can do"
+
+venv: $(VENV)/.stamp
+
+$(VENV)/.stamp: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e '.[test,kernel]'
+	@touch $@
+
+testbed: venv
+	$(PY) -m testbed.jobs.mainjob $(TOPO) $(if $(NAME),--name $(NAME))
+
+down: venv
+	$(TESTBED) down --all
+
+doctor: venv
+	$(TESTBED) doctor
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-kernel: venv
+	bash scripts/kernel-vm.sh
+
+bench: venv
+	$(PY) bench/bench_up.py
+	$(PY) bench/bench_ring_model.py
+
+image: venv
+	bash images/worker/build.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

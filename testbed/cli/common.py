@@ -1,0 +1,62 @@
+"""What every CLI verb shares: the console, error handling, name resolution."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, NoReturn
+
+import typer
+from rich.console import Console
+
+from testbed.errors import StateError, TestbedError
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def run_app(app: typer.Typer) -> None:
+    """Run the app; user errors become one message and their exit status, never a traceback."""
+    command = typer.main.get_command(app)
+    try:
+        # standalone mode: click prints usage errors and exits with their status itself.
+        command.main(prog_name="testbed", standalone_mode=True)
+    except TestbedError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)
+
+
+def require_root(what: str) -> None:
+    if os.geteuid() != 0:
+        raise TestbedError(f"{what} needs root (network namespaces and tc): run it with sudo")
+
+
+def resolve_name(name: str | None) -> str:
+    """The testbed a command acts on: NAME, or the only one that is up."""
+    from testbed.net import state
+
+    if name:
+        if not state.exists(name):
+            up = state.list_names()
+            hint = f"; up: {', '.join(up)}" if up else "; none is up (testbed up TOPOLOGY)"
+            raise StateError(f"no testbed named {name!r} is up{hint}")
+        return name
+    up = state.list_names()
+    if len(up) == 1:
+        return up[0]
+    if not up:
+        raise StateError("no testbed is up: start one with `testbed up TOPOLOGY`")
+    raise StateError(f"{len(up)} testbeds are up ({', '.join(up)}): say which with --name")
+
+
+NameOption = typer.Option(None, "--name", "-n", help="The testbed to act on (default: the only one up).")
+
+

@@ -1,0 +1,1 @@
+"""The data plane on one machine: namespaces, links, routes and shaping via netlink."""

@@ -1,0 +1,27 @@
+"""Names of the kernel resources a testbed owns.
+
+Every resource carries the testbed's name, so two testbeds coexist and
+cleanup can tell ours from everyone else's. Interface names live inside our
+own namespaces, so they only need to fit IFNAMSIZ (15 chars), not be unique.
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "tb-"
+IFNAMSIZ = 15
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,39}$", re.IGNORECASE)
+
+
+def valid_testbed_name(name: str) -> bool:
+    return bool(_NAME_RE.match(name))
+
+
+def netns(testbed: str, node: str) -> str:
+    """Network namespace of a node: tb-<testbed>-<node>."""
+    return f"{PREFIX}{testbed}-{node}"
+
+
+def netns_prefix(testbed: str) -> str:
+    return f"{PREFIX}{testbed}-"
