@@ -12,7 +12,7 @@ from rich.console import Console
 from testbed.errors import StateError, TestbedError
 
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
