@@ -52,7 +52,7 @@ bench: venv
 	$(PY) bench/bench_ring_model.py
 
 image: venv
-	bash images/worker/build.sh
+	PYTHON=$(PY) bash images/worker/build.sh $(IMAGE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

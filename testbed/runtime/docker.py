@@ -1,0 +1,447 @@
+"""The Docker runtime: every worker is a Docker container, driven through the Docker SDK.
+
+A worker `NODE` of testbed `NAME` is the container `tb-NAME-NODE` (the same
+name as its network namespace), started from the worker image
+(`node.image`, else $TESTBED_WORKER_IMAGE, else testbed/worker:latest; build
+it with `make image`) with:
+
+- `--network none` and hostname NODE. Its network namespace is then bound on
+  /run/netns/tb-NAME-NODE (what `ip netns attach` does), so the data plane
+  builds links, addresses, routes and shaping into it exactly as for the
+  namespace runtimes: the container sees only lo and the emulated interfaces.
+- `--init` (Docker's tini) running `sleep infinity`: the long-lived init;
+  jobs run beside it with `docker exec`.
+- cap NET_ADMIN (tc, ip inside the worker) and SYS_PTRACE (py-spy), never
+  --privileged. Memory limit = node.memory_bytes with no swap (a hog is
+  OOM-killed inside its own cgroup), CPU quota = node.cpus, /dev/shm =
+  half the memory limit (1 GiB without one; $TESTBED_DOCKER_SHM overrides),
+  GPUs through device requests (`--gpus`) when node.gpus > 0.
+- Mounts, so that `testbed run` finds the user's script and the probe finds
+  the testbed package:
+    * the directory `up` ran in (the user's project), at the same path,
+      read-write, and the container's working directory (exec starts there).
+      Like a shared home directory on a real cluster; not mounted when it is
+      "/" or under /proc, /sys, /dev; $TESTBED_DOCKER_MOUNT_CWD=0 turns it off.
+    * the testbed package, read-only, at /opt/testbed/src/testbed, with
+      PYTHONPATH=/opt/testbed/src (the image holds its dependencies).
+    * the testbed's state directory (/run/testbed/NAME), same path,
+      read-write: job logs and results written there are seen by the host.
+    * extra mounts from $TESTBED_DOCKER_MOUNTS ("SRC:DST[:ro],...").
+- labels testbed.owner=testbed, testbed.name, testbed.node, testbed.netns,
+  testbed.state_root: `cleanup_by_label` finds containers of a CLI that died.
+
+The Docker endpoint is $DOCKER_HOST (default unix:///var/run/docker.sock); it
+is recorded with each worker so other shells reach the same daemon. Start a
+private daemon with `scripts/dockerd.sh start`.
+
+Limits: a container restart gives it a new, empty network namespace; the
+old one (with the worker's links) is released when /run/netns is rebound, so
+**links are lost on restart** (the record returned says `links_lost`), and
+the caller must rebuild that worker's links. stop/kill leave the namespace
+and its links in place (held by the bind mount) for a later restart.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import os
+import shlex
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from testbed.errors import CapabilityError, StateError, TestbedError
+from testbed.net import names, netns, state
+from testbed.runtime.base import Runtime
+from testbed.topology.model import Node
+
+DEFAULT_IMAGE = "testbed/worker:latest"
+DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
+OWNER = "testbed"
+PKG_TARGET = "/opt/testbed/src"
+CPU_PERIOD = 100_000
+STOP_TIMEOUT = 5
+_GiB = 1 << 30
+
+
+class DockerUnavailable(CapabilityError):
+    """No Docker daemon answers, or the docker SDK is missing."""
+
+
+def docker_host() -> str:
+    return os.environ.get("DOCKER_HOST") or DEFAULT_DOCKER_HOST
+
+
+def docker_cli() -> str:
+    """Debian's client matches Debian's daemon; fall back to whatever `docker` is on PATH."""
+    if os.access("/usr/bin/docker", os.X_OK):
+        return "/usr/bin/docker"
+    return shutil.which("docker") or "docker"
+
+
+def _hint() -> str:
+    return ("start one with `eval \"$(scripts/dockerd.sh start)\"` (as root; it prints the DOCKER_HOST to "
+            "export), or point DOCKER_HOST at a running daemon")
+
+
+def connect(host: str | None = None, *, timeout: int = 120):
+    """A DockerClient for `host` (default $DOCKER_HOST) that has answered a ping; DockerUnavailable if none."""
+    try:
+        import docker
+    except ImportError as exc:  # pragma: no cover - a dependency of the package
+        raise DockerUnavailable(f"the docker Python SDK is not installed ({exc}): pip install docker") from None
+    host = host or docker_host()
+    try:
+        client = docker.DockerClient(base_url=host, timeout=timeout, max_pool_size=64)
+        client.ping()
+    except Exception as exc:
+        raise DockerUnavailable(f"no Docker daemon answers at {host} ({type(exc).__name__}: {exc}); "
+                                f"{_hint()}") from None
+    return client
+
+
+# -- binding a process's network namespace on /run/netns ---------------------------------------------------
+
+_libc = ctypes.CDLL("libc.so.6", use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
+_MS_BIND = 4096
+
+
+def attach_netns(name: str, pid: int) -> None:
+    """Bind the network namespace of `pid` on /run/netns/NAME (`ip netns attach NAME PID`)."""
+    netns._ensure_run_dir()
+    target = netns.path(name)
+    fd = os.open(target, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
+    os.close(fd)
+    src = f"/proc/{pid}/ns/net".encode()
+    if _libc.mount(src, str(target).encode(), b"none", _MS_BIND, None) != 0:
+        e = ctypes.get_errno()
+        target.unlink(missing_ok=True)
+        raise TestbedError(f"cannot bind the network namespace of pid {pid} on {target}: {os.strerror(e)}")
+
+
+# -- the runtime -----------------------------------------------------------------------------------------------
+
+def _hosts_file(hosts: Mapping[str, str], node: str) -> str:
+    """/etc/hosts text; `hosts` maps name -> address (address -> name is accepted too)."""
+    lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+    for k, v in hosts.items():
+        try:
+            ipaddress.ip_address(str(k).split("/")[0])
+            addr, name = str(k), str(v)
+        except ValueError:
+            addr, name = str(v), str(k)
+        lines.append(f"{addr.split('/')[0]}\t{name}")
+    return "\n".join(lines) + "\n"
+
+
+def _env_file(env: Mapping[str, str]) -> str:
+    return "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items())
+
+
+def _parse_mounts(spec: str) -> list[tuple[str, str, bool]]:
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
+            raise TestbedError(f"TESTBED_DOCKER_MOUNTS: bad entry {item!r} (want SRC:DST[:ro|rw])")
+        out.append((os.path.abspath(parts[0]), parts[1], len(parts) == 3 and parts[2] == "ro"))
+    return out
+
+
+class DockerRuntime(Runtime):
+    kind = "docker"
+
+    def __init__(self, testbed: str, *, host: str | None = None, image: str | None = None,
+                 workdir: str | None = None, gpu_ids: Mapping[str, Sequence[str]] | None = None):
+        super().__init__(testbed)
+        self.host = host or docker_host()
+        self.image = image or os.environ.get("TESTBED_WORKER_IMAGE") or DEFAULT_IMAGE
+        self.workdir = workdir if workdir is not None else os.getcwd()
+        # node -> GPU ids (indices or UUIDs) chosen by the GPU policy; without it `count` GPUs are asked for.
+        self.gpu_ids = dict(gpu_ids or {})
+        self._client = None
+
+    # -- plumbing --------------------------------------------------------------------------------------
+    @property
+    def client(self):
+        if self._client is None:
+            self._client = connect(self.host)
+        return self._client
+
+    def container_name(self, node: str) -> str:
+        return names.netns(self.testbed, node)
+
+    def _get(self, node: str, record: Mapping[str, Any] | None = None):
+        import docker
+
+        ref = (record or {}).get("id") or self.container_name(node)
+        try:
+            return self.client.containers.get(ref)
+        except docker.errors.NotFound:
+            raise StateError(f"worker {node}: container {self.container_name(node)} does not exist") from None
+
+    def labels(self, node: str, netns_name: str) -> dict[str, str]:
+        return {"testbed.owner": OWNER, "testbed.name": self.testbed, "testbed.node": node,
+                "testbed.netns": netns_name, "testbed.state_root": str(state.root())}
+
+    def _mounts(self) -> tuple[list[Any], str | None]:
+        from docker.types import Mount
+
+        import testbed
+
+        mounts = [Mount(f"{PKG_TARGET}/testbed", str(Path(testbed.__file__).resolve().parent),
+                        type="bind", read_only=True)]
+        sdir = state.directory(self.testbed)
+        sdir.mkdir(parents=True, exist_ok=True)
+        mounts.append(Mount(str(sdir), str(sdir), type="bind"))
+        workdir = None
+        cwd = os.path.realpath(self.workdir) if self.workdir else None
+        if (cwd and os.environ.get("TESTBED_DOCKER_MOUNT_CWD", "1") != "0" and cwd != "/"
+                and not cwd.startswith(("/proc", "/sys", "/dev")) and cwd != str(sdir)):
+            mounts.append(Mount(cwd, cwd, type="bind"))
+            workdir = cwd
+        for src, dst, ro in _parse_mounts(os.environ.get("TESTBED_DOCKER_MOUNTS", "")):
+            mounts.append(Mount(dst, src, type="bind", read_only=ro))
+        return mounts, workdir
+
+    def _shm_size(self, node: Node) -> int:
+        if os.environ.get("TESTBED_DOCKER_SHM"):
+            from testbed.topology.units import parse_size
+
+            return int(parse_size(os.environ["TESTBED_DOCKER_SHM"]))
+        if node.memory_bytes:
+            return max(64 << 20, node.memory_bytes // 2)
+        return _GiB
+
+    def _image(self, node: Node) -> str:
+        import docker
+
+        image = node.image or self.image
+        try:
+            self.client.images.get(image)
+        except docker.errors.ImageNotFound:
+            if image == DEFAULT_IMAGE or image.startswith("testbed/"):
+                raise CapabilityError(f"image {image} is not built on the daemon at {self.host}: run `make image` "
+                                      "(images/worker/build.sh)") from None
+            try:
+                self.client.images.pull(image)
+            except docker.errors.APIError as exc:
+                raise CapabilityError(f"image {image} is neither local nor pullable: {exc}") from None
+        return image
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def prepare_netns(self, node: Node, netns_name: str) -> None:
+        import docker
+        from docker.types import DeviceRequest
+
+        cname = self.container_name(node.name)
+        if netns.exists(netns_name):
+            raise StateError(f"namespace {netns_name} already exists (a leftover? try `testbed cleanup`)")
+        image = self._image(node)
+        mounts, workdir = self._mounts()
+        kw: dict[str, Any] = {}
+        if node.memory_bytes:
+            kw.update(mem_limit=int(node.memory_bytes), memswap_limit=int(node.memory_bytes))
+        if node.cpus:
+            kw.update(cpu_period=CPU_PERIOD, cpu_quota=max(1000, int(node.cpus * CPU_PERIOD)))
+        if node.gpus:
+            ids = self.gpu_ids.get(node.name)
+            req = (DeviceRequest(device_ids=[str(i) for i in ids], capabilities=[["gpu"]]) if ids
+                   else DeviceRequest(count=int(node.gpus), capabilities=[["gpu"]]))
+            kw["device_requests"] = [req]
+        env = {"PYTHONPATH": PKG_TARGET, "TESTBED_NAME": self.testbed, "TESTBED_NODE": node.name,
+               "TESTBED_RUNTIME": "docker"}
+        try:
+            c = self.client.containers.run(
+                image, ["sleep", "infinity"], name=cname, hostname=node.name, detach=True, init=True,
+                network_mode="none", labels=self.labels(node.name, netns_name),
+                cap_add=["NET_ADMIN", "SYS_PTRACE"], shm_size=self._shm_size(node), mounts=mounts,
+                working_dir=workdir, environment=env, stop_signal="SIGTERM", **kw)
+        except docker.errors.APIError as exc:
+            if exc.status_code == 409:
+                raise StateError(f"container {cname} already exists (a leftover? try `testbed cleanup`); "
+                                 "refusing to adopt it") from None
+            raise TestbedError(f"worker {node.name}: docker could not start {cname}: {exc.explanation or exc}") \
+                from None
+        try:
+            c.reload()
+            pid = int(c.attrs["State"]["Pid"])
+            if not pid:
+                raise TestbedError(f"worker {node.name}: container {cname} is not running "
+                                   f"({c.attrs['State'].get('Status')}: {c.attrs['State'].get('Error')})")
+            attach_netns(netns_name, pid)
+        except BaseException:
+            with _suppress():
+                c.remove(force=True)
+            raise
+
+    def prepare_many(self, items: Iterable[tuple[Node, str]], *, parallel: int = 16) -> None:
+        """prepare_netns for many workers at once (container starts overlap; ~N times faster)."""
+        items = list(items)
+        with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(items) or 1))) as ex:
+            futures = [ex.submit(self.prepare_netns, n, ns) for n, ns in items]
+            errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise errors[0]
+
+    def _write_files(self, c: Any, node: str, hosts: Mapping[str, str], env: Mapping[str, str]) -> None:
+        script = ('printf "%s" "$1" > /etc/hosts && mkdir -p /etc/testbed && printf "%s" "$2" > /etc/testbed/env '
+                  '&& ln -sf /etc/testbed/env /etc/profile.d/testbed.sh')
+        res = c.exec_run(["/bin/sh", "-c", script, "sh", _hosts_file(hosts, node), _env_file(env)], user="0")
+        if res.exit_code != 0:
+            raise TestbedError(f"worker {node}: writing /etc/hosts failed: {res.output.decode(errors='replace')}")
+
+    def start(self, node: Node, netns_name: str, env: Mapping[str, str], hosts: Mapping[str, str]) -> dict[str, Any]:
+        c = self._get(node.name)
+        self._write_files(c, node.name, hosts, env)
+        c.reload()
+        return {"id": c.id, "pid": int(c.attrs["State"]["Pid"]), "container": c.name, "netns": netns_name,
+                "docker_host": self.host, "env": dict(env), "hosts": dict(hosts)}
+
+    def remove(self, node: str, record: Mapping[str, Any]) -> None:
+        import docker
+
+        ref = record.get("id") or record.get("container") or self.container_name(node)
+        for r in dict.fromkeys([ref, self.container_name(node)]):
+            try:
+                self.client.containers.get(r).remove(force=True, v=True)
+            except docker.errors.NotFound:
+                pass
+        netns.delete(record.get("netns") or names.netns(self.testbed, node))
+
+    # -- reaching a worker -----------------------------------------------------------------------------
+    def exec_argv(self, node: str, record: Mapping[str, Any], argv: Sequence[str], *,
+                  env: Mapping[str, str] | None = None, tty: bool = False, workdir: str | None = None) -> list[str]:
+        host = record.get("docker_host") or self.host
+        cmd = [docker_cli(), "-H", host, "exec", "-i"]
+        if tty:
+            cmd.append("-t")
+        if workdir:
+            cmd += ["-w", workdir]
+        for k, v in {**(record.get("env") or {}), **(env or {})}.items():
+            cmd += ["-e", f"{k}={v}"]
+        return cmd + [record.get("container") or self.container_name(node), *argv]
+
+    def pid(self, node: str, record: Mapping[str, Any]) -> int | None:
+        try:
+            c = self._get(node, record)
+        except (StateError, DockerUnavailable):
+            return None
+        st = c.attrs.get("State", {})
+        return int(st["Pid"]) if st.get("Running") and st.get("Pid") else None
+
+    def alive(self, node: str, record: Mapping[str, Any]) -> bool:
+        return self.pid(node, record) is not None
+
+    # -- control ---------------------------------------------------------------------------------------
+    def stop(self, node: str, record: Mapping[str, Any]) -> None:
+        """Stop the worker (SIGTERM, SIGKILL after 5 s). Its namespace and links stay, unused."""
+        self._get(node, record).stop(timeout=STOP_TIMEOUT)
+
+    def kill(self, node: str, record: Mapping[str, Any]) -> None:
+        """SIGKILL every process of the worker (a crashed server)."""
+        import docker
+
+        try:
+            self._get(node, record).kill()
+        except docker.errors.APIError as exc:
+            if exc.status_code != 409:  # 409: not running
+                raise
+
+    def pause(self, node: str, record: Mapping[str, Any]) -> None:
+        """Freeze every process of the worker (cgroup freezer): a hung server."""
+        self._get(node, record).pause()
+
+    def resume(self, node: str, record: Mapping[str, Any]) -> None:
+        self._get(node, record).unpause()
+
+    def restart(self, node: str, record: Mapping[str, Any]) -> dict[str, Any]:
+        """Restart the container. Its new network namespace is empty: links are lost (see links_lost)."""
+        c = self._get(node, record)
+        c.restart(timeout=STOP_TIMEOUT)
+        c.reload()
+        pid = int(c.attrs["State"]["Pid"])
+        name = record.get("netns") or names.netns(self.testbed, node)
+        netns.delete(name)
+        attach_netns(name, pid)
+        self._write_files(c, node, record.get("hosts") or {}, record.get("env") or {})
+        return {**record, "id": c.id, "pid": pid, "links_lost": True}
+
+    def set_limits(self, node: str, record: Mapping[str, Any], *, cpus: float | None = None,
+                   memory_bytes: int | None = None) -> None:
+        kw: dict[str, Any] = {}
+        if cpus is not None:
+            kw.update(cpu_period=CPU_PERIOD, cpu_quota=max(1000, int(cpus * CPU_PERIOD)) if cpus > 0 else -1)
+        if memory_bytes is not None:
+            kw.update(mem_limit=int(memory_bytes), memswap_limit=int(memory_bytes))
+        if kw:
+            self._get(node, record).update(**kw)
+
+    # -- cleanup ---------------------------------------------------------------------------------------
+    def cleanup_by_label(self, testbed: str | None = None, *, any_state_root: bool = False) -> list[str]:
+        """Remove containers (and their /run/netns binds) labelled ours: this testbed's, or with
+        testbed=None every testbed's of this state root. Returns the container names removed."""
+        return cleanup_by_label(testbed if testbed is not None else self.testbed, host=self.host,
+                                any_state_root=any_state_root)
+
+
+class _suppress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return True
+
+
+def list_containers(testbed: str | None = None, *, host: str | None = None, any_state_root: bool = False,
+                    client: Any = None) -> list[Any]:
+    """Our containers (label testbed.owner=testbed), of one testbed or all, of this state root by default."""
+    client = client or connect(host)
+    filters = [f"testbed.owner={OWNER}"]
+    if testbed:
+        filters.append(f"testbed.name={testbed}")
+    if not any_state_root:
+        filters.append(f"testbed.state_root={state.root()}")
+    return client.containers.list(all=True, filters={"label": filters})
+
+
+def cleanup_by_label(testbed: str | None = None, *, host: str | None = None,
+                     any_state_root: bool = False) -> list[str]:
+    """Force-remove our containers (see list_containers) and unbind their namespaces. For `testbed cleanup`."""
+    import docker
+
+    client = connect(host)
+    removed = []
+    for c in list_containers(testbed, client=client, any_state_root=any_state_root):
+        ns = c.labels.get("testbed.netns")
+        try:
+            c.remove(force=True, v=True)
+        except docker.errors.NotFound:
+            pass
+        if ns and ns.startswith(names.PREFIX):
+            netns.delete(ns)
+        removed.append(c.name)
+    return removed
+
+
+def daemon_available(host: str | None = None) -> bool:
+    try:
+        connect(host, timeout=5)
+        return True
+    except DockerUnavailable:
+        return False
+
+
+def image_available(image: str = DEFAULT_IMAGE, host: str | None = None) -> bool:
+    try:
+        connect(host, timeout=5).images.get(image)
+        return True
+    except Exception:
+        return False
+
+
+__all__ = ["DockerRuntime", "DockerUnavailable", "attach_netns", "cleanup_by_label", "connect",
+           "daemon_available", "docker_cli", "docker_host", "image_available", "list_containers"]
