@@ -1,0 +1,485 @@
+"""The embedded default runtime: a worker is a set of namespaces, no daemon.
+
+Each worker has its own network namespace (tb-NAME-NODE, made by
+prepare_netns, filled by the data plane), and a long-lived init process in
+new mount, UTS, PID and IPC namespaces:
+
+- hostname = the node's name; /etc/hosts lists every worker by name (and
+  /etc/hostname says its name): both bind-mounted from files under
+  /run/testbed/NAME/workers/NODE/;
+- a private /tmp and /dev/shm (tmpfs), its own /proc (its own PID space: it
+  sees only its processes) and its own /sys (it sees only its interfaces);
+- everything else is the host's filesystem, shared as in Mininet, so the
+  project's venv and the user's code are there at the same paths. Host mounts
+  propagate into workers (rslave), never the other way round;
+- cpu and memory limits from the topology through a cgroup
+  testbed/NAME/NODE (testbed/runtime/cgroups.py), which the init and every
+  process started with exec/attach join;
+- the init is PID 1 of the worker: it reaps orphans, and on SIGTERM ends the
+  worker's processes and exits. It runs in its own session, so it survives
+  the CLI that started it; `down` (remove) stops it.
+
+Reaching a worker is `nsenter -t <init pid> -a` (exec_argv), preceded by
+joining the worker's cgroup and followed by `env` with the worker's
+variables (env.py, GPU variables): processes get the caller's environment
+plus the worker's.
+
+With MPS (CUDA_MPS_PIPE_DIRECTORY in the worker env) a worker keeps the
+host's IPC namespace and /dev/shm: MPS clients talk to the server through them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from testbed.errors import CapabilityError, StateError, TestbedError
+from testbed.net import netns as netns_mod
+from testbed.net import state
+from testbed.runtime import cgroups
+from testbed.runtime.base import Runtime
+from testbed.runtime.env import log_dir
+from testbed.topology.model import Node
+
+START_TIMEOUT_S = 15.0
+STOP_GRACE_S = 3.0
+
+# The worker's init, run as `python -S -c <exec $TESTBED_INIT> testbed-init NODE`
+# (script and config in its environment, so that ps shows a short command). It is a script and
+# not a module so that it needs nothing but the standard library (no site, no
+# venv): stage A joins the cgroup and the network namespace, unshares the
+# others and forks stage B, PID 1 of the new PID namespace; A reports B's host
+# PID on stdout and exits. B builds the mount namespace, reports "ok" (or
+# "error ...") and becomes the init loop.
+_INIT = r'''
+import ctypes, json, os, signal, sys, time
+cfg = json.loads(os.environ.pop("TESTBED_INIT_CONFIG"))
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+NEWNS, NEWUTS, NEWIPC, NEWPID, NEWNET = 0x20000, 0x04000000, 0x08000000, 0x20000000, 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_SLAVE = 2, 4, 8, 4096, 16384, 1 << 19
+def say(msg):
+    os.write(1, (msg + "\n").encode())
+def chk(rc, what):
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, "%s: %s" % (what, os.strerror(e)))
+def mount(src, dst, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    chk(libc.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)), "mount %s on %s" % (fstype or src, dst))
+try:
+    for f in cfg["cgroup_procs"]:
+        with open(f, "w") as fh:
+            fh.write(str(os.getpid()))
+    fd = os.open(cfg["netns"], os.O_RDONLY)
+    chk(libc.setns(fd, NEWNET), "setns " + cfg["netns"])
+    os.close(fd)
+    chk(libc.unshare(NEWNS | NEWUTS | NEWPID | (0 if cfg["share_ipc"] else NEWIPC)), "unshare")
+    pid = os.fork()
+except Exception as exc:
+    say("error %s" % exc)
+    os._exit(1)
+if pid:
+    say("pid %d" % pid)
+    os._exit(0)
+try:
+    os.setsid()
+    mount(None, "/", None, MS_REC | MS_SLAVE)
+    # the state dir may be under /tmp (tests): use its files before /tmp is replaced
+    logfd = os.open(cfg["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for src, dst in cfg["binds"]:
+        if os.path.isfile(dst):
+            mount(src, dst, None, MS_BIND)
+    cg = None
+    if os.path.isdir("/sys/fs/cgroup"):
+        cg = os.open("/sys/fs/cgroup", os.O_RDONLY | os.O_DIRECTORY)
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if cg is not None:
+        try:
+            mount("/proc/self/fd/%d" % cg, "/sys/fs/cgroup", None, MS_BIND | MS_REC)
+        except OSError:
+            pass
+        os.close(cg)
+    # host dirs the worker must keep seeing though they are under /tmp (a state dir there, in tests)
+    keep = [(k, os.open(k, os.O_RDONLY | os.O_DIRECTORY)) for k in cfg["keep"]
+            if k.startswith("/tmp/") and os.path.isdir(k)]
+    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    for k, kfd in keep:
+        os.makedirs(k, exist_ok=True)
+        mount("/proc/self/fd/%d" % kfd, k, None, MS_BIND | MS_REC)
+        os.close(kfd)
+    if not cfg["share_ipc"]:
+        if os.path.isdir("/dev/shm"):
+            mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+        if os.path.isdir("/dev/mqueue"):
+            try:
+                mount("mqueue", "/dev/mqueue", "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            except OSError:
+                pass
+    host = cfg["hostname"].encode()
+    chk(libc.sethostname(host, len(host)), "sethostname")
+    try:    # the OOM killer of a worker's memory cgroup must pick its hog, not its init
+        with open("/proc/self/oom_score_adj", "w") as fh:
+            fh.write("-1000")
+    except OSError:
+        pass    # no CAP_SYS_RESOURCE (a container): the init is small and rarely picked
+    os.chdir("/")
+except Exception as exc:
+    say("error %s" % exc)
+    os._exit(1)
+say("ok")
+nul = os.open("/dev/null", os.O_RDONLY)
+os.dup2(nul, 0)
+os.dup2(logfd, 1)
+os.dup2(logfd, 2)
+os.close(logfd)
+os.close(nul)
+SIGS = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+signal.pthread_sigmask(signal.SIG_BLOCK, SIGS)
+def reap():
+    while True:
+        try:
+            p, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if p == 0:
+            return
+def others():
+    try:
+        os.kill(-1, 0)
+        return True
+    except ProcessLookupError:
+        return False
+while True:
+    s = signal.sigwait(SIGS)
+    if s == signal.SIGCHLD:
+        reap()
+    elif s in (signal.SIGTERM, signal.SIGINT):
+        break
+try:
+    os.kill(-1, signal.SIGTERM)
+except ProcessLookupError:
+    pass
+deadline = time.monotonic() + float(cfg["grace"])
+while time.monotonic() < deadline:
+    reap()
+    if not others():
+        break
+    time.sleep(0.01)
+try:
+    os.kill(-1, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+os._exit(0)
+'''
+_BOOT = "import os; exec(os.environ.pop('TESTBED_INIT'))"
+
+
+def _starttime(pid: int) -> int | None:
+    """The start time (clock ticks since boot) of a process: with the PID, it names one process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] == "Z":
+            return None
+        return int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def hosts_text(testbed: str, node: str, hosts: Mapping[str, Any]) -> str:
+    """The /etc/hosts of a worker: localhost, then every worker by name (its own name included)."""
+    lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
+             f"# testbed {testbed}: its workers"]
+    for name, addrs in hosts.items():
+        if isinstance(addrs, str):
+            addrs = [addrs]
+        for a in addrs:
+            lines.append(f"{a}\t{name}")
+    if node not in hosts:
+        lines.append(f"127.0.1.1\t{node}")
+    return "\n".join(lines) + "\n"
+
+
+class NetnsRuntime(Runtime):
+    kind = "netns"
+
+    def __init__(self, testbed: str):
+        super().__init__(testbed)
+
+    # -- paths -----------------------------------------------------------------
+    def worker_dir(self, node: str) -> Path:
+        return state.directory(self.testbed) / "workers" / node
+
+    def log_dir(self, node: str) -> Path:
+        return log_dir(self.testbed, node)
+
+    # -- lifecycle -------------------------------------------------------------
+    def prepare_netns(self, node: Node, netns: str) -> None:
+        if not netns_mod.exists(netns):
+            netns_mod.create(netns)
+
+    def start(self, node: Node, netns: str, env: Mapping[str, str], hosts: Mapping[str, str]) -> dict[str, Any]:
+        return self.start_many([(node, netns, env, hosts)])[0]
+
+    def start_many(self, workers: Sequence[tuple[Node, str, Mapping[str, str], Mapping[str, Any]]]) -> list[dict[str, Any]]:
+        """start() for many workers at once (their inits start concurrently); records in order.
+
+        If one fails, the ones started here are removed again and the error raised.
+        """
+        launched: list[tuple[Node, dict[str, Any], subprocess.Popen | None]] = []
+        try:
+            for node, netns, env, hosts in workers:
+                rec, proc = self._launch(node, netns, env, hosts_text(self.testbed, node.name, hosts))
+                launched.append((node, rec, proc))
+            errors = []
+            for node, rec, proc in launched:
+                try:
+                    self._collect(node.name, rec, proc)
+                except TestbedError as exc:
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+        except BaseException:
+            self.remove_many([(node.name, rec) for node, rec, _ in launched])
+            raise
+        return [rec for _, rec, _ in launched]
+
+    def _launch(self, node: Node, netns: str, env: Mapping[str, str], hosts: str) -> tuple[dict[str, Any], subprocess.Popen]:
+        nspath = netns_mod.path(netns)
+        if not nspath.exists():
+            raise StateError(f"network namespace {netns} of worker {node.name} does not exist")
+        wdir = self.worker_dir(node.name)
+        (wdir / "etc").mkdir(parents=True, exist_ok=True)
+        ldir = self.log_dir(node.name)
+        ldir.mkdir(parents=True, exist_ok=True)
+        (wdir / "etc" / "hosts").write_text(hosts)
+        (wdir / "etc" / "hostname").write_text(node.name + "\n")
+        share_ipc = "CUDA_MPS_PIPE_DIRECTORY" in env
+        cg = cgroups.create(self.testbed, node.name, cpus=node.cpus, memory_bytes=node.memory_bytes)
+        rec: dict[str, Any] = {
+            "runtime": self.kind, "pid": None, "starttime": None, "netns": netns, "cgroups": cg,
+            "dir": str(wdir), "log_dir": str(ldir), "share_ipc": share_ipc,
+            # who and where the worker is, whatever else the caller's env says
+            "env": {"TESTBED_NAME": self.testbed, "TESTBED_NODE": node.name, "TESTBED_LOG_DIR": str(ldir), **env},
+            "node": node.to_json(),
+        }
+        cfg = {
+            "netns": str(nspath), "cgroup_procs": cgroups.cgroup_procs_files(cg), "hostname": node.name,
+            "share_ipc": share_ipc, "log": str(ldir / "init.log"), "grace": STOP_GRACE_S,
+            "keep": [str(state.directory(self.testbed))],
+            "binds": [[str(wdir / "etc" / "hosts"), "/etc/hosts"], [str(wdir / "etc" / "hostname"), "/etc/hostname"]],
+        }
+        with open(ldir / "init.log", "ab") as err:
+            try:
+                ienv = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "TESTBED_INIT": _INIT,
+                        "TESTBED_INIT_CONFIG": json.dumps(cfg)}
+                proc = subprocess.Popen([sys.executable, "-S", "-c", _BOOT, "testbed-init", node.name],
+                                        env=ienv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
+                                        start_new_session=True, close_fds=True)
+            except OSError as exc:
+                cgroups.remove(cg)
+                raise CapabilityError(f"cannot start the init of worker {node.name}: {exc}") from None
+        return rec, proc
+
+    def _collect(self, node: str, rec: dict[str, Any], proc: subprocess.Popen) -> None:
+        try:
+            out, _ = proc.communicate(timeout=START_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            raise TestbedError(f"worker {node}: its init did not start within {START_TIMEOUT_S:.0f} s") from None
+        pid, error = None, None
+        for line in out.decode(errors="replace").splitlines():
+            if line.startswith("pid "):
+                pid = int(line.split()[1])
+                rec["pid"] = pid
+                rec["starttime"] = _starttime(pid)
+            elif line.startswith("error "):
+                error = line[6:]
+        ok = "ok" in out.decode(errors="replace").split()
+        if error or not ok or pid is None:
+            why = error or f"its init exited (status {proc.returncode}); see {rec['log_dir']}/init.log"
+            raise CapabilityError(f"cannot start worker {node}: {why}")
+
+    def remove(self, node: str, record: Mapping[str, Any]) -> None:
+        self.remove_many([(node, record)])
+
+    def remove_many(self, workers: Iterable[tuple[str, Mapping[str, Any]]]) -> None:
+        """remove() for many workers at once: all inits are asked to stop, then awaited."""
+        workers = list(workers)
+        alive = []
+        for node, rec in workers:
+            pid = self.pid(node, rec)
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                    alive.append((pid, rec.get("starttime")))
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + STOP_GRACE_S + 1.0
+        while alive and time.monotonic() < deadline:
+            alive = [(p, st) for p, st in alive if _starttime(p) == st]
+            if alive:
+                time.sleep(0.005)
+        for p, st in alive:
+            if _starttime(p) == st:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        first_error: Exception | None = None
+        for node, rec in workers:
+            try:
+                cgroups.remove(rec.get("cgroups") or [])
+            except OSError as exc:
+                first_error = first_error or exc
+            if rec.get("dir"):
+                shutil.rmtree(rec["dir"], ignore_errors=True)
+        wroot = state.directory(self.testbed) / "workers"
+        try:
+            wroot.rmdir()
+        except OSError:
+            pass
+        if first_error:
+            raise TestbedError(f"could not remove a worker's cgroup: {first_error}")
+
+    # -- reaching a worker -----------------------------------------------------
+    def pid(self, node: str, record: Mapping[str, Any]) -> int | None:
+        pid = record.get("pid")
+        if not pid:
+            return None
+        st = _starttime(int(pid))
+        if st is None or (record.get("starttime") is not None and st != record.get("starttime")):
+            return None
+        return int(pid)
+
+    def _require_pid(self, node: str, record: Mapping[str, Any]) -> int:
+        pid = self.pid(node, record)
+        if pid is None:
+            raise StateError(f"worker {node} of testbed {self.testbed} is not running")
+        return pid
+
+    def exec_argv(self, node: str, record: Mapping[str, Any], argv: Sequence[str], *,
+                  env: Mapping[str, str] | None = None, tty: bool = False, workdir: str | None = None) -> list[str]:
+        pid = self._require_pid(node, record)
+        if not argv:
+            raise TestbedError("nothing to run")
+        variables = {"HOSTNAME": node, **(record.get("env") or {}), **(env or {})}
+        inner = ["env", *(f"{k}={v}" for k, v in variables.items())]
+        if workdir:
+            inner += ["/bin/sh", "-c", 'cd "$0" && exec "$@"', workdir]
+        try:
+            here = os.getcwd()
+        except OSError:
+            here = "/"
+        cmd = ["nsenter", "-t", str(pid), "-a", f"--wd={here}", "--", *inner, *argv]
+        procs = cgroups.cgroup_procs_files(record.get("cgroups") or [])
+        if procs:
+            join = "; ".join(f"echo $$ > {shlex.quote(p)}" for p in procs)
+            cmd = ["/bin/sh", "-c", f'{join} || exit 125; exec "$@"', "testbed-exec", *cmd]
+        return cmd
+
+    def attach(self, node: str, record: Mapping[str, Any]) -> int:
+        rc = self.worker_dir(node) / "attachrc"
+        rc.parent.mkdir(parents=True, exist_ok=True)
+        rc.write_text(
+            "[ -f /etc/bash.bashrc ] && . /etc/bash.bashrc\n"
+            "[ -f ~/.bashrc ] && . ~/.bashrc\n"
+            f"PS1='[{self.testbed}] \\u@\\h:\\w\\$ '\n"
+        )
+        if Path("/bin/bash").exists():
+            argv = ["/bin/bash", "--rcfile", str(rc), "-i"]
+        else:
+            argv = ["/bin/sh", "-i"]
+        return self.exec(node, record, argv, tty=True)
+
+    # -- control -----------------------------------------------------------------
+    def processes(self, node: str, record: Mapping[str, Any]) -> list[int]:
+        """Host PIDs of every process in the worker (its PID namespace), the init first."""
+        pid = self.pid(node, record)
+        if pid is None:
+            return []
+        return pids_in_pidns(pid)
+
+    def stop(self, node: str, record: Mapping[str, Any]) -> None:
+        """Freeze every process of the worker (a hung node); cont() thaws it."""
+        self._require_pid(node, record)
+        if not cgroups.freeze(record.get("cgroups") or [], True):
+            for p in self.processes(node, record)[1:]:
+                _signal(p, signal.SIGSTOP)
+
+    def cont(self, node: str, record: Mapping[str, Any]) -> None:
+        if not cgroups.freeze(record.get("cgroups") or [], False):
+            for p in self.processes(node, record)[1:]:
+                _signal(p, signal.SIGCONT)
+
+    def kill(self, node: str, record: Mapping[str, Any]) -> None:
+        """The node crashes: its init and every process in it die at once (its network stays)."""
+        pid = self.pid(node, record)
+        if pid is None:
+            return
+        cgroups.freeze(record.get("cgroups") or [], False)
+        _signal(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while _starttime(pid) == record.get("starttime") and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def restart(self, node: str, record: Mapping[str, Any]) -> dict[str, Any]:
+        """Kill the worker if it runs and start it again (same namespace, env, hosts, limits)."""
+        self.kill(node, record)
+        cgroups.remove(record.get("cgroups") or [])
+        n = Node.from_json(record["node"])
+        hosts = (Path(record["dir"]) / "etc" / "hosts").read_text()
+        rec, proc = self._launch(n, record["netns"], record.get("env") or {}, hosts)
+        try:
+            self._collect(node, rec, proc)
+        except BaseException:
+            self.remove(node, rec)
+            raise
+        return rec
+
+    def set_limits(self, node: str, record: Mapping[str, Any], *, cpus: float | None = None,
+                   memory_bytes: int | None = None) -> None:
+        paths = record.get("cgroups") or []
+        if not paths:
+            raise CapabilityError(f"worker {node} has no cgroup: limits cannot be changed")
+        cgroups.set_limits(paths, cpus=cpus, memory_bytes=memory_bytes)
+
+    def cpu_usage_s(self, node: str, record: Mapping[str, Any]) -> float | None:
+        return cgroups.cpu_usage_s(record.get("cgroups") or [])
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _ns_inode(pid: int, kind: str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
+    except OSError:
+        return None
+
+
+def pids_in_pidns(init_pid: int) -> list[int]:
+    """Host PIDs of the processes in the PID namespace whose init is init_pid (init first)."""
+    target = _ns_inode(init_pid, "pid")
+    if target is None:
+        return []
+    out = [init_pid]
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != init_pid and _ns_inode(int(entry), "pid") == target:
+            out.append(int(entry))
+    return out
