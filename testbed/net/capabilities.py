@@ -1,0 +1,392 @@
+"""What this machine's kernel and userland can do, probed for real.
+
+`probe()` creates a temporary namespace (tb-probe-<pid>), adds a veth pair in
+it and tries each qdisc/classifier through netlink, catching the kernel's
+refusal; the namespace is removed afterwards. The result is cached for the
+process. It also measures the latency floor: the one-way delay of an
+unshaped hop (worker namespace -> veth -> bridge in a switch namespace),
+below which asking for a delay is meaningless (shaping gives such links no
+delay element at all).
+
+Nothing here changes the root namespace.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+CLONE_NEWNET = 0x40000000
+NETNS_RUN_DIR = "/run/netns"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+# -- running code inside a namespace ----------------------------------------------
+
+def run_in_netns(ns: str | None, fn: Callable[[], T]) -> T:
+    """Run fn() in a short-lived thread that has entered network namespace `ns`.
+
+    setns(2) acts on the calling thread only, so the caller's own namespace is
+    never changed (the builder may itself be sitting in a node's namespace).
+    Sockets and TUN devices opened by fn belong to `ns`. ns None: the
+    namespace of the calling process's main thread is not assumed; fn runs in
+    whatever namespace a fresh thread inherits (the process's).
+    """
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            if ns is not None:
+                fd = os.open(os.path.join(NETNS_RUN_DIR, ns), os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    if _libc.setns(fd, CLONE_NEWNET) != 0:
+                        err = ctypes.get_errno()
+                        raise OSError(err, f"setns into {ns}: {os.strerror(err)}")
+                finally:
+                    os.close(fd)
+            result["value"] = fn()
+        except BaseException as exc:  # handed back to the caller's thread
+            result["error"] = exc
+
+    t = threading.Thread(target=target, name=f"netns-{ns}", daemon=True)
+    t.start()
+    t.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+# -- the result ------------------------------------------------------------------
+
+@dataclass
+class Capabilities:
+    netem: bool = False          # sch_netem: delay, jitter, loss in the kernel
+    htb: bool = False            # sch_htb: bandwidth
+    tbf: bool = False            # sch_tbf
+    bpf: bool = False            # clsact + cls_bpf (direct action) + bpf(2): loss without netem
+    gact_random: bool = False    # act_gact with a random verdict (CONFIG_GACT_PROB)
+    nftables: bool = False       # nft works inside a namespace
+    tun: bool = False            # /dev/net/tun, TAP with IFF_VNET_HDR: the userspace delay line
+    ifb: bool = False            # ifb devices (ingress shaping)
+    docker: bool = False         # a Docker daemon answers
+    gpus: list[str] = field(default_factory=list)
+    cgroup: str = "none"         # "v1" | "v2" | "hybrid" | "none"
+    latency_floor_s: float | None = None   # one-way, unshaped hop; None when not measured
+    is_root: bool = False
+    kernel: str = ""
+    notes: dict[str, str] = field(default_factory=dict)   # why a probe failed
+
+    @property
+    def delay_line(self) -> bool:
+        """Delay/jitter can be emulated without netem (userspace delay line over TAPs)."""
+        return self.tun
+
+    @property
+    def can_delay(self) -> bool:
+        return self.netem or self.tun
+
+    @property
+    def can_lose(self) -> bool:
+        return self.netem or self.bpf
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["delay_line"] = self.delay_line
+        return d
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Capabilities":
+        names = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def rows(self) -> list[tuple[str, bool, str]]:
+        """(capability, found, what it enables / what to install) for `testbed doctor`."""
+        floor = ("not measured" if self.latency_floor_s is None
+                 else f"{self.latency_floor_s * 1e6:.0f} us one-way")
+        gpu_text = (", ".join(self.gpus) if self.gpus else "no NVIDIA GPU (nvidia-smi -L found none): CPU/gloo only")
+        return [
+            ("root", self.is_root, "namespaces and tc need root: run with sudo"),
+            ("htb", self.htb, "link bandwidth (sch_htb; CONFIG_NET_SCH_HTB)"),
+            ("netem", self.netem,
+             "delay, jitter and loss in the kernel (sch_netem; CONFIG_NET_SCH_NETEM, "
+             "package linux-modules-extra on Ubuntu)" if not self.netem else
+             "delay, jitter and loss in the kernel (sch_netem)"),
+            ("tun", self.tun, "userspace delay line when netem is missing (/dev/net/tun, TAP + IFF_VNET_HDR)"),
+            ("bpf", self.bpf, "loss without netem (clsact + cls_bpf; CONFIG_NET_CLS_BPF, CONFIG_BPF_SYSCALL)"),
+            ("gact_random", self.gact_random, "alternative loss action (CONFIG_GACT_PROB); not required"),
+            ("tbf", self.tbf, "token bucket (sch_tbf); not required"),
+            ("ifb", self.ifb, "ingress shaping through IFB; not required"),
+            ("nftables", self.nftables, "packet filters inside namespaces (nft); not required"),
+            ("docker", self.docker, "the docker runtime (a daemon at DOCKER_HOST or /var/run/docker.sock)"),
+            ("gpus", bool(self.gpus), gpu_text),
+            ("cgroup", self.cgroup != "none", f"cgroup {self.cgroup}: worker CPU/memory limits"),
+            ("latency_floor", self.latency_floor_s is not None,
+             f"{floor}: delays at or below it get no delay element"),
+        ]
+
+
+_CACHE: Capabilities | None = None
+_LOCK = threading.Lock()
+
+
+def probe(measure_floor: bool = True, refresh: bool = False) -> Capabilities:
+    """Probe once per process (cached). measure_floor adds ~0.3 s (two namespaces and a ping)."""
+    global _CACHE
+    with _LOCK:
+        if _CACHE is None or refresh:
+            _CACHE = _probe_all()
+        if measure_floor and _CACHE.latency_floor_s is None and _CACHE.is_root:
+            try:
+                _CACHE.latency_floor_s = measure_latency_floor()
+            except Exception as exc:  # a floor we cannot measure is not fatal
+                _CACHE.notes["latency_floor"] = str(exc)
+        return _CACHE
+
+
+def capabilities() -> Capabilities:
+    """The cached probe (with the latency floor)."""
+    return probe(measure_floor=True)
+
+
+# -- the probes --------------------------------------------------------------------
+
+def _probe_all() -> Capabilities:
+    caps = Capabilities(is_root=os.geteuid() == 0, kernel=os.uname().release)
+    caps.cgroup = _cgroup_mode()
+    caps.gpus = _gpus()
+    caps.docker = _docker_answers()
+    if caps.is_root:
+        try:
+            _probe_kernel(caps)
+        except Exception as exc:
+            caps.notes["kernel"] = f"kernel probe failed: {exc}"
+    else:
+        caps.notes["kernel"] = "not root: kernel features not probed"
+    return caps
+
+
+def _probe_ns_name(suffix: str = "") -> str:
+    return f"tb-probe-{os.getpid()}{suffix}"
+
+
+def _probe_kernel(caps: Capabilities) -> None:
+    from pyroute2 import IPRoute, netns
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    ns = _probe_ns_name()
+    netns.create(ns)
+    try:
+        def work() -> None:
+            with IPRoute() as ipr:
+                ipr.link("add", ifname="tbp0", kind="veth", peer={"ifname": "tbp1"})
+                idx = ipr.link_lookup(ifname="tbp0")[0]
+                ipr.link("set", index=idx, state="up")
+
+                def attempt(name: str, fn: Callable[[], Any]) -> bool:
+                    try:
+                        fn()
+                        return True
+                    except NetlinkError as exc:
+                        caps.notes[name] = f"netlink error {exc.code}: {os.strerror(exc.code)}"
+                        return False
+                    except Exception as exc:
+                        caps.notes[name] = str(exc)
+                        return False
+
+                def root_qdisc(kind: str, **kw: Any) -> Callable[[], None]:
+                    def fn() -> None:
+                        ipr.tc("add", kind, idx, 0x10000, **kw)
+                        ipr.tc("del", index=idx, handle=0x10000, parent=0xFFFFFFFF)
+                    return fn
+
+                caps.netem = attempt("netem", root_qdisc("netem", delay=1000))
+                caps.htb = attempt("htb", root_qdisc("htb", default=1))
+                caps.tbf = attempt("tbf", root_qdisc("tbf", rate="1mbit", burst=10000, latency=50000))
+
+                def bpf() -> None:
+                    from testbed.net import shaping
+                    shaping._install_loss_filter(ipr, idx, 0.5)
+                    shaping._remove_loss_filter(ipr, idx)
+                caps.bpf = attempt("bpf", bpf)
+                try:
+                    caps.ifb = attempt("ifb", lambda: ipr.link("add", ifname="tbpifb", kind="ifb"))
+                except Exception:
+                    caps.ifb = False
+
+        run_in_netns(ns, work)
+        caps.tun = _probe_tun(ns, caps)
+        caps.gact_random = _probe_gact_random(ns, caps)
+        caps.nftables = _probe_nft(ns, caps)
+    finally:
+        try:
+            netns.remove(ns)
+        except Exception:
+            pass
+
+
+def _probe_tun(ns: str, caps: Capabilities) -> bool:
+    from testbed.net import delayline
+
+    def work() -> bool:
+        fd = delayline.open_tap("tbptap0")
+        os.close(fd)
+        return True
+
+    try:
+        return run_in_netns(ns, work)
+    except Exception as exc:
+        caps.notes["tun"] = str(exc)
+        return False
+
+
+def _probe_gact_random(ns: str, caps: Capabilities) -> bool:
+    # tc CLI as a last resort: pyroute2 0.9.7 cannot encode TCA_GACT_PROB, and
+    # this probe only informs `doctor` (loss without netem uses cls_bpf).
+    if not shutil.which("tc"):
+        caps.notes["gact_random"] = "tc not installed"
+        return False
+    cmds = [
+        ["tc", "qdisc", "add", "dev", "tbp0", "clsact"],
+        ["tc", "filter", "add", "dev", "tbp0", "egress", "protocol", "all", "prio", "1", "u32",
+         "match", "u32", "0", "0", "action", "gact", "ok", "random", "netrand", "drop", "10"],
+    ]
+    for cmd in cmds:
+        r = subprocess.run(["ip", "netns", "exec", ns, *cmd], capture_output=True, text=True, timeout=10)
+        if r.returncode != 0:
+            caps.notes["gact_random"] = (r.stderr or r.stdout).strip()
+            return False
+    return True
+
+
+def _probe_nft(ns: str, caps: Capabilities) -> bool:
+    if not shutil.which("nft"):
+        caps.notes["nftables"] = "nft not installed"
+        return False
+    r = subprocess.run(["ip", "netns", "exec", ns, "nft", "add", "table", "inet", "tbprobe"],
+                       capture_output=True, text=True, timeout=10)
+    if r.returncode != 0:
+        caps.notes["nftables"] = r.stderr.strip()
+    return r.returncode == 0
+
+
+def _cgroup_mode() -> str:
+    try:
+        mounts = [line.split() for line in open("/proc/mounts")]
+    except OSError:
+        return "none"
+    v1 = any(m[2] == "cgroup" for m in mounts if len(m) > 2)
+    v2 = any(m[2] == "cgroup2" for m in mounts if len(m) > 2)
+    if v1 and v2:
+        return "hybrid"
+    if v2:
+        return "v2"
+    if v1:
+        return "v1"
+    return "none"
+
+
+def _gpus() -> list[str]:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return []
+    try:
+        r = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if r.returncode != 0:
+        return []
+    return [line.strip() for line in r.stdout.splitlines() if line.strip().startswith("GPU")]
+
+
+def _docker_answers(timeout: float = 1.0) -> bool:
+    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    try:
+        if host.startswith("unix://"):
+            path = host[len("unix://"):]
+            if not os.path.exists(path):
+                return False
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(timeout)
+            s.connect(path)
+        elif host.startswith("tcp://"):
+            hostport = host[len("tcp://"):].split("/")[0]
+            h, _, p = hostport.rpartition(":")
+            s = socket.create_connection((h or "localhost", int(p or 2375)), timeout=timeout)
+        else:
+            return False
+        with s:
+            s.sendall(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n")
+            data = s.recv(4096)
+        return data.startswith(b"HTTP/") and b" 200 " in data.split(b"\r\n", 1)[0]
+    except (OSError, ValueError):
+        return False
+
+
+# -- the latency floor --------------------------------------------------------------
+
+_RTT_RE = re.compile(rb"time=([0-9.]+) ms")
+
+
+def measure_latency_floor(count: int = 20) -> float:
+    """One-way latency of an unshaped hop: worker netns -veth- bridge in a switch netns.
+
+    median(ping RTT) / 2, in seconds (tens of microseconds on a typical box).
+    """
+    from pyroute2 import IPRoute, netns
+
+    if not shutil.which("ping"):
+        raise RuntimeError("ping not installed (iputils-ping)")
+    w, s = _probe_ns_name("-w"), _probe_ns_name("-s")
+    netns.create(w)
+    try:
+        netns.create(s)
+        try:
+            def in_switch() -> None:
+                with IPRoute() as ipr:
+                    ipr.link("add", ifname="br0", kind="bridge")
+                    br = ipr.link_lookup(ifname="br0")[0]
+                    ipr.addr("add", index=br, address="10.255.255.1", prefixlen=24)
+                    ipr.link("add", ifname="eth0", kind="veth", peer={"ifname": "eth0", "net_ns_fd": w})
+                    port = ipr.link_lookup(ifname="eth0")[0]
+                    ipr.link("set", index=port, master=br, state="up")
+                    ipr.link("set", index=br, state="up")
+
+            def in_worker() -> None:
+                with IPRoute() as ipr:
+                    idx = ipr.link_lookup(ifname="eth0")[0]
+                    ipr.addr("add", index=idx, address="10.255.255.2", prefixlen=24)
+                    ipr.link("set", index=idx, state="up")
+                    lo = ipr.link_lookup(ifname="lo")[0]
+                    ipr.link("set", index=lo, state="up")
+
+            run_in_netns(s, in_switch)
+            run_in_netns(w, in_worker)
+            # the first packets resolve ARP and warm caches: not part of the floor
+            subprocess.run(["ip", "netns", "exec", w, "ping", "-c", "3", "-i", "0.01", "-W", "1",
+                            "10.255.255.1"], capture_output=True, timeout=10)
+            r = subprocess.run(["ip", "netns", "exec", w, "ping", "-c", str(count), "-i", "0.01", "-W", "1",
+                                "10.255.255.1"], capture_output=True, timeout=30)
+            rtts = [float(x) / 1000.0 for x in _RTT_RE.findall(r.stdout)]
+            if not rtts:
+                raise RuntimeError(f"ping got no replies: {r.stdout.decode(errors='replace')[-200:]}")
+            return statistics.median(rtts) / 2.0
+        finally:
+            netns.remove(s)
+    finally:
+        netns.remove(w)
+
+
+def to_json_text(caps: Capabilities) -> str:
+    return json.dumps(caps.to_json(), indent=2, sort_keys=True)

@@ -1,0 +1,59 @@
+"""The capability probe and `testbed doctor`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+from typer.testing import CliRunner
+
+from testbed.net import capabilities as capmod
+
+IS_ROOT = os.geteuid() == 0
+
+
+def _our_probe_namespaces() -> list[str]:
+    names = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
+    return [n for n in names if n.startswith(f"tb-probe-{os.getpid()}")]
+
+
+def test_rows_and_json_shape():
+    caps = capmod.Capabilities(netem=False, htb=True, tun=True, latency_floor_s=12e-6, gpus=[])
+    rows = caps.rows()
+    names = [r[0] for r in rows]
+    assert {"netem", "htb", "tun", "bpf", "docker", "gpus", "cgroup", "latency_floor"} <= set(names)
+    assert any("12 us" in r[2] for r in rows if r[0] == "latency_floor")
+    data = caps.to_json()
+    assert data["delay_line"] is True and json.dumps(data)
+    assert capmod.Capabilities.from_json(data).latency_floor_s == 12e-6
+
+
+@pytest.mark.root
+@pytest.mark.skipif(not IS_ROOT, reason="needs root")
+def test_probe_real_kernel_and_cleanup():
+    caps = capmod.probe(measure_floor=True, refresh=True)
+    assert caps.is_root and caps.htb  # every kernel we support has HTB
+    assert caps.cgroup in ("v1", "v2", "hybrid", "none")
+    assert caps.latency_floor_s is not None and 0 < caps.latency_floor_s < 0.002
+    assert not _our_probe_namespaces()
+    assert capmod.probe() is caps  # cached
+    tc = subprocess.run(["tc", "qdisc", "help"], capture_output=True)
+    assert tc is not None
+    if not caps.netem:
+        assert "netem" in caps.notes
+
+
+@pytest.mark.root
+@pytest.mark.skipif(not IS_ROOT, reason="needs root")
+def test_doctor_cli():
+    from testbed.cli import app
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["doctor", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert "netem" in data and "latency_floor_s" in data
+    r = runner.invoke(app, ["doctor"])
+    assert r.exit_code == 0 and "latency_floor" in r.output

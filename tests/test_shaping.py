@@ -1,0 +1,370 @@
+"""Link shaping on the real kernel: HTB rates, loss, change(), and (under a stock kernel) netem.
+
+Two namespaces joined by a veth (eth0 <-> eth0, 10.77.0.1 <-> 10.77.0.2);
+shaping is applied to the egress of A's eth0 (traffic A -> B), measured with
+iperf3 (TCP goodput, A sends) and ping (requests A -> B).
+
+Expected goodput of a shaped TCP stream: HTB counts L2 bytes (14-byte Ethernet
+header, per segment even for GSO frames); with MTU 1500 and TCP timestamps a
+segment carries 1448 payload bytes in a 1514-byte frame, so goodput/rate =
+1448/1514 = 0.956. Asserted within 5% of that.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import time
+
+import pytest
+
+from testbed.errors import CapabilityError
+from testbed.net import capabilities as capmod
+from testbed.net import shaping
+from testbed.topology.model import LinkProfile
+
+IS_ROOT = os.geteuid() == 0
+root = pytest.mark.root
+pytestmark = [pytest.mark.skipif(not IS_ROOT, reason="needs root (namespaces, tc)")]
+
+A_IP, B_IP = "10.77.0.1", "10.77.0.2"
+GOODPUT_RATIO = 1448 / 1514
+
+
+def caps():
+    return capmod.probe(measure_floor=True)
+
+
+def netem_only():
+    return pytest.mark.skipif(not (IS_ROOT and caps().netem), reason="kernel has no sch_netem")
+
+
+# -- a veth pair between two namespaces -----------------------------------------------
+
+class Pair:
+    def __init__(self, tag: str):
+        from pyroute2 import IPRoute, netns
+
+        self.a = f"tb-t{os.getpid()}{tag}-a"
+        self.b = f"tb-t{os.getpid()}{tag}-b"
+        self.procs: list[subprocess.Popen] = []
+        netns.create(self.a)
+        netns.create(self.b)
+        self.ipr_a = IPRoute(netns=self.a)
+        self.ipr_b = IPRoute(netns=self.b)
+        self.ipr_a.link("add", ifname="eth0", kind="veth", peer={"ifname": "eth0", "net_ns_fd": self.b})
+        for ipr, ip in ((self.ipr_a, A_IP), (self.ipr_b, B_IP)):
+            idx = ipr.link_lookup(ifname="eth0")[0]
+            ipr.addr("add", index=idx, address=ip, prefixlen=24)
+            ipr.link("set", index=idx, state="up")
+            ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+
+    def close(self) -> None:
+        from pyroute2 import netns
+
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for ipr in (self.ipr_a, self.ipr_b):
+            ipr.close()
+        for ns in (self.a, self.b):
+            try:
+                netns.remove(ns)
+            except Exception:
+                pass
+
+    def ping(self, count: int, interval: float, size: int = 56, timeout: float = 60) -> tuple[list[float], int]:
+        """RTTs (s) of the replies and the number sent."""
+        r = subprocess.run(["ip", "netns", "exec", self.a, "ping", "-n", "-c", str(count), "-i", str(interval),
+                            "-s", str(size), "-W", "1", B_IP], capture_output=True, text=True, timeout=timeout)
+        rtts = [float(x) / 1e3 for x in re.findall(r"time=([0-9.]+) ms", r.stdout)]
+        return rtts, count
+
+    def iperf(self, seconds: float = 2, streams: int = 1, omit: int = 1) -> float:
+        """TCP goodput A -> B in bit/s (receiver side)."""
+        port = 5201
+        srv = subprocess.Popen(["ip", "netns", "exec", self.b, "iperf3", "-s", "-1", "-B", B_IP, "-p", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(srv)
+        out = None
+        for _ in range(50):
+            r = subprocess.run(["ip", "netns", "exec", self.a, "iperf3", "-c", B_IP, "-p", str(port), "-J",
+                                "-t", str(seconds), "-O", str(omit), "-P", str(streams)],
+                               capture_output=True, text=True, timeout=seconds + omit + 30)
+            if r.returncode == 0 and r.stdout.strip():
+                res = json.loads(r.stdout)
+                if "error" not in res:   # iperf3 -J exits 0 even when it could not connect
+                    out = res
+                    break
+            time.sleep(0.05)  # the server was not listening yet
+        srv.wait(timeout=10)
+        assert out is not None, "iperf3 client failed"
+        return float(out["end"]["sum_received"]["bits_per_second"])
+
+
+@pytest.fixture
+def pair(request):
+    if not shutil.which("iperf3") or not shutil.which("ping"):
+        pytest.skip("iperf3/ping not installed")
+    p = Pair(str(abs(hash(request.node.name)) % 10000))
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def binomial_ok(k: int, n: int, p: float, z: float = 3.9) -> bool:
+    """k successes in n trials is within z sigma (z=3.9: ~1e-4 false alarm) of probability p."""
+    sd = math.sqrt(n * p * (1 - p))
+    return abs(k - n * p) <= z * sd + 1
+
+
+# -- pure checks (no kernel) -----------------------------------------------------------
+
+class FakeCaps:
+    def __init__(self, **kw):
+        self.netem = kw.get("netem", False)
+        self.htb = kw.get("htb", True)
+        self.bpf = kw.get("bpf", True)
+        self.tun = kw.get("tun", True)
+        self.latency_floor_s = kw.get("floor", 20e-6)
+
+
+@pytest.mark.parametrize("netem", [False, True])
+def test_mechanisms_and_floor(netem):
+    c = FakeCaps(netem=netem)
+    p = LinkProfile(bandwidth_bps=10**9, delay_s=0.001, loss=0.01)
+    m = shaping.mechanisms(p, c)
+    assert "htb" in m
+    assert ("netem" in m) == netem and ("delay-line" in m) == (not netem) and ("bpf-loss" in m) == (not netem)
+    tiny = LinkProfile(delay_s=10e-6)
+    assert shaping.below_floor(tiny, c) and not shaping.has_delay(tiny, c)
+    assert not shaping.needs_delay_line(tiny, c)
+    assert shaping.needs_delay_line(p, c) == (not netem)
+    assert not shaping.needs_delay_line(LinkProfile(bandwidth_bps=10**9), c)
+
+
+def test_check_supported_lists_every_problem_before_creating_anything():
+    c = FakeCaps(netem=False, tun=False, bpf=False)
+    profs = [("links[3] (edge0-0->agg0-0)", LinkProfile(jitter_s=0.001)),
+             ("links[4] (agg0-0->core0)", LinkProfile(loss=0.01)),
+             ("links[5] (a->b)", LinkProfile(bandwidth_bps=10**9))]
+    with pytest.raises(CapabilityError) as ei:
+        shaping.check_supported(profs, c)
+    msg = str(ei.value)
+    assert "links[3] (edge0-0->agg0-0): jitter 1ms needs sch_netem or the userspace delay line" in msg
+    assert "(needs /dev/net/tun)" in msg
+    assert "links[4] (agg0-0->core0): loss 1%" in msg
+    assert "links[5]" not in msg
+    shaping.check_supported(profs, FakeCaps(netem=True))
+    shaping.check_supported(profs, FakeCaps(netem=False))
+
+
+def test_plan_queue_and_burst():
+    c = FakeCaps(netem=False)
+    p = shaping.make_plan(LinkProfile(bandwidth_bps=10 * 10**9), c)
+    assert p.burst == int(10 * 10**9 / 8 * 0.002) and p.fifo_bytes == 1250 * 1514 and p.netem is None
+    q = shaping.make_plan(LinkProfile(bandwidth_bps=10**9, queue=50), c)
+    assert q.fifo_bytes == 50 * 1514
+    n = shaping.make_plan(LinkProfile(bandwidth_bps=10**9, delay_s=0.05, jitter_s=0.01), FakeCaps(netem=True))
+    # 1.5 x BDP over 60 ms at 1 Gbit/s = 7500 packets queue, + 5000 in flight
+    assert n.netem["limit"] == 7500 + 5000 and n.netem["rate"] == shaping.NETEM_MAX_RATE
+    assert n.netem["delay"] == 50000 and n.netem["jitter"] == 10000 and n.fifo_bytes is None
+
+
+def test_loss_program_shape():
+    code = shaping.loss_program(0.25)
+    assert len(code) == 7 * 8
+    assert shaping.loss_program(1.0) != code
+
+
+# -- the kernel ------------------------------------------------------------------------
+
+@root
+@pytest.mark.parametrize("rate", [100 * 10**6, 10**9, 5 * 10**9])
+def test_htb_rate(pair, rate):
+    if not caps().htb:
+        pytest.skip("no sch_htb")
+    shaping.apply(pair.ipr_a, "eth0", LinkProfile(bandwidth_bps=rate), caps())
+    d = shaping.describe(pair.ipr_a, "eth0")
+    assert [q["kind"] for q in d["qdiscs"] if q["parent"] == "root"] == ["htb"]
+    expect = rate * GOODPUT_RATIO
+    got = pair.iperf(seconds=2)
+    if abs(got - expect) > 0.05 * expect:  # a busy 2-core box can starve iperf3: one retry
+        got = pair.iperf(seconds=2)
+    assert abs(got - expect) <= 0.05 * expect, f"{got / 1e6:.1f} Mbit/s at HTB {rate / 1e6:g} (expected {expect / 1e6:.1f})"
+
+
+@root
+@pytest.mark.parametrize("loss", [0.01, 0.10])
+def test_loss(pair, loss):
+    c = caps()
+    if not c.can_lose:
+        pytest.skip("neither netem nor cls_bpf")
+    shaping.apply(pair.ipr_a, "eth0", LinkProfile(loss=loss), c)
+    pair.ping(3, 0.01)  # ARP
+    n = 3000
+    rtts, sent = pair.ping(n, 0.0002, timeout=60)
+    lost = sent - len(rtts)
+    assert binomial_ok(lost, sent, loss), f"lost {lost}/{sent} at loss {loss}"
+
+
+@root
+def test_change_in_place_and_clear(pair):
+    c = caps()
+    old = LinkProfile(bandwidth_bps=100 * 10**6)
+    new = LinkProfile(bandwidth_bps=500 * 10**6)
+    shaping.apply(pair.ipr_a, "eth0", old, c)
+    t0 = time.perf_counter()
+    shaping.change(pair.ipr_a, "eth0", old, new, c)
+    took = time.perf_counter() - t0
+    assert took < 0.1, f"change took {took * 1e3:.1f} ms"
+    rates = [cl.get("rate_bps") for cl in shaping.describe(pair.ipr_a, "eth0")["classes"]]
+    assert 500 * 10**6 in rates
+    got = pair.iperf(seconds=1)
+    if abs(got - 500e6 * GOODPUT_RATIO) > 0.05 * 500e6 * GOODPUT_RATIO:
+        got = pair.iperf(seconds=1)
+    assert abs(got - 500e6 * GOODPUT_RATIO) <= 0.05 * 500e6 * GOODPUT_RATIO
+    # a change of layout (adding loss) reinstalls, still fast
+    lossy = new.with_changes(loss=0.5)
+    t0 = time.perf_counter()
+    shaping.change(pair.ipr_a, "eth0", new, lossy, c)
+    assert time.perf_counter() - t0 < 0.1
+    pair.ping(3, 0.01)
+    rtts, sent = pair.ping(400, 0.001)
+    assert binomial_ok(sent - len(rtts), sent, 0.5)
+    shaping.clear(pair.ipr_a, "eth0")
+    d = shaping.describe(pair.ipr_a, "eth0")
+    assert not [q for q in d["qdiscs"] if q["kind"] in ("htb", "clsact", "netem", "bfifo")]
+    rtts, sent = pair.ping(200, 0.001)
+    assert len(rtts) == sent
+
+
+@root
+def test_queue_limit_without_netem(pair):
+    c = caps()
+    shaping.apply(pair.ipr_a, "eth0", LinkProfile(bandwidth_bps=10**9, queue=64), c)
+    leaf = [q for q in shaping.describe(pair.ipr_a, "eth0")["qdiscs"] if q["handle"] == "10:0"]
+    assert leaf and leaf[0]["kind"] == ("netem" if c.netem else "bfifo")
+
+
+# -- netem (a stock kernel; `make test-kernel` runs these in a VM) ------------------------
+
+@root
+@pytest.mark.netem
+@netem_only()
+@pytest.mark.parametrize("delay", [0.001, 0.010, 0.050])
+def test_netem_delay(pair, delay):
+    base = statistics.median(pair.ping(10, 0.01)[0])
+    shaping.apply(pair.ipr_a, "eth0", LinkProfile(delay_s=delay), caps())
+    rtts, _ = pair.ping(20, 0.01)
+    med = statistics.median(rtts)
+    # one direction delayed: RTT = delay + baseline; TCG VMs add ms of noise above
+    assert delay * 0.98 <= med <= delay * 1.1 + base + 0.012, f"median RTT {med * 1e3:.2f} ms at {delay * 1e3} ms"
+
+
+@root
+@pytest.mark.netem
+@netem_only()
+def test_netem_jitter_keeps_order(pair):
+    """Jitter 5 ms on 10 ms, 2000 UDP datagrams at 10 kpps: none reordered."""
+    shaping.apply(pair.ipr_a, "eth0", LinkProfile(delay_s=0.010, jitter_s=0.005), caps())
+    d = shaping.describe(pair.ipr_a, "eth0")
+    assert any(q["kind"] == "netem" for q in d["qdiscs"])
+    script = r"""
+import socket, struct, sys, time
+role = sys.argv[1]
+if role == "rx":
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("10.77.0.2", 9999)); s.settimeout(2)
+    seq = []
+    try:
+        while True:
+            seq.append(struct.unpack("!I", s.recv(64)[:4])[0])
+    except socket.timeout:
+        pass
+    inv = sum(1 for a, b in zip(seq, seq[1:]) if b < a)
+    print(len(seq), inv)
+else:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for i in range(2000):
+        s.sendto(struct.pack("!I", i), ("10.77.0.2", 9999)); time.sleep(0.0001)
+"""
+    import sys
+    rx = subprocess.Popen(["ip", "netns", "exec", pair.b, sys.executable, "-c", script, "rx"],
+                          stdout=subprocess.PIPE, text=True)
+    pair.procs.append(rx)
+    time.sleep(0.3)
+    subprocess.run(["ip", "netns", "exec", pair.a, sys.executable, "-c", script, "tx"], check=True, timeout=60)
+    out, _ = rx.communicate(timeout=30)
+    got, inversions = map(int, out.split())
+    assert got >= 1900 and inversions == 0, f"received {got}, {inversions} reordered"
+    rtts, _ = pair.ping(50, 0.01)
+    assert max(rtts) - min(rtts) > 0.003  # the jitter is there
+
+
+@root
+@pytest.mark.netem
+@netem_only()
+@pytest.mark.parametrize("loss", [0.01, 0.10])
+def test_netem_loss(pair, loss):
+    shaping.apply(pair.ipr_a, "eth0", LinkProfile(loss=loss), caps())
+    assert "netem" in shaping.mechanisms(LinkProfile(loss=loss), caps())
+    pair.ping(3, 0.01)
+    rtts, sent = pair.ping(2000, 0.0005)
+    assert binomial_ok(sent - len(rtts), sent, loss)
+
+
+@root
+@pytest.mark.netem
+@netem_only()
+def test_netem_bdp_queue_limit(pair):
+    prof = LinkProfile(bandwidth_bps=10**9, delay_s=0.02)
+    shaping.apply(pair.ipr_a, "eth0", prof, caps())
+    leaf = [q for q in shaping.describe(pair.ipr_a, "eth0")["qdiscs"] if q["kind"] == "netem"]
+    assert leaf and leaf[0]["limit"] == shaping.queue_packets(prof) + shaping.in_flight_packets(prof)
+    assert leaf[0]["limit"] >= 1.5 * 10**9 * 0.02 / (1500 * 8)
+    shaping.apply(pair.ipr_a, "eth0", prof.with_changes(queue=100), caps())
+    leaf = [q for q in shaping.describe(pair.ipr_a, "eth0")["qdiscs"] if q["kind"] == "netem"]
+    assert leaf[0]["limit"] == 100 + shaping.in_flight_packets(prof)
+
+
+@root
+@pytest.mark.netem
+@netem_only()
+def test_netem_htb_together(pair):
+    prof = LinkProfile(bandwidth_bps=20 * 10**6, delay_s=0.005)   # low: the VM runs under TCG
+    shaping.apply(pair.ipr_a, "eth0", prof, caps())
+    kinds = {q["kind"]: q for q in shaping.describe(pair.ipr_a, "eth0")["qdiscs"]}
+    assert kinds["htb"]["parent"] == "root" and kinds["netem"]["parent"] == "1:1"
+    rtts, _ = pair.ping(10, 0.01)
+    assert statistics.median(rtts) >= 0.005 * 0.98
+    got = pair.iperf(seconds=3)
+    expect = 20e6 * GOODPUT_RATIO
+    assert abs(got - expect) <= 0.08 * expect, f"{got / 1e6:.1f} Mbit/s"
+
+
+@root
+@pytest.mark.netem
+@netem_only()
+def test_netem_runtime_change(pair):
+    c = caps()
+    old = LinkProfile(bandwidth_bps=10**9, delay_s=0.005)
+    new = LinkProfile(bandwidth_bps=10**9, delay_s=0.030, loss=0.0)
+    shaping.apply(pair.ipr_a, "eth0", old, c)
+    t0 = time.perf_counter()
+    shaping.change(pair.ipr_a, "eth0", old, new, c)
+    assert time.perf_counter() - t0 < 0.1
+    rtts, _ = pair.ping(10, 0.01)
+    assert statistics.median(rtts) >= 0.030 * 0.98
+    # no bandwidth, root netem: change in place as well
+    a, b = LinkProfile(delay_s=0.002), LinkProfile(delay_s=0.020, jitter_s=0.002)
+    shaping.apply(pair.ipr_a, "eth0", a, c)
+    shaping.change(pair.ipr_a, "eth0", a, b, c)
+    rtts, _ = pair.ping(10, 0.01)
+    assert statistics.median(rtts) >= 0.018 * 0.98
