@@ -1,0 +1,35 @@
+"""testbed down [NAME | --all]: remove a running testbed."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from testbed.cli.common import console, fail, require_root, resolve_name
+
+
+def down_cmd(
+    name_arg: Optional[str] = typer.Argument(None, metavar="[NAME]", help="The testbed (default: the only one up)."),
+    name: Optional[str] = typer.Option(None, "--name", "-n", help="The testbed (same as NAME)."),
+    all_: bool = typer.Option(False, "--all", help="Bring down every testbed that is up."),
+) -> None:
+    """Bring a testbed down and remove everything it made."""
+    from testbed import lifecycle
+
+    require_root("testbed down")
+    if all_:
+        if name_arg or name:
+            fail("give a NAME or --all, not both", 2)
+        done = lifecycle.down_all()
+        console.print(f"removed {len(done)} testbed(s){': ' + ', '.join(done) if done else ''}")
+        return
+    if name_arg and name and name_arg != name:
+        fail(f"two different names given ({name_arg}, {name})", 2)
+    target = resolve_name(name_arg or name)
+    lifecycle.down(target)
+    console.print(f"testbed {target} is down")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("down")(down_cmd)

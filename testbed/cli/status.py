@@ -1,0 +1,54 @@
+"""testbed status [NAME] [--json]: nodes, addresses and links of a running testbed."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from testbed.cli.common import console, fail, resolve_name
+
+
+def _fmt_bw(b):
+    return "unshaped" if b is None else f"{b / 1e9:g}G"
+
+
+def status_cmd(
+    name_arg: Optional[str] = typer.Argument(None, metavar="[NAME]", help="The testbed (default: the only one up)."),
+    name: Optional[str] = typer.Option(None, "--name", "-n", help="The testbed (same as NAME)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the status document as JSON."),
+) -> None:
+    """Show a running testbed: nodes with addresses, links with their shaping and state."""
+    from testbed import lifecycle
+
+    if name_arg and name and name_arg != name:
+        fail(f"two different names given ({name_arg}, {name})", 2)
+    doc = lifecycle.status(resolve_name(name_arg or name))
+    if as_json:
+        print(json.dumps(doc, indent=1))
+        return
+    console.print(f"[bold]{doc['name']}[/]: {doc['status']} ({doc['topology']}, runtime {doc['runtime']}, "
+                  f"since {doc['created']})")
+    for m in doc.get("missing", [])[:10]:
+        console.print(f"  [red]missing:[/] {m}")
+    nt = Table(title="nodes", title_justify="left")
+    for col in ("node", "kind", "addresses"):
+        nt.add_column(col)
+    for n in doc["nodes"]:
+        nt.add_row(n["name"], n["kind"], ", ".join(n["addresses"]))
+    console.print(nt)
+    lt = Table(title="links", title_justify="left")
+    for col in ("#", "endpoints", "tier", "bandwidth", "delay", "jitter", "loss", "queue", "state"):
+        lt.add_column(col)
+    for link in doc["links"]:
+        lt.add_row(str(link["index"]), " - ".join(link["endpoints"]), link["tier"], _fmt_bw(link["bandwidth_bps"]),
+                   f"{link['delay_s'] * 1e6:g}us", f"{link['jitter_s'] * 1e6:g}us", f"{link['loss'] * 100:g}%",
+                   str(link["queue"] or "auto"),
+                   link["state"] if link["state"] == "up" else f"[red]{link['state']}[/]")
+    console.print(lt)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("status")(status_cmd)

@@ -1,0 +1,124 @@
+"""testbed up TOPOLOGY [--name NAME] [--set path=value ...]: build a testbed and leave it running."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import typer
+from rich.table import Table
+
+from testbed.cli.common import console, err_console, require_root
+
+
+class _DelayedProgress:
+    """A rich progress bar that appears only once the work has taken more than `after` seconds."""
+
+    def __init__(self, after: float = 1.0):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.after = after
+        self.t0 = time.monotonic()
+        self.progress = Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=err_console, transient=True)
+        self.tasks: dict[str, Any] = {}
+        self.started = False
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if not self.started:
+            if time.monotonic() - self.t0 < self.after:
+                return
+            self.progress.start()
+            self.started = True
+        task = self.tasks.get(phase)
+        if task is None:
+            task = self.tasks[phase] = self.progress.add_task(phase, total=total)
+        self.progress.update(task, completed=done, total=total)
+
+    def stop(self) -> None:
+        if self.started:
+            self.progress.stop()
+
+
+def _summary(st: dict[str, Any], seconds: float) -> None:
+    from testbed.topology.model import Topology
+
+    topo = Topology.from_json(st["topology"])
+    plan = st["plan"]
+    name = st["name"]
+    addr: dict[str, list[str]] = {}
+    for lp in plan["links"]:
+        for side in ("a", "b"):
+            p = lp[side]
+            if p.get("address") and topo.nodes[p["node"]].is_worker:
+                addr.setdefault(p["node"], []).append(f"{p['ifname']} {p['address']}")
+    console.print(f"[bold green]testbed {name} is up[/] ({topo.name}, runtime {st['runtime']['kind']}) "
+                  f"in {seconds:.2f} s")
+    t = Table(title="workers", title_justify="left")
+    t.add_column("worker")
+    t.add_column("addresses")
+    for w in topo.workers:
+        t.add_row(w, ", ".join(addr.get(w, [])))
+    console.print(t)
+    subnets = plan.get("subnets", {})
+    sw = Table(title="switches", title_justify="left")
+    sw.add_column("switch")
+    sw.add_column("serves")
+    sw.add_column("links", justify="right")
+    for s in topo.switches:
+        sw.add_row(s, subnets.get(s, {}).get("network", "-"), str(len(topo.links_of(s))))
+    if topo.switches:
+        console.print(sw)
+    lt = Table(title="links per tier", title_justify="left")
+    for col in ("tier", "links", "bandwidth", "delay", "loss"):
+        lt.add_column(col)
+    for tier in topo.tiers():
+        links = list(topo.iter_links(tier))
+        bws = sorted({link.ab.bandwidth_bps for link in links} | {link.ba.bandwidth_bps for link in links},
+                     key=lambda b: b or 0)
+        dl = sorted({link.ab.delay_s for link in links} | {link.ba.delay_s for link in links})
+        ls = sorted({link.ab.loss for link in links} | {link.ba.loss for link in links})
+        lt.add_row(tier, str(len(links)),
+                   ", ".join("unshaped" if b is None else f"{b / 1e9:g} Gbit/s" for b in bws),
+                   ", ".join(f"{d * 1e6:g} us" for d in dl), ", ".join(f"{x * 100:g}%" for x in ls))
+    console.print(lt)
+    floor = st.get("latency_floor_s")
+    if floor is not None:
+        console.print(f"latency floor (one unshaped hop, one way): {floor * 1e6:.1f} us")
+    nd = st.get("no_delay_element") or []
+    if nd:
+        shown = ", ".join(f"{d['from']}->{d['to']} ({d['delay_s'] * 1e6:g} us)" for d in nd[:6])
+        more = f" and {len(nd) - 6} more" if len(nd) > 6 else ""
+        console.print(f"[yellow]{len(nd)} link direction(s) got no delay element[/] (delay at or below the "
+                      f"floor): {shown}{more}")
+    w0 = topo.workers[0]
+    w1 = topo.workers[-1]
+    peer = addr.get(w1, ["? ?"])[0].split()[1].split("/")[0]
+    console.print("\nnext:")
+    console.print(f"  testbed exec {w0} --name {name} -- ping -c 3 {peer}")
+    console.print(f"  testbed status {name}")
+    console.print(f"  testbed down {name}")
+
+
+def up_cmd(
+    topology: str = typer.Argument(..., help="A topology file, or the name of one in topologies/ (fat-tree, ...)."),
+    name: Optional[str] = typer.Option(None, "--name", "-n", help="Testbed name (default: the topology's name)."),
+    sets: list[str] = typer.Option([], "--set", help="Override a topology field: path=value (repeatable)."),
+) -> None:
+    """Build a testbed from TOPOLOGY and leave it running."""
+    from testbed import lifecycle
+    from testbed.topology.loader import load_topology
+
+    require_root("testbed up")
+    topo = load_topology(topology, sets)
+    progress = _DelayedProgress()
+    t0 = time.perf_counter()
+    try:
+        st = lifecycle.up(topo, name, progress=progress)
+    finally:
+        progress.stop()
+    _summary(st, time.perf_counter() - t0)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("up")(up_cmd)

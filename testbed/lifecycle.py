@@ -1,0 +1,506 @@
+"""Bring testbeds up and down, clean up after dead ones, report their status.
+
+The functions every CLI verb (and tests, jobs, faults) call:
+
+    up(topo, name=None, *, progress=None, runtime=None) -> state dict
+    down(name) -> None                 down_all() -> [names]
+    cleanup() -> [(name, what was removed)]
+    status(name) -> the `status --json` document
+    list_testbeds() -> [{"name", "status", "workers", "switches", "links", "runtime"}]
+    load(name) -> state dict           runtime_for(state) -> Runtime
+    node_netns(state, node) -> netns   exec_argv(state, node, argv) -> host argv
+    set_link_state(name, index, "up"|"down") -> None  (records what a fault did)
+
+`up` is all-or-nothing. It validates and checks capabilities before creating
+anything, then writes the state file (status "building", every namespace it
+is about to make, its own PID) *before* creating anything, updates it as it
+goes (delay-line PIDs, worker records), and on any exception, Ctrl-C or
+SIGTERM rolls back everything and removes the state. If the process dies
+harder than that (kill -9), `cleanup` finds the state of a "building" testbed
+whose process is gone and removes what it lists.
+
+Ownership: lo in every namespace carries the alias "testbed:NAME:STATE_ROOT",
+so namespaces whose state file is gone are still recognised as ours (and only
+those of this state root: tests running side by side never touch each other).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from contextlib import suppress
+from datetime import datetime, timezone
+from typing import Any, Callable, Sequence
+
+from testbed.errors import CapabilityError, StateError, TestbedError
+from testbed.net import names, netns, state
+from testbed.topology.model import Link, LinkProfile, Topology
+
+Progress = Callable[[str, int, int], None]
+
+BUILDING, UP, REMOVING = "building", "up", "removing"
+
+
+# -- small helpers ---------------------------------------------------------------------------------------
+
+def owner_label(name: str) -> str:
+    return f"testbed:{name}:{state.root()}"
+
+
+def _proc_start(pid: int) -> float | None:
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time()
+    except Exception:
+        return None
+
+
+def _alive(pid: int | None, start: float | None) -> bool:
+    if not pid:
+        return False
+    t = _proc_start(pid)
+    if t is None:
+        return False
+    try:
+        import psutil
+
+        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return False
+    except Exception:
+        return False
+    return start is None or abs(t - start) < 1.0
+
+
+def _checkpoint(phase: str) -> None:
+    """Test hooks: TESTBED_FAIL_AT=PHASE raises there; TESTBED_PAUSE_AT=PHASE:SECONDS sleeps there."""
+    fail = os.environ.get("TESTBED_FAIL_AT")
+    if fail and fail == phase:
+        raise TestbedError(f"injected failure at {phase} (TESTBED_FAIL_AT)")
+    pause = os.environ.get("TESTBED_PAUSE_AT")
+    if pause:
+        p, _, secs = pause.partition(":")
+        if p == phase:
+            time.sleep(float(secs or 5))
+
+
+def _runtime_kind(topo: Topology, requested: str | None) -> str:
+    kind = requested or topo.runtime or "netns"
+    if kind == "netns":
+        try:
+            import testbed.runtime.netns  # noqa: F401  (the container runtime, when it exists)
+        except ImportError:
+            return "bare"
+    return kind
+
+
+def make_runtime(kind: str, name: str):
+    if kind == "bare":
+        from testbed.runtime.bare import BareRuntime
+
+        return BareRuntime(name)
+    from testbed.runtime import get_runtime
+
+    return get_runtime(kind, name)
+
+
+def runtime_for(st: dict[str, Any]):
+    return make_runtime(st.get("runtime", {}).get("kind", "bare"), st["name"])
+
+
+def load(name: str) -> dict[str, Any]:
+    return state.load(name)
+
+
+def node_netns(st: dict[str, Any], node: str) -> str:
+    return names.netns(st["name"], node)
+
+
+def _profiles(topo: Topology) -> list[tuple[str, LinkProfile]]:
+    out = []
+    for i, link in enumerate(topo.links):
+        out.append((f"links[{i}] {link.a}->{link.b}", link.ab))
+        out.append((f"links[{i}] {link.b}->{link.a}", link.ba))
+    return out
+
+
+def _link_records(topo: Topology, plan: Any) -> list[dict[str, Any]]:
+    out = []
+    for lp in plan.links:
+        link = topo.links[lp.index]
+        out.append({"index": lp.index, "endpoints": [link.a, link.b], "tier": link.tier, "kind": lp.kind,
+                    "ifnames": [lp.a.ifname, lp.b.ifname], "state": "up"})
+    return out
+
+
+def check_capabilities(topo: Topology, caps: Any = None) -> Any:
+    """Probe the machine (cached) and refuse, before creating anything, what it cannot emulate."""
+    if os.geteuid() != 0:
+        raise CapabilityError("testbed up needs root (network namespaces and tc): run it with sudo")
+    if caps is None:
+        from testbed.net import capabilities
+
+        caps = capabilities.probe()
+    try:
+        from testbed.net import shaping
+    except ImportError:
+        return caps
+    shaping.check_supported(_profiles(topo), caps)
+    return caps
+
+
+# -- up ------------------------------------------------------------------------------------------------
+
+class _Terminated(KeyboardInterrupt):
+    pass
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated(f"signal {signum}")
+
+
+def up(topo: Topology, name: str | None = None, *, progress: Progress | None = None,
+       runtime: str | None = None, caps: Any = None) -> dict[str, Any]:
+    """Build testbed `name` (default: the topology's name) from a validated topology. All or nothing."""
+    from testbed.net.builder import Builder, no_delay_element
+    from testbed.topology.plan import plan_network
+
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+    name = name or topo.name
+    if not names.valid_testbed_name(name):
+        raise TestbedError(f"invalid testbed name {name!r}: letters, digits, '.', '_', '-' "
+                           "(at most 40, starting with a letter or digit)")
+    topo.validate()
+    plan = plan_network(topo)
+    if state.exists(name):
+        raise StateError(f"a testbed named {name!r} is already up: bring it down first "
+                         f"(testbed down {name}) or choose another --name")
+    all_ns = [names.netns(name, n) for n in topo.nodes]
+    clash = [n for n in all_ns if netns.exists(n)]
+    if clash:
+        raise StateError(f"namespace {clash[0]} already exists (a leftover? try `testbed cleanup`); "
+                         "refusing to adopt it")
+    t0 = time.perf_counter()
+    caps = check_capabilities(topo, caps)
+    timings["capabilities"] = time.perf_counter() - t0
+    floor = getattr(caps, "latency_floor_s", None)
+    kind = _runtime_kind(topo, runtime)
+    rt = make_runtime(kind, name)
+    _checkpoint("checked")
+
+    # Claim the name atomically: a concurrent `up` with the same name fails here.
+    state.directory(name).mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(state.path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.close(fd)
+    except FileExistsError:
+        raise StateError(f"a testbed named {name!r} is already up (or being brought up)") from None
+
+    pid = os.getpid()
+    st: dict[str, Any] = {
+        "name": name,
+        "status": BUILDING,
+        "pid": pid,
+        "pid_start": _proc_start(pid),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "state_root": str(state.root()),
+        "owner": owner_label(name),
+        "topology": topo.to_json(),
+        "plan": plan.to_json(),
+        "capabilities": caps.to_json() if hasattr(caps, "to_json") else None,
+        "latency_floor_s": floor,
+        "no_delay_element": no_delay_element(topo, floor),
+        "runtime": {"kind": kind, "workers": {w: {"netns": names.netns(name, w)} for w in topo.workers}},
+        "links": _link_records(topo, plan),
+        "resources": {
+            "switch_netns": [names.netns(name, s) for s in topo.switches],
+            "worker_netns": [names.netns(name, w) for w in topo.workers],
+            "delay_lines": [],
+        },
+        "timings": timings,
+    }
+    state.save(name, st)
+
+    def record(kind_: str, item: Any) -> None:
+        if kind_ == "delay_line":
+            st["resources"]["delay_lines"].append(item)
+            state.save(name, st)
+
+    old_term = signal.signal(signal.SIGTERM, _raise_terminated)
+    old_hup = signal.signal(signal.SIGHUP, _raise_terminated)
+    builder = Builder(name, topo, plan, caps, record=record, owner_label=owner_label(name), progress=progress)
+    try:
+        t0 = time.perf_counter()
+        workers = [topo.nodes[w] for w in topo.workers]
+        for i, node in enumerate(workers):
+            rt.prepare_netns(node, names.netns(name, node.name))
+            if progress:
+                progress("worker namespaces", i + 1, len(workers))
+        timings["worker namespaces"] = time.perf_counter() - t0
+        _checkpoint("workers")
+        builder.create_switch_namespaces()
+        _checkpoint("switches")
+        builder.set_worker_sysctls()
+        builder.create_links()
+        _checkpoint("links")
+        builder.configure()
+        builder.wait_ready()
+        _checkpoint("configured")
+        t0 = time.perf_counter()
+        hosts = plan.hosts()
+        batch = []
+        for node in workers:
+            ifs = [p.ifname for p in plan.ports(node.name)]
+            env = {"GLOO_SOCKET_IFNAME": ",".join(ifs), "NCCL_SOCKET_IFNAME": ",".join(ifs),
+                   "NCCL_IB_DISABLE": "1"}
+            batch.append((node, names.netns(name, node.name), env, hosts))
+        if hasattr(rt, "start_many"):
+            if progress:
+                progress("workers", 0, len(workers))
+            recs = rt.start_many(batch)
+        else:
+            recs = []
+            for i, args in enumerate(batch):
+                recs.append(rt.start(*args) or {})
+                if progress:
+                    progress("workers", i + 1, len(workers))
+        for (node, ns, _env, _hosts), rec in zip(batch, recs):
+            st["runtime"]["workers"][node.name] = {"netns": ns, **(rec or {})}
+        state.save(name, st)
+        if progress:
+            progress("workers", len(workers), len(workers))
+        timings["start workers"] = time.perf_counter() - t0
+        _checkpoint("started")
+        timings.update(builder.timings)
+        timings["total"] = time.perf_counter() - t_start
+        st["status"] = UP
+        st["timings"] = timings
+        state.save(name, st)
+        return st
+    except BaseException:
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop the rollback
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            _remove(st)
+        finally:
+            signal.signal(signal.SIGINT, old_int)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGHUP, old_hup)
+
+
+# -- down / cleanup ----------------------------------------------------------------------------------------
+
+def _remove(st: dict[str, Any]) -> None:
+    """Remove everything a state (complete or half-built) lists, then the state itself. Idempotent."""
+    from testbed.net.builder import delete_namespaces, kill_processes_in, teardown
+
+    name = st["name"]
+    res = st.get("resources", {})
+    workers = st.get("runtime", {}).get("workers", {})
+    try:
+        rt = runtime_for(st)
+    except Exception:
+        rt = None
+    if rt is not None and workers:
+        if hasattr(rt, "remove_many"):
+            with suppress(Exception):
+                rt.remove_many(list(workers.items()))
+        else:
+            for node, rec in workers.items():
+                with suppress(Exception):
+                    rt.remove(node, rec)
+    teardown(list(res.get("switch_netns", [])), list(res.get("delay_lines", [])), str(state.directory(name)))
+    rest = [n for n in res.get("worker_netns", []) + res.get("switch_netns", []) if netns.exists(n)]
+    if rest:
+        kill_processes_in(rest)
+        delete_namespaces(rest)
+    state.remove(name)
+
+
+def down(name: str) -> None:
+    st = state.load(name)
+    if st.get("status") == BUILDING and _alive(st.get("pid"), st.get("pid_start")) and st.get("pid") != os.getpid():
+        raise StateError(f"testbed {name!r} is still being brought up (pid {st.get('pid')}); "
+                         "wait for it, or interrupt that `testbed up`")
+    st["status"] = REMOVING
+    with suppress(Exception):
+        state.save(name, st)
+    _remove(st)
+
+
+def down_all() -> list[str]:
+    done = []
+    for name in state.list_names():
+        try:
+            down(name)
+            done.append(name)
+        except StateError:
+            pass
+    return done
+
+
+def _read_owner(ns: str) -> str | None:
+    """lo's alias inside namespace `ns` (our ownership label), or None."""
+    from pyroute2 import IPRoute
+
+    try:
+        with netns.enter(ns):
+            ipr = IPRoute()
+        try:
+            lo = ipr.get_links(ipr.link_lookup(ifname="lo")[0])[0]
+            return lo.get_attr("IFLA_IFALIAS")
+        finally:
+            ipr.close()
+    except Exception:
+        return None
+
+
+def health(st: dict[str, Any]) -> list[str]:
+    """What a testbed that says it is up is missing (empty: healthy)."""
+    missing = []
+    res = st.get("resources", {})
+    for ns in res.get("switch_netns", []) + res.get("worker_netns", []):
+        if not netns.exists(ns):
+            missing.append(f"namespace {ns}")
+    for rec in res.get("delay_lines", []):
+        if not _alive(rec.get("pid"), rec.get("start_time")):
+            missing.append(f"delay line of link {rec.get('link')} (pid {rec.get('pid')})")
+    return missing
+
+
+def cleanup() -> list[tuple[str, str]]:
+    """Remove leftovers of testbeds whose CLI died; leave healthy and in-progress testbeds alone."""
+    from testbed.net.builder import delete_namespaces, kill_processes_in
+
+    removed: list[tuple[str, str]] = []
+    keep: set[str] = set()
+    base = state.root()
+    dirs = sorted(p.name for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+    for name in dirs:
+        try:
+            st = state.load(name)
+        except StateError:
+            st = None
+        if st is None:
+            if state.path(name).exists() and state.path(name).stat().st_size == 0:
+                # claimed by an `up` that has not written its first state yet, or died right then
+                if time.time() - state.path(name).stat().st_mtime < 10:
+                    keep.add(name)
+                    continue
+            state.remove(name)
+            removed.append((name, "state directory without a valid state"))
+            continue
+        status = st.get("status")
+        if status == BUILDING and _alive(st.get("pid"), st.get("pid_start")):
+            keep.add(name)
+            continue
+        if status == UP:
+            missing = health(st)
+            if not missing:
+                keep.add(name)
+                continue
+            what = f"half-gone ({len(missing)} missing, e.g. {missing[0]})"
+        else:
+            what = f"left {status} by a process that is gone (pid {st.get('pid')})"
+        _remove(st)
+        removed.append((name, what))
+    # Namespaces with our label and no state (or a state we just removed).
+    prefix = names.PREFIX
+    for ns in netns.list_names(prefix):
+        label = _read_owner(ns)
+        if not label or not label.startswith("testbed:"):
+            continue
+        _, _, rest = label.partition(":")
+        tb, _, root = rest.partition(":")
+        if root != str(base) or tb in keep:
+            continue
+        kill_processes_in([ns])
+        delete_namespaces([ns])
+        removed.append((tb, f"namespace {ns} (labelled ours, no state)"))
+    return removed
+
+
+# -- status ------------------------------------------------------------------------------------------------
+
+def set_link_state(name: str, index: int, link_state: str) -> None:
+    st = state.load(name)
+    st["links"][index]["state"] = link_state
+    state.save(name, st)
+
+
+def list_testbeds() -> list[dict[str, Any]]:
+    out = []
+    for name in state.list_names():
+        try:
+            st = state.load(name)
+        except StateError:
+            out.append({"name": name, "status": "corrupt"})
+            continue
+        topo = st.get("topology", {})
+        nodes = topo.get("nodes", [])
+        status_ = st.get("status")
+        if status_ == BUILDING and not _alive(st.get("pid"), st.get("pid_start")):
+            status_ = "dead (run testbed cleanup)"
+        elif status_ == UP and health(st):
+            status_ = "degraded (run testbed cleanup)"
+        out.append({
+            "name": name, "status": status_, "topology": topo.get("name"),
+            "workers": sum(1 for n in nodes if n["kind"] == "worker"),
+            "switches": sum(1 for n in nodes if n["kind"] == "switch"),
+            "links": len(topo.get("links", [])),
+            "runtime": st.get("runtime", {}).get("kind"), "created": st.get("created"),
+        })
+    return out
+
+
+def status(name: str) -> dict[str, Any]:
+    """The `testbed status --json` document."""
+    st = state.load(name)
+    topo = Topology.from_json(st["topology"])
+    plan = st.get("plan", {})
+    addrs: dict[str, list[str]] = {n: [] for n in topo.nodes}
+    for sw, sub in plan.get("subnets", {}).items():
+        addrs[sw].append(sub["gateway"])
+    for lp in plan.get("links", []):
+        for side in ("a", "b"):
+            p = lp[side]
+            if p.get("address"):
+                addrs[p["node"]].append(p["address"])
+    nodes = [{"name": n.name, "kind": n.kind, "addresses": addrs[n.name], "netns": names.netns(name, n.name)}
+             for n in topo.nodes.values()]
+    links = []
+    for rec, link in zip(st.get("links", []), topo.links):
+        d = {"index": rec["index"], "endpoints": [link.a, link.b], "tier": link.tier,
+             "ifnames": rec.get("ifnames"),
+             **{k: getattr(link.ab, k) for k in ("bandwidth_bps", "delay_s", "jitter_s", "loss", "queue")},
+             "state": rec.get("state", "up")}
+        if not link.symmetric:
+            d["reverse"] = {k: getattr(link.ba, k) for k in ("bandwidth_bps", "delay_s", "jitter_s", "loss", "queue")}
+        links.append(d)
+    missing = health(st) if st.get("status") == UP else []
+    return {
+        "name": name, "status": st.get("status") if not missing else "degraded", "missing": missing,
+        "topology": topo.name, "runtime": st.get("runtime", {}).get("kind"), "created": st.get("created"),
+        "latency_floor_s": st.get("latency_floor_s"), "no_delay_element": st.get("no_delay_element", []),
+        "nodes": nodes, "links": links,
+    }
+
+
+def exec_argv(st: dict[str, Any], node: str, argv: Sequence[str], **kw: Any) -> list[str]:
+    """The host command line running argv inside `node` (a worker through its runtime, a switch bare)."""
+    topo_nodes = {n["name"]: n for n in st["topology"]["nodes"]}
+    if node not in topo_nodes:
+        raise StateError(f"testbed {st['name']!r} has no node {node!r}; nodes: "
+                         f"{', '.join(list(topo_nodes)[:12])}{' ...' if len(topo_nodes) > 12 else ''}")
+    if topo_nodes[node]["kind"] == "worker":
+        rt = runtime_for(st)
+        rec = st.get("runtime", {}).get("workers", {}).get(node, {"netns": node_netns(st, node)})
+    else:
+        from testbed.runtime.bare import BareRuntime
+
+        rt, rec = BareRuntime(st["name"]), {"netns": node_netns(st, node)}
+    return rt.exec_argv(node, rec, argv, **kw)

@@ -1,0 +1,468 @@
+"""Build the fabric of a testbed in the kernel, and take it down again.
+
+Input: a validated Topology, its NetworkPlan and the probed Capabilities.
+Worker namespaces already exist (the runtime's prepare_netns made them);
+switch namespaces are made here. Then, phase by phase (timed, see
+`Builder.timings`):
+
+  sysctls    per namespace, through /proc/sys/net after setns (never the root
+             namespace): IPv6 off, rp_filter loose, ignore_routes_with_linkdown;
+             switches also forward and hash multipath on L4
+             (fib_multipath_hash_policy=1).
+  links      one veth pair per link, both ends created directly in their
+             namespaces (IFLA_NET_NS_FD on the device and on the peer), with
+             fixed MAC addresses; or a delay line (two TAPs and a helper
+             process) when the link needs a delay and the kernel has no netem.
+  configure  per namespace, with one IPRoute socket opened inside it: lo up,
+             the bridge with the gateway address (switches that serve
+             workers), ports up/enslaved/addressed, shaping (one call per
+             interface end), permanent neighbour entries, routes (static ECMP
+             from the plan, default route on workers).
+
+Permanent neighbour entries: every address on every L2 segment is known from
+the plan and every MAC is chosen here, so ARP is never needed. Permanent
+entries are exempt from the kernel's neighbour garbage collection and its
+gc_thresh limits, which are global (not per namespace) and would otherwise
+overflow on big topologies (k=8 fat-tree: > 1024 entries).
+
+Everything created lives inside the testbed's namespaces, except delay-line
+helper processes: `teardown` stops those (by recorded PID) and deletes the
+namespaces, which removes every interface, qdisc and route in them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import os
+import signal
+import time
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from testbed.net import names, netns
+from testbed.topology.model import LinkProfile, Topology
+from testbed.topology.plan import BRIDGE, LinkPlan, NetworkPlan
+
+COMMON_SYSCTLS = {
+    "net/ipv6/conf/all/disable_ipv6": "1",
+    "net/ipv6/conf/default/disable_ipv6": "1",
+    "net/ipv4/conf/all/rp_filter": "2",
+    "net/ipv4/conf/default/rp_filter": "2",
+    "net/ipv4/conf/all/ignore_routes_with_linkdown": "1",
+    "net/ipv4/conf/default/ignore_routes_with_linkdown": "1",
+}
+SWITCH_SYSCTLS = {
+    **COMMON_SYSCTLS,
+    "net/ipv4/ip_forward": "1",
+    "net/ipv4/conf/all/forwarding": "1",
+    "net/ipv4/conf/default/forwarding": "1",
+    "net/ipv4/fib_multipath_hash_policy": "1",
+}
+WORKER_SYSCTLS = dict(COMMON_SYSCTLS)
+FIRST_IFINDEX = 16
+
+Recorder = Callable[[str, Any], None]
+"""record(kind, item): called right after something outside our namespaces is created
+(kind "delay_line": a dict with its pid), so the caller can persist it."""
+
+
+def mac_for(testbed: str, key: str) -> str:
+    """A stable, locally administered unicast MAC for interface `key` of testbed `testbed`."""
+    h = hashlib.blake2b(f"{testbed}/{key}".encode(), digest_size=5).digest()
+    return "02:" + ":".join(f"{b:02x}" for b in h)
+
+
+def _plain(cidr: str) -> str:
+    return cidr.split("/")[0]
+
+
+def no_delay_element(topo: Topology, floor_s: float | None) -> list[dict[str, Any]]:
+    """Link directions that ask for a delay at or below the latency floor (they get no delay element)."""
+    out = []
+    if not floor_s:
+        return out
+    for i, link in enumerate(topo.links):
+        for src, dst, prof in ((link.a, link.b, link.ab), (link.b, link.a, link.ba)):
+            if 0 < prof.delay_s + prof.jitter_s <= floor_s:
+                out.append({"link": i, "from": src, "to": dst, "delay_s": prof.delay_s})
+    return out
+
+
+# -- shaping and delay lines: thin adapters over testbed.net.shaping / delayline -------------------------
+
+def _shaping():
+    try:
+        from testbed.net import shaping
+    except ImportError:
+        return None
+    return shaping
+
+
+def needs_delay_line(profile: LinkProfile, caps: Any) -> bool:
+    sh = _shaping()
+    if sh is None or caps is None or not hasattr(sh, "needs_delay_line"):
+        return False
+    return bool(sh.needs_delay_line(profile, caps))
+
+
+def shape(ipr: Any, ifname: str, index: int, profile: LinkProfile, caps: Any) -> None:
+    """Shape the egress of one interface end (the one place the builder touches tc)."""
+    sh = _shaping()
+    if sh is not None:
+        sh.apply(ipr, index, profile, caps)
+        return
+    _fallback_htb(ipr, index, profile)
+
+
+def _fallback_htb(ipr: Any, index: int, profile: LinkProfile) -> None:
+    """Bandwidth only (used only while testbed.net.shaping is absent)."""
+    if not profile.bandwidth_bps:
+        return
+    rate = profile.bandwidth_bps // 8  # bytes/s
+    burst = max(rate // 500, 2 * 65536)  # ~ rate x 2 ms
+    ipr.tc("add", "htb", index, 0x10000, default=0x10)
+    ipr.tc("add-class", "htb", index, 0x10010, parent=0x10000, rate=rate, ceil=rate,
+           burst=burst, cburst=burst, quantum=60000)
+
+
+# -- the builder ---------------------------------------------------------------------------------------
+
+@dataclass
+class Builder:
+    testbed: str
+    topo: Topology
+    plan: NetworkPlan
+    caps: Any = None
+    record: Recorder | None = None
+    owner_label: str | None = None          # set as lo's alias in every namespace (ownership)
+    timings: dict[str, float] = field(default_factory=dict)
+    delay_lines: list[dict[str, Any]] = field(default_factory=list)
+    progress: Callable[[str, int, int], None] | None = None   # (phase, done, total)
+
+    def ns(self, node: str) -> str:
+        return names.netns(self.testbed, node)
+
+    @property
+    def switch_namespaces(self) -> list[str]:
+        return [self.ns(s) for s in self.topo.switches]
+
+    def _tick(self, phase: str, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(phase, done, total)
+
+    def _timed(self, phase: str, t0: float) -> float:
+        t = time.perf_counter()
+        self.timings[phase] = self.timings.get(phase, 0.0) + (t - t0)
+        return t
+
+    # -- phases ------------------------------------------------------------------------------------
+    def create_switch_namespaces(self) -> None:
+        t0 = time.perf_counter()
+        sw = self.topo.switches
+        with netns.Home() as home:
+            for i, s in enumerate(sw):
+                netns.create(self.ns(s), SWITCH_SYSCTLS, home=home)
+                self._tick("switch namespaces", i + 1, len(sw))
+        self._timed("switch namespaces", t0)
+
+    def set_worker_sysctls(self) -> None:
+        t0 = time.perf_counter()
+        with netns.Home() as home:
+            for w in self.topo.workers:
+                fd = os.open(netns.path(self.ns(w)), os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    netns.setns(fd)
+                    netns.write_sysctls(WORKER_SYSCTLS)
+                finally:
+                    home.back()
+                    os.close(fd)
+        self._timed("worker sysctls", t0)
+
+    def create_links(self) -> None:
+        from pyroute2 import IPRoute
+
+        t0 = time.perf_counter()
+        fds: dict[str, int] = {}
+        try:
+            for node in self.topo.nodes:
+                fds[node] = os.open(netns.path(self.ns(node)), os.O_RDONLY | os.O_CLOEXEC)
+            with IPRoute() as ipr:
+                total = len(self.plan.links)
+                for n, lp in enumerate(self.plan.links):
+                    link = self.topo.links[lp.index]
+                    if needs_delay_line(link.ab, self.caps) or needs_delay_line(link.ba, self.caps):
+                        self._start_delay_line(lp)
+                    else:
+                        mtu = max(link.ab.mtu, link.ba.mtu)
+                        # Explicit, distinct ifindexes: the kernel treats carrier changes of a veth whose
+                        # ifindex equals its peer's as non-urgent and attaches its qdisc up to 1 s late.
+                        ipr.link("add", ifname=lp.a.ifname, kind="veth", net_ns_fd=fds[lp.a.node],
+                                 index=FIRST_IFINDEX + 2 * lp.index, address=self.mac(lp, "a"), mtu=mtu,
+                                 peer={"ifname": lp.b.ifname, "net_ns_fd": fds[lp.b.node],
+                                       "index": FIRST_IFINDEX + 2 * lp.index + 1,
+                                       "address": self.mac(lp, "b"), "mtu": mtu})
+                    self._tick("links", n + 1, total)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        self._timed("links", t0)
+
+    def _start_delay_line(self, lp: LinkPlan) -> None:
+        from testbed.net import delayline, state
+
+        link = self.topo.links[lp.index]
+        dl = delayline.start_delay_link(self.testbed, lp.index, self.ns(lp.a.node), lp.a.ifname,
+                                        self.ns(lp.b.node), lp.b.ifname, link.ab, link.ba,
+                                        max(link.ab.mtu, link.ba.mtu), state.directory(self.testbed))
+        rec = dl.to_json() if hasattr(dl, "to_json") else {"pid": int(dl)}
+        rec["link"] = lp.index
+        try:
+            import psutil
+
+            rec["start_time"] = psutil.Process(rec["pid"]).create_time()
+        except Exception:
+            pass
+        self.delay_lines.append(rec)
+        if self.record is not None:
+            self.record("delay_line", rec)
+
+    def mac(self, lp: LinkPlan, side: str) -> str:
+        return mac_for(self.testbed, f"l{lp.index}{side}")
+
+    def bridge_mac(self, switch: str) -> str:
+        return mac_for(self.testbed, f"br/{switch}")
+
+    def configure(self) -> None:
+        """Everything inside each namespace: one IPRoute per namespace, opened after setns."""
+        from pyroute2 import IPRoute
+
+        t0 = time.perf_counter()
+        neigh = self._neighbours()
+        # the egress profile and MAC of every port, by (node, ifname)
+        ports: dict[str, list[tuple[Any, LinkProfile, str]]] = {n: [] for n in self.topo.nodes}
+        for lp in self.plan.links:
+            link = self.topo.links[lp.index]
+            ports[lp.a.node].append((lp.a, link.ab, self.mac(lp, "a")))
+            ports[lp.b.node].append((lp.b, link.ba, self.mac(lp, "b")))
+        delayed_links = {rec.get("link") for rec in self.delay_lines}
+        delayed_ports: dict[str, set[str]] = {n: set() for n in self.topo.nodes}
+        for lp in self.plan.links:
+            if lp.index in delayed_links:
+                delayed_ports[lp.a.node].add(lp.a.ifname)
+                delayed_ports[lp.b.node].add(lp.b.ifname)
+        total = len(self.topo.nodes)
+        with netns.Home() as home:
+            for n, node in enumerate(self.topo.nodes):
+                fd = os.open(netns.path(self.ns(node)), os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    netns.setns(fd)
+                    ipr = IPRoute()
+                finally:
+                    home.back()
+                    os.close(fd)
+                try:
+                    self._configure_node(ipr, node, ports[node], neigh.get(node, []), delayed_ports[node])
+                finally:
+                    ipr.close()
+                self._tick("configure", n + 1, total)
+        self._timed("configure", t0)
+
+    def _configure_node(self, ipr: Any, node: str, ports: list[tuple[Any, LinkProfile, str]],
+                        neigh: list[tuple[str, str, str]], delayed: set[str]) -> None:
+        t = time.perf_counter
+        index = {link.get_attr("IFLA_IFNAME"): link["index"] for link in ipr.get_links()}
+        lo = index["lo"]
+        if self.owner_label:
+            ipr.link("set", index=lo, state="up", ifalias=self.owner_label)
+        else:
+            ipr.link("set", index=lo, state="up")
+        br = None
+        subnet = self.plan.subnets.get(node)
+        if subnet is not None:
+            ipr.link("add", ifname=BRIDGE, kind="bridge", address=self.bridge_mac(node), br_stp_state=0,
+                     br_forward_delay=0, br_mcast_snooping=0)
+            br = ipr.link_lookup(ifname=BRIDGE)[0]
+            index[BRIDGE] = br
+            ipr.link("set", index=br, state="up")
+            net = ipaddress.IPv4Interface(subnet.gateway)
+            ipr.addr("add", index=br, address=str(net.ip), prefixlen=net.network.prefixlen)
+        for port, profile, mac in ports:
+            idx = index[port.ifname]
+            kw: dict[str, Any] = {"address": mac} if port.ifname in delayed else {}
+            if port.bridged and br is not None:
+                kw["master"] = br
+            ipr.link("set", index=idx, state="up", **kw)
+            if port.address:
+                a = ipaddress.IPv4Interface(port.address)
+                ipr.addr("add", index=idx, address=str(a.ip), prefixlen=a.network.prefixlen)
+        t1 = t()
+        for port, profile, _mac in ports:
+            shape(ipr, port.ifname, index[port.ifname], profile, self.caps)
+        t2 = t()
+        self.timings["shaping"] = self.timings.get("shaping", 0.0) + (t2 - t1)
+        for ifname, ip, mac in neigh:
+            ipr.neigh("add", dst=ip, lladdr=mac, ifindex=index[ifname], state="permanent")
+        for route in self.plan.routes.get(node, []):
+            dst = "0.0.0.0/0" if route.dst == "default" else route.dst
+            if len(route.nexthops) == 1:
+                h = route.nexthops[0]
+                ipr.route("add", dst=dst, gateway=h.via, oif=index[h.ifname])
+            else:
+                ipr.route("add", dst=dst,
+                          multipath=[{"gateway": h.via, "oif": index[h.ifname]} for h in route.nexthops])
+        self.timings["routes+neigh"] = self.timings.get("routes+neigh", 0.0) + (t() - t2)
+
+    def _neighbours(self) -> dict[str, list[tuple[str, str, str]]]:
+        """node -> [(ifname, ip, mac)]: every neighbour each node can have, from the plan."""
+        out: dict[str, list[tuple[str, str, str]]] = {n: [] for n in self.topo.nodes}
+        segment: dict[str, list[tuple[str, str, str, str]]] = {}   # switch -> [(worker, ifname, ip, mac)]
+        for lp in self.plan.links:
+            if lp.kind == "access":
+                wside, sside = ("a", "b") if lp.a.address else ("b", "a")
+                wp, sp = (lp.a, lp.b) if wside == "a" else (lp.b, lp.a)
+                segment.setdefault(sp.node, []).append((wp.node, wp.ifname, _plain(wp.address), self.mac(lp, wside)))
+            else:
+                out[lp.a.node].append((lp.a.ifname, _plain(lp.b.address), self.mac(lp, "b")))
+                out[lp.b.node].append((lp.b.ifname, _plain(lp.a.address), self.mac(lp, "a")))
+        for sw, members in segment.items():
+            sub = self.plan.subnets.get(sw)
+            if sub is None:
+                continue
+            gw, gw_mac = _plain(sub.gateway), self.bridge_mac(sw)
+            for w, ifn, ip, mac in members:
+                out[sw].append((BRIDGE, ip, mac))
+                out[w].append((ifn, gw, gw_mac))
+                for w2, _ifn2, ip2, mac2 in members:
+                    if w2 != w:
+                        out[w].append((ifn, ip2, mac2))
+        return out
+
+    def wait_ready(self, timeout: float = 5.0) -> None:
+        """Wait until every interface we made is operationally up (the kernel's linkwatch attaches
+        qdiscs asynchronously after carrier comes up; until then a device drops what it sends)."""
+        from pyroute2 import IPRoute
+
+        from testbed.errors import TestbedError
+
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        expected: dict[str, set[str]] = {n: set() for n in self.topo.nodes}
+        for lp in self.plan.links:
+            expected[lp.a.node].add(lp.a.ifname)
+            expected[lp.b.node].add(lp.b.ifname)
+        for sw in self.plan.subnets:
+            expected[sw].add(BRIDGE)
+        with netns.Home() as home:
+            for node, want in expected.items():
+                fd = os.open(netns.path(self.ns(node)), os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    netns.setns(fd)
+                    ipr = IPRoute()
+                finally:
+                    home.back()
+                    os.close(fd)
+                try:
+                    while True:
+                        down = [link.get_attr("IFLA_IFNAME") for link in ipr.get_links()
+                                if link.get_attr("IFLA_IFNAME") in want and link.get_attr("IFLA_OPERSTATE") not in ("UP", "UNKNOWN")]
+                        if not down:
+                            break
+                        if time.monotonic() > deadline:
+                            raise TestbedError(f"interfaces of {node} did not come up in {timeout:g} s: "
+                                               f"{', '.join(sorted(down))}")
+                        time.sleep(0.005)
+                finally:
+                    ipr.close()
+        self._timed("wait ready", t0)
+
+    def build(self) -> None:
+        """Switch namespaces, worker sysctls, links, per-namespace configuration (workers' namespaces exist)."""
+        self.create_switch_namespaces()
+        self.set_worker_sysctls()
+        self.create_links()
+        self.configure()
+        self.wait_ready()
+
+
+# -- teardown ------------------------------------------------------------------------------------------
+
+def stop_delay_lines(records: Iterable[dict[str, Any]]) -> None:
+    recs = list(records)
+    if not recs:
+        return
+    try:
+        from testbed.net import delayline
+    except ImportError:
+        delayline = None
+    for rec in recs:
+        pid = rec.get("pid")
+        if not pid:
+            continue
+        if delayline is not None and hasattr(delayline, "stop"):
+            with suppress(Exception):
+                delayline.stop(pid)
+                continue
+        kill_pid(pid, rec.get("start_time"))
+
+
+def kill_pid(pid: int, start_time: float | None = None, timeout: float = 2.0) -> None:
+    """SIGTERM then SIGKILL one process we started (checked by start time against PID reuse)."""
+    try:
+        import psutil
+
+        p = psutil.Process(pid)
+        if start_time is not None and abs(p.create_time() - start_time) > 1.0:
+            return
+        p.terminate()
+        try:
+            p.wait(timeout)
+        except psutil.TimeoutExpired:
+            p.kill()
+            p.wait(timeout)
+    except Exception:
+        pass
+
+
+def kill_processes_in(namespaces: list[str], timeout: float = 2.0) -> None:
+    """End the processes (found by PID) that sit in our namespaces: they would keep them alive."""
+    pids = netns.pids_in(namespaces)
+    if not pids:
+        return
+    for pid in pids:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            try:  # reap our own children
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.01)
+
+
+def delete_namespaces(namespaces: Iterable[str]) -> list[str]:
+    """Delete namespaces (idempotent); returns those that were there."""
+    gone = []
+    for name in namespaces:
+        if netns.delete(name):
+            gone.append(name)
+    return gone
+
+
+def teardown(switch_namespaces: list[str], delay_lines: list[dict[str, Any]], state_dir: str | None = None) -> None:
+    """Take down what the builder made: helper processes, then the switch namespaces."""
+    stop_delay_lines(delay_lines)
+    if state_dir:  # helpers started but not yet recorded (the up died in between) left a pid file
+        with suppress(Exception):
+            from testbed.net import delayline
+
+            delayline.stop_all(state_dir)
+    kill_processes_in(switch_namespaces)
+    delete_namespaces(switch_namespaces)

@@ -1,0 +1,253 @@
+"""up/down/cleanup on the real kernel: all-or-nothing, refusals, kill -9, the CLI. Marked root."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from testbed import lifecycle
+from testbed.errors import StateError
+from testbed.errors import TestbedError as TBError
+from testbed.net import names, netns, state
+from testbed.topology.loader import load_topology, load_topology_text
+
+pytestmark = pytest.mark.root
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def ours(name: str) -> list[str]:
+    return netns.list_names(names.netns_prefix(name))
+
+
+def procs_in_state_dir(state_dir) -> list[int]:
+    """Processes whose command line mentions our state dir (delay lines, worker inits)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if str(state_dir).encode() in Path(f"/proc/{pid}/cmdline").read_bytes() + \
+                        Path(f"/proc/{pid}/environ").read_bytes():
+                    out.append(int(pid))
+            except OSError:
+                pass
+    return out
+
+
+def assert_nothing_left(name: str, state_dir) -> None:
+    assert ours(name) == [], ours(name)
+    assert not state.directory(name).exists()
+    assert procs_in_state_dir(state_dir) == []
+
+
+def cli(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    e = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, "-c", "from testbed.cli import main; main()", *args],
+                          capture_output=True, text=True, env=e, timeout=120, **kw)
+
+
+@pytest.mark.parametrize("phase", ["workers", "switches", "links", "configured", "started"])
+def test_rollback_on_error_midway(root, state_dir, tb_name, monkeypatch, phase):
+    monkeypatch.setenv("TESTBED_FAIL_AT", phase)
+    with pytest.raises(TBError, match="injected failure"):
+        lifecycle.up(load_topology("fat-tree"), tb_name)
+    assert_nothing_left(tb_name, state_dir)
+
+
+def test_rollback_on_delay_line_topology(root, state_dir, tb_name, monkeypatch):
+    """A link with a delay above the floor (a delay line without netem) is rolled back too."""
+    text = """
+name: dl
+nodes: {a: {kind: worker}, b: {kind: worker}, s: {kind: switch}}
+links:
+  - {endpoints: [a, s], delay: 1ms}
+  - {endpoints: [b, s]}
+"""
+    monkeypatch.setenv("TESTBED_FAIL_AT", "configured")
+    with pytest.raises(TBError, match="injected failure"):
+        lifecycle.up(load_topology_text(text), tb_name)
+    assert_nothing_left(tb_name, state_dir)
+
+
+def test_ctrl_c_rolls_back(root, state_dir, tb_name):
+    p = subprocess.Popen([sys.executable, "-c", "from testbed.cli import main; main()", "up", "fat-tree",
+                          "--name", tb_name], env={**os.environ, "PYTHONPATH": str(REPO),
+                                                   "TESTBED_PAUSE_AT": "links:30"},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_for(lambda: len(ours(tb_name)) >= 36, 60)
+        p.send_signal(signal.SIGINT)
+        p.wait(60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130
+    assert_nothing_left(tb_name, state_dir)
+
+
+def test_sigterm_rolls_back(root, state_dir, tb_name):
+    p = subprocess.Popen([sys.executable, "-c", "from testbed.cli import main; main()", "up", "fat-tree",
+                          "--name", tb_name], env={**os.environ, "PYTHONPATH": str(REPO),
+                                                   "TESTBED_PAUSE_AT": "configured:30"},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_for(lambda: len(ours(tb_name)) >= 36, 60)
+        time.sleep(0.5)
+        p.terminate()
+        p.wait(60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0
+    assert_nothing_left(tb_name, state_dir)
+
+
+def _wait_for(cond, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("phase", ["switches", "configured"])
+def test_cleanup_after_kill_9(root, state_dir, tb_name, phase):
+    p = subprocess.Popen([sys.executable, "-c", "from testbed.cli import main; main()", "up", "fat-tree",
+                          "--name", tb_name], env={**os.environ, "PYTHONPATH": str(REPO),
+                                                   "TESTBED_PAUSE_AT": f"{phase}:30"},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_for(lambda: len(ours(tb_name)) >= 36, 60)
+        time.sleep(0.5 if phase == "switches" else 1.5)
+        p.kill()
+        p.wait()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert ours(tb_name), "the killed up should have left namespaces behind"
+    r = cli("cleanup")
+    assert r.returncode == 0, r.stderr
+    assert tb_name in r.stdout
+    assert_nothing_left(tb_name, state_dir)
+
+
+def test_cleanup_finds_labelled_namespaces_without_state(testbed, state_dir, tb_name):
+    st = testbed(load_topology("two-racks"), tb_name)
+    state.remove(tb_name)          # the state is gone, the namespaces are still there (labelled ours)
+    assert ours(tb_name)
+    removed = lifecycle.cleanup()
+    assert any(n == tb_name for n, _ in removed)
+    assert ours(tb_name) == []
+
+
+def test_cleanup_leaves_healthy_testbeds_and_others_alone(testbed, state_dir, tb_name, tmp_path):
+    st = testbed(load_topology("two-racks"), tb_name)
+    # a namespace of someone else, with a name like ours but not labelled: never touched
+    foreign = names.netns(tb_name + "x", "w0")
+    netns.create(foreign)
+    try:
+        assert lifecycle.cleanup() == []
+        assert len(ours(tb_name)) == 5
+        assert netns.exists(foreign)
+    finally:
+        netns.delete(foreign)
+    # half-gone: a namespace vanished -> cleanup removes the rest
+    netns.delete(names.netns(tb_name, "spine0"))
+    removed = lifecycle.cleanup()
+    assert [n for n, _ in removed] == [tb_name]
+    assert_nothing_left(tb_name, state_dir)
+
+
+def test_second_up_same_name_refused(testbed, state_dir, tb_name):
+    topo = load_topology("two-racks")
+    testbed(topo, tb_name)
+    before = ours(tb_name)
+    with pytest.raises(StateError, match="already up"):
+        lifecycle.up(topo, tb_name)
+    assert ours(tb_name) == before
+    assert lifecycle.status(tb_name)["status"] == "up"
+
+
+def test_two_testbeds_side_by_side(testbed, state_dir):
+    a = testbed(load_topology("two-racks"))
+    b = testbed(load_topology("two-racks"))
+    assert {t["name"] for t in lifecycle.list_testbeds()} == {a["name"], b["name"]}
+    for st in (a, b):
+        r = subprocess.run(lifecycle.exec_argv(st, "w0", ["ping", "-c1", "-W2", "10.0.1.2"]), capture_output=True)
+        assert r.returncode == 0
+    lifecycle.down(a["name"])
+    assert ours(a["name"]) == [] and len(ours(b["name"])) == 5
+
+
+@pytest.mark.parametrize("args,code", [
+    (["up", "no-such-topology"], 2),
+    (["up", "fat-tree", "--set", "params.k=3"], 2),
+    (["up", "fat-tree", "--set", "tiers.host.bandwidth=-1gbit"], 2),
+    (["up", "fat-tree", "--name", "bad/name"], 1),
+])
+def test_bad_input_refused_leaves_nothing(root, state_dir, args, code):
+    before = netns.list_names(names.PREFIX)
+    r = cli(*args)
+    assert r.returncode == code, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and "error" in r.stderr.lower()
+    assert netns.list_names(names.PREFIX) == before or set(netns.list_names(names.PREFIX)) <= set(before) | \
+        {n for n in netns.list_names(names.PREFIX) if not n.startswith("tb-fat-tree-")}
+    assert not any(state_dir.iterdir())
+
+
+def test_refused_when_namespace_exists(root, state_dir, tb_name):
+    clash = names.netns(tb_name, "w0")
+    netns.create(clash)
+    try:
+        with pytest.raises(StateError, match="already exists"):
+            lifecycle.up(load_topology("two-racks"), tb_name)
+        assert ours(tb_name) == [clash]
+        assert not state.directory(tb_name).exists()
+    finally:
+        netns.delete(clash)
+
+
+def test_cli_round_trip(root, state_dir, tb_name):
+    r = cli("up", "two-racks", "--name", tb_name)
+    try:
+        assert r.returncode == 0, r.stderr
+        assert "w0" in r.stdout and "testbed exec" in r.stdout and "latency floor" in r.stdout
+        r = cli("ls")
+        assert tb_name in r.stdout
+        doc = json.loads(cli("status", tb_name, "--json").stdout)
+        assert {n["name"] for n in doc["nodes"]} == {"w0", "w1", "tor0", "tor1", "spine0"}
+        assert doc["nodes"][0]["addresses"]
+        link = doc["links"][2]
+        assert link["endpoints"] == ["tor0", "spine0"] and link["bandwidth_bps"] == 40 * 10**9
+        assert link["state"] == "up" and {"delay_s", "jitter_s", "loss", "queue"} <= set(link)
+        # exec: stdin/stdout pass through, exit status comes back; switches too; --name may be left out
+        r = cli("exec", "w0", "--", "sh", "-c", "cat; exit 3", input="hello\n")
+        assert r.returncode == 3 and r.stdout == "hello\n"
+        assert cli("exec", "spine0", "--name", tb_name, "--", "ip", "-o", "link").returncode == 0
+        assert cli("exec", "w0", "--", "ping", "-c1", "-W2", "10.0.1.2").returncode == 0
+        r = cli("up", "two-racks", "--name", tb_name)
+        assert r.returncode == 4 and "already up" in r.stderr
+    finally:
+        r = cli("down", tb_name)
+    assert r.returncode == 0, r.stderr
+    assert_nothing_left(tb_name, state_dir)
+
+
+def test_down_all(root, state_dir):
+    for _ in range(2):
+        assert cli("up", "two-racks", "--name", f"t{os.urandom(3).hex()}").returncode == 0
+    assert len(lifecycle.list_testbeds()) == 2
+    assert cli("down").returncode == 4   # ambiguous without a name
+    r = cli("down", "--all")
+    assert r.returncode == 0, r.stderr
+    assert lifecycle.list_testbeds() == []
