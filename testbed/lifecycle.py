@@ -161,8 +161,16 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 
 def up(topo: Topology, name: str | None = None, *, progress: Progress | None = None,
-       runtime: str | None = None, caps: Any = None) -> dict[str, Any]:
-    """Build testbed `name` (default: the topology's name) from a validated topology. All or nothing."""
+       runtime: str | None = None, caps: Any = None, allow_gpu_sharing: bool = False,
+       time_dilation: float | str | None = None) -> dict[str, Any]:
+    """Build testbed `name` (default: the topology's name) from a validated topology. All or nothing.
+
+    time_dilation (a factor >= 1, "auto" or None for the topology's own setting): links are
+    built at bandwidth/s and delay*s; the state keeps the topology's nominal profiles and s.
+    """
+    from testbed.runtime import gpu
+    from testbed.runtime.env import worker_env
+    from testbed.topology.dilation import dilate_topology, resolve as resolve_dilation
     from testbed.net.builder import Builder, no_delay_element
     from testbed.topology.plan import plan_network
 
@@ -182,6 +190,15 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     if clash:
         raise StateError(f"namespace {clash[0]} already exists (a leftover? try `testbed cleanup`); "
                          "refusing to adopt it")
+    gplan = gpu.plan_topology(topo, allow_sharing=allow_gpu_sharing)  # refuses too few GPUs, before anything
+    setting = time_dilation if time_dilation is not None else topo.time_dilation
+    try:
+        factor = resolve_dilation(setting, n_ranks=len(topo.workers), n_gpus=len(gplan.used),
+                                  n_cpus=os.cpu_count() or 1)
+    except ValueError as exc:
+        raise TestbedError(f"--time-dilation: {exc}") from None
+    nominal = topo
+    topo = dilate_topology(topo, factor)  # what the kernel gets; the state keeps `nominal`
     t0 = time.perf_counter()
     caps = check_capabilities(topo, caps)
     timings["capabilities"] = time.perf_counter() - t0
@@ -207,7 +224,9 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "state_root": str(state.root()),
         "owner": owner_label(name),
-        "topology": topo.to_json(),
+        "topology": nominal.to_json(),
+        "time_dilation": factor,
+        "gpu": {**gplan.to_json(), "mps_daemon": None},
         "plan": plan.to_json(),
         "capabilities": caps.to_json() if hasattr(caps, "to_json") else None,
         "latency_floor_s": floor,
@@ -250,11 +269,16 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         _checkpoint("configured")
         t0 = time.perf_counter()
         hosts = plan.hosts()
+        mps = None
+        if gplan.mps:
+            mps = gpu.start_mps(state.directory(name))
+            st["gpu"]["mps_daemon"] = mps
+            state.save(name, st)
         batch = []
         for node in workers:
             ifs = [p.ifname for p in plan.ports(node.name)]
-            env = {"GLOO_SOCKET_IFNAME": ",".join(ifs), "NCCL_SOCKET_IFNAME": ",".join(ifs),
-                   "NCCL_IB_DISABLE": "1"}
+            env = worker_env(name, node.name, ifs, cpus=node.cpus, gpu_env=gplan.env(node.name, mps),
+                             extra={"TESTBED_TIME_DILATION": repr(factor)})
             batch.append((node, names.netns(name, node.name), env, hosts))
         if hasattr(rt, "start_many"):
             if progress:
@@ -313,6 +337,12 @@ def _remove(st: dict[str, Any]) -> None:
             for node, rec in workers.items():
                 with suppress(Exception):
                     rt.remove(node, rec)
+    mps = (st.get("gpu") or {}).get("mps_daemon")
+    if mps:
+        from testbed.runtime import gpu
+
+        with suppress(Exception):
+            gpu.stop_mps(mps)
     teardown(list(res.get("switch_netns", [])), list(res.get("delay_lines", [])), str(state.directory(name)))
     rest = [n for n in res.get("worker_netns", []) + res.get("switch_netns", []) if netns.exists(n)]
     if rest:
@@ -421,7 +451,26 @@ def cleanup() -> list[tuple[str, str]]:
         kill_processes_in([ns])
         delete_namespaces([ns])
         removed.append((tb, f"namespace {ns} (labelled ours, no state)"))
+    removed += _cleanup_containers(keep, base)
     return removed
+
+
+def _cleanup_containers(keep: set[str], base: Any) -> list[tuple[str, str]]:
+    """Docker containers labelled ours (this state root) whose testbed has no state."""
+    try:
+        from testbed.runtime import docker as dk
+
+        if not dk.daemon_available():
+            return []
+        out = []
+        for c in dk.list_containers():
+            tb = c.labels.get("testbed.name")
+            root = c.labels.get("testbed.state_root")
+            if tb and tb not in keep and root in (None, str(base)) and not state.exists(tb):
+                out += [(tb, f"container {n} (labelled ours, no state)") for n in dk.cleanup_by_label(tb)]
+        return out
+    except Exception:
+        return []
 
 
 # -- status ------------------------------------------------------------------------------------------------

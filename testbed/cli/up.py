@@ -8,7 +8,7 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
-from testbed.cli.common import console, err_console, require_root
+from testbed.cli.common import console, err_console, fail, require_root
 
 
 class _DelayedProgress:
@@ -82,6 +82,12 @@ def _summary(st: dict[str, Any], seconds: float) -> None:
                    ", ".join("unshaped" if b is None else f"{b / 1e9:g} Gbit/s" for b in bws),
                    ", ".join(f"{d * 1e6:g} us" for d in dl), ", ".join(f"{x * 100:g}%" for x in ls))
     console.print(lt)
+    factor = st.get("time_dilation") or 1.0
+    if factor != 1.0:
+        console.print(f"time dilation: {factor:g} (links run at bandwidth/{factor:g} and delay*{factor:g}; "
+                      f"reports divide measured times by {factor:g}); the table shows nominal profiles")
+    else:
+        console.print("time dilation: 1 (real time)")
     floor = st.get("latency_floor_s")
     if floor is not None:
         console.print(f"latency floor (one unshaped hop, one way): {floor * 1e6:.1f} us")
@@ -101,20 +107,34 @@ def _summary(st: dict[str, Any], seconds: float) -> None:
 
 
 def up_cmd(
-    topology: str = typer.Argument(..., help="A topology file, or the name of one in topologies/ (fat-tree, ...)."),
+    topology: str = typer.Argument(..., help="A topology file (YAML, or a Mininet custom .py), the name of one "
+                                             "in topologies/ (fat-tree, ...), or mininet:tree,depth=2,..."),
     name: Optional[str] = typer.Option(None, "--name", "-n", help="Testbed name (default: the topology's name)."),
     sets: list[str] = typer.Option([], "--set", help="Override a topology field: path=value (repeatable)."),
+    runtime: Optional[str] = typer.Option(None, "--runtime", "-r",
+                                          help="Where workers run: netns (default, no daemon) or docker."),
+    time_dilation: Optional[str] = typer.Option(
+        None, "--time-dilation",
+        help="Slow links by a factor s (bandwidth/s, delay*s) to keep time-shared compute in proportion; "
+             "'auto' = ranks per GPU (or CPU core)."),
+    allow_gpu_sharing: bool = typer.Option(False, "--allow-gpu-sharing",
+                                           help="Let several workers share a GPU when there are too few."),
 ) -> None:
     """Build a testbed from TOPOLOGY and leave it running."""
     from testbed import lifecycle
-    from testbed.topology.loader import load_topology
+    from testbed.topology.mininet_import import load_any
 
     require_root("testbed up")
-    topo = load_topology(topology, sets)
+    if runtime is not None and runtime not in ("netns", "docker"):
+        fail(f"--runtime must be netns or docker (got {runtime!r})", 2)
+    topo, warnings = load_any(topology, sets)
+    for w in warnings:
+        err_console.print(f"[yellow]warning:[/] {w}", highlight=False)
     progress = _DelayedProgress()
     t0 = time.perf_counter()
     try:
-        st = lifecycle.up(topo, name, progress=progress)
+        st = lifecycle.up(topo, name, progress=progress, runtime=runtime, time_dilation=time_dilation,
+                          allow_gpu_sharing=allow_gpu_sharing)
     finally:
         progress.stop()
     _summary(st, time.perf_counter() - t0)
