@@ -45,7 +45,7 @@ test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-kernel: venv
-	bash scripts/kernel-vm.sh
+	bash scripts/kernel-vm.sh $(KERNEL_TEST_ARGS)
 
 bench: venv
 	$(PY) bench/bench_up.py
