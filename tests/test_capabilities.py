@@ -57,3 +57,23 @@ def test_doctor_cli():
     assert "netem" in data and "latency_floor_s" in data
     r = runner.invoke(app, ["doctor"])
     assert r.exit_code == 0 and "latency_floor" in r.output
+
+
+def test_probe_is_cached_on_disk_for_this_boot(tmp_path, monkeypatch):
+    """A second process reuses the kernel's answers instead of probing again (~1 s saved per `up`)."""
+    import os
+
+    import pytest
+
+    from testbed.net import capabilities
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    monkeypatch.setenv("TESTBED_STATE_DIR", str(tmp_path))
+    monkeypatch.setattr(capabilities, "_CACHE", None)
+    first = capabilities.probe()
+    assert (tmp_path / ".capabilities.json").is_file()
+    monkeypatch.setattr(capabilities, "_CACHE", None)
+    monkeypatch.setattr(capabilities, "_probe_all", lambda: pytest.fail("probed again despite the boot cache"))
+    again = capabilities.probe()
+    assert (again.netem, again.htb, again.latency_floor_s) == (first.netem, first.htb, first.latency_floor_s)

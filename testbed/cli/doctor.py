@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
         """Probe the kernel and machine: netem, HTB, TAP delay line, BPF loss, Docker, GPUs, latency floor."""
         from testbed.net.capabilities import probe
 
-        caps = probe(measure_floor=True)
+        caps = probe(measure_floor=True, refresh=True)
         if as_json:
             print(json.dumps(caps.to_json(), indent=2, sort_keys=True))
             return

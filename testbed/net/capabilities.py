@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import threading
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
@@ -142,9 +143,17 @@ _LOCK = threading.Lock()
 
 
 def probe(measure_floor: bool = True, refresh: bool = False) -> Capabilities:
-    """Probe once per process (cached). measure_floor adds ~0.3 s (two namespaces and a ping)."""
+    """Probe once per process (cached). measure_floor adds ~0.3 s (two namespaces and a ping).
+
+    The kernel's answers (and the floor) are also kept on disk for the current boot, so
+    that every `testbed up` does not pay ~1 s for them; refresh=True (doctor) probes anew.
+    """
     global _CACHE
     with _LOCK:
+        if _CACHE is None and not refresh:
+            _CACHE = _load_boot_cache()
+            if _CACHE is not None:  # what may change within a boot is probed again (cheap)
+                _CACHE.gpus, _CACHE.docker, _CACHE.cgroup = _gpus(), _docker_answers(), _cgroup_mode()
         if _CACHE is None or refresh:
             _CACHE = _probe_all()
         if measure_floor and _CACHE.latency_floor_s is None and _CACHE.is_root:
@@ -152,7 +161,45 @@ def probe(measure_floor: bool = True, refresh: bool = False) -> Capabilities:
                 _CACHE.latency_floor_s = measure_latency_floor()
             except Exception as exc:  # a floor we cannot measure is not fatal
                 _CACHE.notes["latency_floor"] = str(exc)
+        if _CACHE.is_root and "kernel" not in _CACHE.notes:
+            _save_boot_cache(_CACHE)
         return _CACHE
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def _cache_path() -> Path:
+    from testbed.net import state
+
+    return state.root() / ".capabilities.json"
+
+
+def _load_boot_cache() -> Capabilities | None:
+    try:
+        data = json.loads(_cache_path().read_text())
+        if data.get("boot_id") != _boot_id() or data.get("kernel") != os.uname().release \
+                or os.geteuid() != 0 or data.get("latency_floor_s") is None:
+            return None
+        data.pop("boot_id", None)
+        return Capabilities.from_json(data)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _save_boot_cache(caps: Capabilities) -> None:
+    try:
+        p = _cache_path()
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".capabilities.json.{os.getpid()}")
+        tmp.write_text(json.dumps({**caps.to_json(), "boot_id": _boot_id()}))
+        os.replace(tmp, p)
+    except OSError:
+        pass  # a cache we cannot write only costs time
 
 
 def capabilities() -> Capabilities:
