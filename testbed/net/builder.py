@@ -41,7 +41,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from testbed.net import names, netns
+from testbed.net import names, netns, shaping
 from testbed.topology.model import LinkProfile, Topology
 from testbed.topology.plan import BRIDGE, LinkPlan, NetworkPlan
 
@@ -92,39 +92,13 @@ def no_delay_element(topo: Topology, floor_s: float | None) -> list[dict[str, An
 
 # -- shaping and delay lines: thin adapters over testbed.net.shaping / delayline -------------------------
 
-def _shaping():
-    try:
-        from testbed.net import shaping
-    except ImportError:
-        return None
-    return shaping
-
-
 def needs_delay_line(profile: LinkProfile, caps: Any) -> bool:
-    sh = _shaping()
-    if sh is None or caps is None or not hasattr(sh, "needs_delay_line"):
-        return False
-    return bool(sh.needs_delay_line(profile, caps))
+    return caps is not None and bool(shaping.needs_delay_line(profile, caps))
 
 
-def shape(ipr: Any, ifname: str, index: int, profile: LinkProfile, caps: Any) -> None:
-    """Shape the egress of one interface end (the one place the builder touches tc)."""
-    sh = _shaping()
-    if sh is not None:
-        sh.apply(ipr, index, profile, caps)
-        return
-    _fallback_htb(ipr, index, profile)
-
-
-def _fallback_htb(ipr: Any, index: int, profile: LinkProfile) -> None:
-    """Bandwidth only (used only while testbed.net.shaping is absent)."""
-    if not profile.bandwidth_bps:
-        return
-    rate = profile.bandwidth_bps // 8  # bytes/s
-    burst = max(rate // 500, 2 * 65536)  # ~ rate x 2 ms
-    ipr.tc("add", "htb", index, 0x10000, default=0x10)
-    ipr.tc("add-class", "htb", index, 0x10010, parent=0x10000, rate=rate, ceil=rate,
-           burst=burst, cburst=burst, quantum=60000)
+def shape(ipr: Any, index: int, profile: LinkProfile, caps: Any) -> None:
+    """Shape the egress of one freshly made interface end (the one place the builder touches tc)."""
+    shaping.apply(ipr, index, profile, caps, fresh=True)
 
 
 # -- the builder ---------------------------------------------------------------------------------------
@@ -299,7 +273,7 @@ class Builder:
                 ipr.addr("add", index=idx, address=str(a.ip), prefixlen=a.network.prefixlen)
         t1 = t()
         for port, profile, _mac in ports:
-            shape(ipr, port.ifname, index[port.ifname], profile, self.caps)
+            shape(ipr, index[port.ifname], profile, self.caps)
         t2 = t()
         self.timings["shaping"] = self.timings.get("shaping", 0.0) + (t2 - t1)
         for ifname, ip, mac in neigh:
@@ -389,22 +363,16 @@ class Builder:
 # -- teardown ------------------------------------------------------------------------------------------
 
 def stop_delay_lines(records: Iterable[dict[str, Any]]) -> None:
-    recs = list(records)
-    if not recs:
-        return
-    try:
-        from testbed.net import delayline
-    except ImportError:
-        delayline = None
-    for rec in recs:
+    from testbed.net import delayline
+
+    for rec in records:
         pid = rec.get("pid")
         if not pid:
             continue
-        if delayline is not None and hasattr(delayline, "stop"):
-            with suppress(Exception):
-                delayline.stop(pid)
-                continue
-        kill_pid(pid, rec.get("start_time"))
+        try:
+            delayline.stop(pid)
+        except Exception:
+            kill_pid(pid, rec.get("start_time"))
 
 
 def kill_pid(pid: int, start_time: float | None = None, timeout: float = 2.0) -> None:

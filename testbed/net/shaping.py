@@ -241,14 +241,17 @@ def _install(ipr: Any, idx: int, plan: Plan, mode: str) -> None:
         _install_loss_filter(ipr, idx, plan.bpf_loss, replace=(mode != "add"))
 
 
-def apply(ipr: Any, ifname: int | str, profile: LinkProfile, caps: Any) -> Plan:
+def apply(ipr: Any, ifname: int | str, profile: LinkProfile, caps: Any, *, fresh: bool = False) -> Plan:
     """Shape the egress of `ifname` (index or name) in the namespace `ipr` is bound to.
 
-    Removes whatever root qdisc/clsact was there first. Returns the plan installed.
-    Delay without netem is not done here (the link must be a delay line).
+    Removes whatever root qdisc/clsact was there first, unless `fresh` says the interface
+    was just created (the builder: it saves a dump and deletes per interface).
+    Returns the plan installed. Delay without netem is not done here (the link must be a
+    delay line).
     """
     idx = _index(ipr, ifname)
-    clear(ipr, idx)
+    if not fresh:
+        clear(ipr, idx)
     plan = make_plan(profile, caps)
     _install(ipr, idx, plan, "add")
     return plan
