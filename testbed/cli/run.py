@@ -1,0 +1,47 @@
+"""`testbed run`: run an unmodified training command across the workers, measured."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from testbed.cli.common import NameOption, console, resolve_name
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    def run_cmd(
+        cmd: List[str] = typer.Argument(..., help="The command (after --), e.g. python train.py or torchrun train.py"),
+        name: Optional[str] = NameOption,
+        workers: str = typer.Option("all", "--workers", "-w", help="all, or a comma list: w0,w3"),
+        nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Ranks per worker"),
+        master: Optional[str] = typer.Option(None, "--master", help="Worker hosting the rendezvous (default: first)"),
+        port: Optional[int] = typer.Option(None, "--port", help="MASTER_PORT (default: random 20000-29999)"),
+        timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop every rank after T seconds (exit 124)"),
+        env: List[str] = typer.Option([], "--env", "-e", help="K=V added to every rank's environment"),
+        no_probe: bool = typer.Option(False, "--no-probe", help="Do not inject the measurement probe"),
+        grace: float = typer.Option(5.0, "--grace", help="Seconds the others get after a rank fails"),
+        report: bool = typer.Option(False, "--report", help="Print the report when the run ends"),
+    ) -> None:
+        """Start CMD on every selected worker the torchrun way; logs and probe data go to runs/<time>-<testbed>/."""
+        from testbed.cli.common import require_root
+        from testbed.jobs.run import RunError, cluster_from_state, run
+
+        require_root("testbed run")
+        extra = {}
+        for kv in env:
+            if "=" not in kv:
+                raise RunError(f"--env wants K=V (got {kv!r})")
+            k, v = kv.split("=", 1)
+            extra[k] = v
+        cluster = cluster_from_state(resolve_name(name))
+        result = run(cluster, cmd, workers=workers, nproc_per_node=nproc_per_node, master=master, port=port,
+                     timeout=timeout, env=extra, probe=not no_probe, grace=grace)
+        console.print(f"run directory: {result.run_dir}  (testbed report {result.run_dir})", highlight=False)
+        if report and not no_probe:
+            from testbed.report import report as make_report
+
+            text, _a, plots = make_report(result.run_dir)
+            console.print(text, highlight=False, markup=False)
+        raise typer.Exit(result.rc)

@@ -1,0 +1,1 @@
+"""What users do with a running testbed: launch unmodified training and measure it."""

@@ -1,0 +1,534 @@
+"""`testbed run`: start an unmodified training command on the testbed's workers.
+
+Two styles, both for unmodified scripts:
+  env       (default) one process per rank, each with the environment torchrun
+            gives its workers (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK,
+            LOCAL_WORLD_SIZE, GROUP_RANK, NODE_RANK, ROLE_*, TORCHELASTIC_*).
+  torchrun  when CMD starts with `torchrun` (or `python -m torch.distributed.run`):
+            one torchrun per worker, with c10d rendezvous on the master worker
+            over the emulated network (--nnodes, --nproc-per-node, --rdzv-*
+            are added unless CMD already says them).
+
+Every rank's output is streamed with a "[worker:rN]" prefix and kept in
+runs/<time>-<testbed>/logs/<worker>.log. Exit status: 0 when every rank
+succeeded, else that of the first failure (128+signal for a signal, 124 on
+--timeout, 130 on Ctrl-C). After the first failure the others get `grace`
+seconds, then SIGTERM, then SIGKILL.
+
+No orphans: every process we start carries TESTBED_RUN_ID=<id> in its
+environment (inherited by all its descendants, torchrun's workers included,
+which torchrun puts in sessions of their own), and the launcher ends, by PID,
+every process that carries it, when the run ends for any reason.
+
+How a command reaches a worker is one small interface (Executor): the
+testbed's runtime (Runtime.exec_argv), or plain `nsenter --net` into a
+namespace (tests, and testbeds whose runtime is not available).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from testbed.errors import TestbedError
+from testbed.jobs import counters, rundir
+from testbed.jobs.probe import PROBE_PATH
+
+DEFAULT_GRACE_S = 5.0
+KILL_AFTER_S = 2.0
+
+
+class RunError(TestbedError):
+    exit_code = 2
+
+
+# -- how commands reach workers ---------------------------------------------------------------------------
+
+class Executor:
+    """Host argv that runs argv inside a worker."""
+
+    def argv(self, worker: str, argv: Sequence[str], env: Mapping[str, str], workdir: str) -> list[str]:
+        raise NotImplementedError
+
+
+class NsenterExecutor(Executor):
+    """Run inside a plain network namespace: nsenter --net=/run/netns/NS.
+
+    Bare namespaces share the host's hostname and /etc: name lookups would go to
+    the host's resolver, which is not reachable from the emulated network (every
+    lookup then hangs until it times out: torchrun's rendezvous stalls). So each
+    command also gets a private UTS and mount namespace with hostname = worker,
+    an /etc/hosts that names every worker and an /etc/resolv.conf without servers.
+    """
+
+    def __init__(self, netns_of: Mapping[str, str], private_etc: bool = True):
+        self.netns_of = dict(netns_of)
+        self.private_etc = private_etc and os.geteuid() == 0
+        self.etc_dir: Path | None = None
+
+    def prepare(self, run_dir: Path, cluster: "Cluster") -> None:
+        if not self.private_etc:
+            return
+        d = run_dir / ".etc"
+        d.mkdir(exist_ok=True)
+        lines = ["127.0.0.1 localhost"] + [f"{ip} {w}" for w, ip in cluster.address.items()]
+        (d / "hosts").write_text("\n".join(lines) + "\n")
+        (d / "resolv.conf").write_text("# testbed: no resolver inside the emulated network\n")
+        self.etc_dir = d
+
+    def argv(self, worker, argv, env, workdir):
+        head = ["nsenter", f"--net=/run/netns/{self.netns_of[worker]}", f"--wd={workdir}", "--"]
+        tail = ["env", *[f"{k}={v}" for k, v in env.items()], *argv]
+        if self.etc_dir is None:
+            return head + tail
+        script = ('hostname "$0" && mount --bind "$1/hosts" /etc/hosts && '
+                  'mount --bind "$1/resolv.conf" /etc/resolv.conf && shift && exec "$@"')
+        return head + ["unshare", "--mount", "--uts", "--propagation", "private", "--",
+                       "sh", "-c", script, worker, str(self.etc_dir), *tail]
+
+
+class RuntimeExecutor(Executor):
+    """Through the testbed's runtime (netns containers, docker)."""
+
+    def __init__(self, runtime: Any, records: Mapping[str, Mapping[str, Any]]):
+        self.runtime = runtime
+        self.records = records
+
+    def argv(self, worker, argv, env, workdir):
+        return self.runtime.exec_argv(worker, self.records.get(worker, {}), list(argv), env=dict(env), workdir=workdir)
+
+
+# -- the cluster a run targets --------------------------------------------------------------------------------
+
+@dataclass
+class Cluster:
+    name: str
+    workers: list[str]                 # in topology order
+    address: dict[str, str]            # worker -> primary IPv4
+    ifname: dict[str, str]             # worker -> its emulated interface (gloo/NCCL bind there)
+    executor: Executor
+    topology: Any = None               # testbed.topology.model.Topology, for counters and reports
+    netns_of: dict[str, str] = field(default_factory=dict)   # node -> netns (counters); default tb-NAME-NODE
+    time_dilation: float = 1.0
+    dilation_source: str = "none"
+    gpus: dict[str, list[int]] = field(default_factory=dict)  # worker -> GPU indices (CUDA_VISIBLE_DEVICES)
+
+
+def cluster_from_topology(name: str, topo: Any, executor: Executor | None = None, *,
+                          netns_of: Mapping[str, str] | None = None, time_dilation: float = 1.0,
+                          dilation_source: str = "none") -> Cluster:
+    from testbed.net import names
+    from testbed.topology.plan import plan_network
+
+    plan = plan_network(topo)
+    workers = list(topo.workers)
+    ifn = {}
+    for w in workers:
+        ports = [p for p in plan.ports(w) if p.address]
+        ifn[w] = ports[0].ifname if ports else "eth0"
+    ns = {n: names.netns(name, n) for n in topo.nodes}
+    ns.update(netns_of or {})
+    return Cluster(name=name, workers=workers, address=plan.hosts(), ifname=ifn,
+                   executor=executor or NsenterExecutor(ns), topology=topo, netns_of=ns,
+                   time_dilation=time_dilation, dilation_source=dilation_source)
+
+
+def cluster_from_state(name: str) -> Cluster:
+    """The cluster of a running testbed, from its state file."""
+    from testbed.net import state as st
+    from testbed.topology.model import Topology
+
+    data = st.load(name)
+    topo_json = data.get("topology")
+    if not topo_json:
+        raise RunError(f"state of testbed {name!r} has no topology snapshot")
+    topo = Topology.from_json(topo_json)
+    rt = data.get("runtime")
+    kind = rt.get("kind") if isinstance(rt, Mapping) else rt
+    records = (rt.get("workers") if isinstance(rt, Mapping) else None) or data.get("workers") or {}
+    if isinstance(records, list):
+        records = {r.get("name"): r for r in records if isinstance(r, Mapping)}
+    executor: Executor | None = None
+    if kind and kind != "bare":
+        try:
+            from testbed.runtime import get_runtime
+
+            executor = RuntimeExecutor(get_runtime(kind, name), records)
+        except Exception:
+            executor = None
+    if executor is None:  # bare namespaces: nsenter, with a private hostname and /etc (see NsenterExecutor)
+        from testbed.net import names
+
+        executor = NsenterExecutor({w: (records.get(w) or {}).get("netns") or names.netns(name, w)
+                                    for w in topo.workers})
+    s, source = _dilation_from_state(data, topo)
+    cl = cluster_from_topology(name, topo, executor, time_dilation=s, dilation_source=source)
+    for w, rec in records.items():
+        if isinstance(rec, Mapping) and rec.get("gpus") is not None:
+            cl.gpus[w] = list(rec["gpus"])
+    return cl
+
+
+def _dilation_from_state(data: Mapping[str, Any], topo: Any) -> tuple[float, str]:
+    for key in ("time_dilation", "dilation"):
+        v = data.get(key)
+        if isinstance(v, Mapping):
+            return float(v.get("factor", 1.0)), str(v.get("source", "state"))
+        if isinstance(v, (int, float)):
+            return float(v), "state"
+    td = getattr(topo, "time_dilation", None)
+    if isinstance(td, (int, float)):
+        return float(td), "topology"
+    return 1.0, "none"
+
+
+# -- the run ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Rank:
+    worker: str
+    node_rank: int
+    local_rank: int | None       # None: a torchrun agent (ranks inside it are torchrun's)
+    rank: int | None
+    label: str
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    rc: int | None = None
+    started: float = 0.0
+    ended: float | None = None
+
+
+@dataclass
+class RunResult:
+    rc: int
+    run_dir: Path
+    summary: dict[str, Any]
+
+
+def is_torchrun(cmd: Sequence[str]) -> bool:
+    if not cmd:
+        return False
+    if os.path.basename(cmd[0]) == "torchrun":
+        return True
+    return len(cmd) >= 3 and os.path.basename(cmd[0]).startswith("python") and cmd[1] == "-m" \
+        and cmd[2] == "torch.distributed.run"
+
+
+def _has_opt(cmd: Sequence[str], *opts: str) -> bool:
+    for a in cmd:
+        for o in opts:
+            if a == o or a.startswith(o + "="):
+                return True
+    return False
+
+
+def torchrun_argv(cmd: Sequence[str], nnodes: int, nproc: int, endpoint: str, run_id: str,
+                  is_host: bool | None = None) -> list[str]:
+    """CMD with the rendezvous options added (before the script) unless already there.
+
+    is_host tells torchrun which worker hosts the rendezvous store: its own guess
+    compares hostnames and addresses, which fails in namespaces that share the
+    host's hostname."""
+    cmd = list(cmd)
+    head = 3 if cmd[0] != "torchrun" and not cmd[0].endswith("/torchrun") else 1
+    extra = []
+    if not _has_opt(cmd, "--nnodes"):
+        extra.append(f"--nnodes={nnodes}")
+    if not _has_opt(cmd, "--nproc-per-node", "--nproc_per_node"):
+        extra.append(f"--nproc-per-node={nproc}")
+    if not _has_opt(cmd, "--rdzv-backend", "--rdzv_backend"):
+        extra.append("--rdzv-backend=c10d")
+    if not _has_opt(cmd, "--rdzv-endpoint", "--rdzv_endpoint"):
+        extra.append(f"--rdzv-endpoint={endpoint}")
+    if not _has_opt(cmd, "--rdzv-id", "--rdzv_id"):
+        extra.append(f"--rdzv-id={run_id}")
+    if not _has_opt(cmd, "--max-restarts", "--max_restarts"):
+        extra.append("--max-restarts=0")
+    if is_host is not None and not _has_opt(cmd, "--rdzv-conf", "--rdzv_conf"):
+        extra.append(f"--rdzv-conf=is_host={1 if is_host else 0}")
+    return cmd[:head] + extra + cmd[head:]
+
+
+def select_workers(cluster: Cluster, spec: str | Sequence[str] | None) -> list[str]:
+    if spec is None or spec == "all" or spec == ["all"]:
+        return list(cluster.workers)
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    items = [s.strip() for s in items if s.strip()]
+    unknown = [w for w in items if w not in cluster.workers]
+    if unknown:
+        raise RunError(f"unknown worker(s) {', '.join(unknown)}; workers: {', '.join(cluster.workers)}")
+    if len(set(items)) != len(items):
+        raise RunError(f"a worker is named twice in --workers {','.join(items)}")
+    return items
+
+
+def _base_path() -> str:
+    venv_bin = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")
+    return venv_bin + os.pathsep + path if venv_bin not in path.split(os.pathsep) else path
+
+
+def _exit_status(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc
+
+
+def _tagged_pids(run_id: str) -> list[int]:
+    """Every process (host view) whose environment carries our run id."""
+    needle = f"TESTBED_RUN_ID={run_id}".encode()
+    me = os.getpid()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        if needle + b"\0" in data or data.endswith(needle):
+            out.append(int(entry))
+    return out
+
+
+def _signal_all(ranks: Sequence[Rank], run_id: str, sig: int) -> None:
+    for r in ranks:
+        if r.proc is not None and r.proc.poll() is None:
+            try:
+                os.killpg(r.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+    for pid in _tagged_pids(run_id):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | None = None,
+        nproc_per_node: int = 1, master: str | None = None, port: int | None = None,
+        timeout: float | None = None, env: Mapping[str, str] | None = None, probe: bool = True,
+        grace: float = DEFAULT_GRACE_S, base_dir: str | os.PathLike | None = None,
+        workdir: str | None = None, echo: Callable[[str], None] | None | bool = True,
+        on_start: Callable[[Path], None] | None = None) -> RunResult:
+    """Run CMD across the cluster; return the exit status and the run directory."""
+    cmd = list(cmd)
+    if not cmd:
+        raise RunError("nothing to run: give a command after --")
+    if nproc_per_node < 1:
+        raise RunError("--nproc-per-node must be >= 1")
+    chosen = select_workers(cluster, workers)
+    master = master or chosen[0]
+    if master not in chosen:
+        raise RunError(f"master {master!r} is not among the selected workers ({', '.join(chosen)})")
+    import random
+
+    port = int(port or random.randint(20000, 29999))
+    run_id = uuid.uuid4().hex[:12]
+    workdir = workdir or os.getcwd()
+    rd = rundir.create(cluster.name, base_dir)
+    probe_dir = rd / "probe"
+    torchrun = is_torchrun(cmd)
+    world = len(chosen) * nproc_per_node
+    master_addr = cluster.address[master]
+    if echo is True:
+        def echo(line: str) -> None:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+    elif echo is False:
+        echo = None
+
+    # Topology snapshot and counters before.
+    topo = cluster.topology
+    nodes = list(topo.nodes) if topo is not None else list(chosen)
+    if topo is not None:
+        rundir.write_json(rd / "topology.json", {**topo.to_json(), "hosts": cluster.address})
+    before = counters.snapshot(cluster.name, nodes, cluster.netns_of)
+    rundir.write_json(rd / "counters-before.json", before)
+
+    # The processes.
+    common = {k: v for k, v in os.environ.items() if not k.startswith(("TESTBED_", "TORCHELASTIC_"))
+              and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    common.update({"PATH": _base_path(), "PYTHONUNBUFFERED": "1"})
+    common.setdefault("OMP_NUM_THREADS", "1")
+    # A worker whose resolv.conf names a server the emulated network cannot reach
+    # would stall every name lookup (gloo and c10d do several per peer) for 5 s x 2.
+    common.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+    ranks: list[Rank] = []
+    for node_rank, w in enumerate(chosen):
+        ifn = cluster.ifname.get(w, "eth0")
+        wenv = {
+            "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+            "GROUP_RANK": str(node_rank), "NODE_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(len(chosen)),
+            "LOCAL_WORLD_SIZE": str(nproc_per_node),
+            "GLOO_SOCKET_IFNAME": ifn, "NCCL_SOCKET_IFNAME": ifn, "NCCL_IB_DISABLE": "1",
+            "NCCL_HOSTID": f"{cluster.name}-{w}",
+            "TESTBED_NAME": cluster.name, "TESTBED_WORKER": w, "TESTBED_RUN_ID": run_id,
+            "TESTBED_RUN_DIR": str(rd), "TESTBED_TIME_DILATION": repr(float(cluster.time_dilation)),
+        }
+        if cluster.gpus.get(w):
+            wenv["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cluster.gpus[w]))
+        if probe:
+            wenv["TESTBED_PROBE_DIR"] = str(probe_dir)
+            pp = os.environ.get("PYTHONPATH", "")
+            wenv["PYTHONPATH"] = PROBE_PATH + (os.pathsep + pp if pp else "")
+        wenv.update(env or {})
+        if torchrun:
+            argv = torchrun_argv(cmd, len(chosen), nproc_per_node, f"{master_addr}:{port}", run_id,
+                                 is_host=(w == master))
+            ranks.append(Rank(w, node_rank, None, None, f"{w}:torchrun", argv, {**wenv}))
+            continue
+        for lr in range(nproc_per_node):
+            rank = node_rank * nproc_per_node + lr
+            renv = {**wenv, "RANK": str(rank), "LOCAL_RANK": str(lr), "ROLE_RANK": str(rank),
+                    "ROLE_WORLD_SIZE": str(world), "ROLE_NAME": "default", "TESTBED_RANK": str(rank),
+                    "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
+                    "TORCHELASTIC_MAX_RESTARTS": "0"}
+            ranks.append(Rank(w, node_rank, lr, rank, f"{w}:r{rank}", list(cmd), renv))
+
+    if hasattr(cluster.executor, "prepare"):
+        cluster.executor.prepare(rd, cluster)
+    logs: dict[str, Any] = {w: open(rd / "logs" / f"{w}.log", "a", buffering=1) for w in chosen}
+    log_lock = threading.Lock()
+    readers: list[threading.Thread] = []
+
+    def pump(r: Rank) -> None:
+        assert r.proc is not None and r.proc.stdout is not None
+        tag = f"[{r.label}] "
+        for raw in iter(r.proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            with log_lock:
+                logs[r.worker].write(f"[{r.label.split(':', 1)[1]}] {line}\n")
+                if echo is not None:
+                    echo(tag + line)
+        r.proc.stdout.close()
+
+    summary: dict[str, Any] = {
+        "testbed": cluster.name, "run_id": run_id, "run_dir": str(rd), "cmd": cmd,
+        "launcher": "torchrun" if torchrun else "env", "workers": chosen, "nproc_per_node": nproc_per_node,
+        "world_size": world, "master": master, "master_addr": master_addr, "master_port": port,
+        "workdir": workdir, "probe": probe, "env": dict(env or {}), "grace_s": grace, "timeout_s": timeout,
+        "time_dilation": {"factor": float(cluster.time_dilation), "source": cluster.dilation_source},
+        "started": time.time(),
+    }
+    rundir.write_json(rd / "summary.json", {**summary, "status": "running"})
+    if on_start is not None:
+        on_start(rd)
+
+    first_fail: Rank | None = None
+    reason = "completed"
+    rc = 0
+    stop_at: float | None = None
+    killed_at: float | None = None
+    t_start = time.monotonic()
+    old_term = None
+    if threading.current_thread() is threading.main_thread():
+        def _term(signum, frame):
+            raise KeyboardInterrupt
+
+        old_term = signal.signal(signal.SIGTERM, _term)
+    try:
+        try:
+            for r in ranks:
+                full_env = {**common, **r.env}
+                argv = cluster.executor.argv(r.worker, r.argv, r.env, workdir)
+                r.started = time.time()
+                r.proc = subprocess.Popen(argv, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, start_new_session=True)
+                t = threading.Thread(target=pump, args=(r,), daemon=True)
+                t.start()
+                readers.append(t)
+            while True:
+                now = time.monotonic()
+                alive = 0
+                for r in ranks:
+                    if r.rc is None and r.proc is not None:
+                        code = r.proc.poll()
+                        if code is None:
+                            alive += 1
+                            continue
+                        r.rc, r.ended = code, time.time()
+                        if code != 0 and first_fail is None and stop_at is None:
+                            first_fail = r
+                            rc = _exit_status(code)
+                            reason = "rank failed"
+                            stop_at = now + grace
+                            if echo is not None:
+                                echo(f"[testbed] {r.label} exited with status {rc}; stopping the others "
+                                     f"in {grace:g}s")
+                if alive == 0:
+                    break
+                if timeout is not None and stop_at is None and now - t_start > timeout:
+                    reason, rc, stop_at = "timeout", 124, now
+                    if echo is not None:
+                        echo(f"[testbed] timeout after {timeout:g}s: stopping all ranks")
+                if stop_at is not None and now >= stop_at:
+                    if killed_at is None:
+                        _signal_all(ranks, run_id, signal.SIGTERM)
+                        killed_at = now
+                    elif now - killed_at > KILL_AFTER_S:
+                        _signal_all(ranks, run_id, signal.SIGKILL)
+                time.sleep(0.05)
+        except KeyboardInterrupt:
+            reason, rc = "interrupted", 130
+            if echo is not None:
+                echo("[testbed] interrupted: stopping all ranks")
+            _signal_all(ranks, run_id, signal.SIGTERM)
+            deadline = time.monotonic() + KILL_AFTER_S
+            while time.monotonic() < deadline and any(r.proc and r.proc.poll() is None for r in ranks):
+                time.sleep(0.05)
+    finally:
+        # No orphans: whatever still carries our run id goes, by PID.
+        leftovers = _tagged_pids(run_id)
+        if leftovers:
+            _signal_all(ranks, run_id, signal.SIGKILL)
+        for r in ranks:
+            if r.proc is not None:
+                try:
+                    r.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass
+                if r.rc is None:
+                    r.rc, r.ended = r.proc.returncode, time.time()
+        deadline = time.monotonic() + 5
+        while _tagged_pids(run_id) and time.monotonic() < deadline:
+            _signal_all([], run_id, signal.SIGKILL)
+            time.sleep(0.05)
+        for t in readers:
+            t.join(2)
+        for f in logs.values():
+            f.close()
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+    after = counters.snapshot(cluster.name, nodes, cluster.netns_of)
+    rundir.write_json(rd / "counters-after.json", after)
+    ended = time.time()
+    summary.update({
+        "status": reason, "rc": rc, "ended": ended, "duration_s": ended - summary["started"],
+        "first_failure": None if first_fail is None else {"label": first_fail.label, "worker": first_fail.worker,
+                                                          "rank": first_fail.rank, "rc": _exit_status(first_fail.rc)},
+        "ranks": [{"label": r.label, "worker": r.worker, "node_rank": r.node_rank, "local_rank": r.local_rank,
+                   "rank": r.rank, "pid": r.proc.pid if r.proc else None,
+                   "rc": None if r.rc is None else _exit_status(r.rc),
+                   "duration_s": (r.ended or ended) - r.started if r.started else None,
+                   "argv": r.argv if r is ranks[0] else None} for r in ranks],
+        "leftover_pids": leftovers,
+    })
+    if topo is not None:
+        summary["links"] = counters.link_bytes(topo, before, after)
+    rundir.write_json(rd / "summary.json", summary)
+    return RunResult(rc, rd, summary)
+
+
+def format_cmd(cmd: Sequence[str]) -> str:
+    return " ".join(shlex.quote(c) for c in cmd)

@@ -1,0 +1,27 @@
+"""Tables and plots of a run directory (see testbed.jobs.run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def report(run: str | Path, plots: bool = True) -> tuple[str, dict[str, Any], list[Path]]:
+    """Analyse RUN, write report.txt (+ PNGs); return (text, analysis, plot paths)."""
+    from testbed.jobs import rundir
+    from testbed.report.analyze import analyze
+    from testbed.report.tables import render
+
+    run = Path(run)
+    a = analyze(run)
+    text = render(a)
+    (run / "report.txt").write_text(text + "\n")
+    made: list[Path] = []
+    if plots:
+        from testbed.report import plots as p
+
+        made.append(p.step_times(a, run / "step_times.png"))
+        topo = rundir.read_json(run / "topology.json")
+        if topo and a["links"]:
+            made.append(p.links(a, topo, run / "links.png"))
+    return text, a, made

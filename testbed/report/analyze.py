@@ -1,0 +1,94 @@
+"""Numbers from a run directory: iteration times, throughput, comm share, bytes per tier.
+
+All times are divided by the run's time dilation factor (summary.json
+`time_dilation.factor`): they are what the emulated cluster would see.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from testbed.jobs import rundir
+
+
+def load_probe(run: Path) -> dict[str, list[dict[str, Any]]]:
+    """rank label -> its records, in file order."""
+    out = {}
+    for f in sorted((Path(run) / "probe").glob("rank-*.jsonl")):
+        recs = []
+        for line in f.read_text().splitlines():
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+        out[f.stem.removeprefix("rank-")] = recs
+    return dict(sorted(out.items(), key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0, kv[0])))
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def analyze(run: str | Path) -> dict[str, Any]:
+    run = Path(run)
+    summary = rundir.read_json(run / "summary.json", {}) or {}
+    s = float((summary.get("time_dilation") or {}).get("factor") or 1.0)
+    probe = load_probe(run)
+    ranks = []
+    tot_samples_rate = 0.0
+    for label, recs in probe.items():
+        start = next((r for r in recs if r.get("ev") == "start"), {})
+        steps = [r for r in recs if r.get("ev") == "step"]
+        colls = [r for r in recs if r.get("ev") == "coll"]
+        ends = [r["t"] for r in steps]
+        iters = [(b - a) / s for a, b in zip(ends, ends[1:])]  # first step: warm-up, no predecessor
+        window = (ends[0], ends[-1]) if len(ends) >= 2 else None
+        comm = 0.0
+        if window:
+            iv = [(max(c["t"], window[0]), min(c["t"] + c["dur"], window[1])) for c in colls]
+            comm = _union([(a, b) for a, b in iv if b > a]) / s
+        span = (window[1] - window[0]) / s if window else 0.0
+        samples = [r.get("samples") for r in steps[1:] if r.get("samples")]
+        sps = (sum(samples) / span) if samples and span > 0 else None
+        if sps:
+            tot_samples_rate += sps
+        ranks.append({
+            "rank": label, "worker": start.get("worker"), "steps": len(steps),
+            "iter_p50_s": percentile(iters, 50), "iter_p95_s": percentile(iters, 95),
+            "iter_mean_s": sum(iters) / len(iters) if iters else None,
+            "samples_per_s": sps, "comm_share": (comm / span) if span > 0 else None,
+            "collectives": len(colls), "coll_bytes": sum(c.get("bytes", 0) for c in colls),
+            "step_times": [{"t": (b - ends[0]) / s, "dt": d} for b, d in zip(ends[1:], iters)],
+        })
+    links = summary.get("links") or []
+    dur = float(summary.get("duration_s") or 0.0)
+    tiers: dict[str, dict[str, float]] = {}
+    for l in links:
+        t = tiers.setdefault(l["tier"], {"bytes": 0, "links": 0, "max_util": 0.0})
+        t["bytes"] += l["bytes_ab"] + l["bytes_ba"]
+        t["links"] += 1
+        for key, bw in (("bytes_ab", l.get("bandwidth_ab")), ("bytes_ba", l.get("bandwidth_ba"))):
+            if bw and dur > 0:
+                # the emulated link ran at bw/s for dur seconds of real time
+                util = l[key] * 8 / dur / (bw / s)
+                l.setdefault("util", {})[key] = util
+                t["max_util"] = max(t["max_util"], util)
+    return {"run": str(run), "summary": summary, "dilation": s, "ranks": ranks, "tiers": tiers, "links": links,
+            "samples_per_s": tot_samples_rate or None}

@@ -1,0 +1,39 @@
+"""The text report of a run (rich table and plain text)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def render(a: dict[str, Any]) -> str:
+    s = a["summary"]
+    lines = [f"run {a['run']}",
+             f"testbed {s.get('testbed')}  launcher {s.get('launcher')}  world size {s.get('world_size')}  "
+             f"status {s.get('status')} (exit {s.get('rc')})  wall {s.get('duration_s', 0):.1f} s",
+             f"time dilation {a['dilation']:g} ({(s.get('time_dilation') or {}).get('source', 'none')}): "
+             f"times below are divided by it", ""]
+    hdr = f"{'rank':>5} {'worker':>8} {'steps':>6} {'iter p50 ms':>12} {'iter p95 ms':>12} {'samples/s':>10} {'comm %':>7}"
+    lines += [hdr, "-" * len(hdr)]
+    for r in a["ranks"]:
+        sps = "-" if r["samples_per_s"] is None else f"{r['samples_per_s']:.0f}"
+        cs = "-" if r["comm_share"] is None else f"{100 * r['comm_share']:.1f}"
+        lines.append(f"{r['rank']:>5} {str(r['worker'] or '-'):>8} {r['steps']:>6} {_ms(r['iter_p50_s']):>12} "
+                     f"{_ms(r['iter_p95_s']):>12} {sps:>10} {cs:>7}")
+    if a.get("samples_per_s"):
+        lines.append(f"total throughput: {a['samples_per_s']:.0f} samples/s")
+    lines += ["", f"{'tier':>12} {'links':>6} {'bytes':>12} {'peak util %':>12}"]
+    for tier, t in a["tiers"].items():
+        lines.append(f"{tier:>12} {t['links']:>6} {_bytes(t['bytes']):>12} {100 * t['max_util']:>12.2f}")
+    return "\n".join(lines)
