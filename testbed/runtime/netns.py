@@ -264,6 +264,10 @@ class NetnsRuntime(Runtime):
         ldir.mkdir(parents=True, exist_ok=True)
         (wdir / "etc" / "hosts").write_text(hosts)
         (wdir / "etc" / "hostname").write_text(node.name + "\n")
+        # No name server: the host's would be unreachable from the emulated network (every
+        # lookup would hang for seconds); peers resolve through /etc/hosts.
+        (wdir / "etc" / "resolv.conf").write_text("# testbed worker: no DNS; names come from /etc/hosts\n"
+                                                  "options timeout:1 attempts:1\n")
         share_ipc = "CUDA_MPS_PIPE_DIRECTORY" in env
         cg = cgroups.create(self.testbed, node.name, cpus=node.cpus, memory_bytes=node.memory_bytes)
         rec: dict[str, Any] = {
@@ -277,7 +281,8 @@ class NetnsRuntime(Runtime):
             "netns": str(nspath), "cgroup_procs": cgroups.cgroup_procs_files(cg), "hostname": node.name,
             "share_ipc": share_ipc, "log": str(ldir / "init.log"), "grace": STOP_GRACE_S,
             "keep": [str(state.directory(self.testbed))],
-            "binds": [[str(wdir / "etc" / "hosts"), "/etc/hosts"], [str(wdir / "etc" / "hostname"), "/etc/hostname"]],
+            "binds": [[str(wdir / "etc" / "hosts"), "/etc/hosts"], [str(wdir / "etc" / "hostname"), "/etc/hostname"]]
+            + ([[str(wdir / "etc" / "resolv.conf"), "/etc/resolv.conf"]] if os.path.exists("/etc/resolv.conf") else []),
         }
         with open(ldir / "init.log", "ab") as err:
             try:
