@@ -40,6 +40,17 @@ class _DelayedProgress:
             self.progress.stop()
 
 
+_ROWS = 16
+
+
+def _head(items: list[str], table: Table) -> list[str]:
+    """The first rows of a long table; the last row says how many more `testbed status` lists."""
+    if len(items) <= _ROWS:
+        return items
+    table.caption = f"... and {len(items) - _ROWS + 1} more (testbed status)"
+    return items[:_ROWS - 1]
+
+
 def _summary(st: dict[str, Any], seconds: float) -> None:
     from testbed.topology.model import Topology
 
@@ -57,7 +68,7 @@ def _summary(st: dict[str, Any], seconds: float) -> None:
     t = Table(title="workers", title_justify="left")
     t.add_column("worker")
     t.add_column("addresses")
-    for w in topo.workers:
+    for w in _head(topo.workers, t):
         t.add_row(w, ", ".join(addr.get(w, [])))
     console.print(t)
     subnets = plan.get("subnets", {})
@@ -65,7 +76,7 @@ def _summary(st: dict[str, Any], seconds: float) -> None:
     sw.add_column("switch")
     sw.add_column("serves")
     sw.add_column("links", justify="right")
-    for s in topo.switches:
+    for s in _head(topo.switches, sw):
         sw.add_row(s, subnets.get(s, {}).get("network", "-"), str(len(topo.links_of(s))))
     if topo.switches:
         console.print(sw)
@@ -101,7 +112,9 @@ def _summary(st: dict[str, Any], seconds: float) -> None:
     w1 = topo.workers[-1]
     peer = addr.get(w1, ["? ?"])[0].split()[1].split("/")[0]
     console.print("\nnext:")
-    console.print(f"  testbed exec {w0} --name {name} -- ping -c 3 {peer}")
+    console.print(f"  testbed exec {w0} --name {name} -- ping -c 3 {w1}    # {w1} is {peer}")
+    console.print(f"  testbed attach {w0} --name {name}                    # a shell inside {w0}")
+    console.print(f"  testbed run --name {name} -- python examples/train_ddp.py")
     console.print(f"  testbed status {name}")
     console.print(f"  testbed down {name}")
 
