@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Ring all-reduce on the testbed vs the ring model T = 2(n-1)*alpha + 2(n-1)/n * S/B.
 
-Brings up a scratch star of N workers whose host links run at B (default
-1 Gbit/s: the bottleneck), runs examples/allreduce_bench.py across them with
+Brings up (testbed.lifecycle, default runtime) a star of N workers whose host
+links run at B (default 1 Gbit/s: the bottleneck), brought down at the end; runs examples/allreduce_bench.py across them with
 `testbed run` machinery, and compares the measured time of a large all_reduce
 with the model (alpha ~ 0 here: the links have no added delay) and the
 measured busbw with the link rate. Needs root. Prints a table and writes
@@ -25,22 +25,42 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+def star(name: str = "star", hosts: int = 4, bw: str = "1gbit"):
+    from testbed.topology.loader import load_topology_text
+
+    return load_topology_text(f"""
+name: {name}
+generator: star
+params: {{n: {hosts}}}
+tiers:
+  host: {{bandwidth: {bw}}}
+""", "<bench_ring_model>")
+
+
 def measure(workers: int = 4, bandwidth: str = "1gbit", size: str = "64M", iters: int = 3,
-            min_size: str | None = None, base_dir: str | None = None) -> dict:
-    from testbed.jobs.run import run
-    from testbed.jobs.scratch import scratch_testbed, star
+            min_size: str | None = None, base_dir: str | None = None, up=None) -> dict:
+    """up: how to bring the testbed up (tests pass their fixture, which brings it down);
+    default testbed.lifecycle.up, brought down here at the end."""
+    from testbed import lifecycle
+    from testbed.jobs.run import cluster_from_state, run
+    from testbed.net import state
     from testbed.topology.units import parse_bandwidth
 
     name = f"rb{uuid.uuid4().hex[:6]}"
-    out = Path(base_dir or "/tmp") / f"{name}.json"
-    cmd = [sys.executable, str(REPO / "examples" / "allreduce_bench.py"), "--min-bytes", min_size or size,
-           "--max-bytes", size, "--iters", str(iters), "--warmup", "1", "--json", str(out)]
-    with scratch_testbed(star(name, workers, bandwidth), name) as cl:
-        res = run(cl, cmd, echo=False, probe=False, base_dir=base_dir or "/tmp", workdir=str(REPO), timeout=300)
+    try:
+        (up or lifecycle.up)(star(name, workers, bandwidth), name)
+        # the results file goes to the state dir: visible inside every worker, same path
+        out = state.directory(name) / "allreduce.json"
+        cmd = [sys.executable, str(REPO / "examples" / "allreduce_bench.py"), "--min-bytes", min_size or size,
+               "--max-bytes", size, "--iters", str(iters), "--warmup", "1", "--json", str(out)]
+        res = run(cluster_from_state(name), cmd, echo=False, probe=False, base_dir=base_dir or "/tmp",
+                  workdir=str(REPO), timeout=300)
+        data = json.loads(out.read_text()) if res.rc == 0 else None
+    finally:
+        if up is None and state.exists(name):
+            lifecycle.down(name)
     if res.rc != 0:
         raise RuntimeError(f"allreduce_bench failed with {res.rc}; logs in {res.run_dir}")
-    data = json.loads(out.read_text())
-    out.unlink()
     B = parse_bandwidth(bandwidth) / 8  # bytes/s
     n = workers
     rows = []

@@ -202,7 +202,9 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     t0 = time.perf_counter()
     caps = check_capabilities(topo, caps)
     timings["capabilities"] = time.perf_counter() - t0
-    floor = getattr(caps, "latency_floor_s", None)
+    from testbed.net.shaping import floor_of
+
+    floor = floor_of(caps)
     kind = _runtime_kind(topo, runtime)
     rt = make_runtime(kind, name)
     _checkpoint("checked")
@@ -452,6 +454,9 @@ def cleanup() -> list[tuple[str, str]]:
         delete_namespaces([ns])
         removed.append((tb, f"namespace {ns} (labelled ours, no state)"))
     removed += _cleanup_containers(keep, base)
+    from testbed.net.capabilities import sweep_stale_probes
+
+    removed += [("-", f"namespace {ns} (a capability probe that was killed)") for ns in sweep_stale_probes()]
     return removed
 
 

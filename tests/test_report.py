@@ -48,14 +48,28 @@ def test_analyze_applies_dilation(tmp_path):
     assert r0["samples_per_s"] == pytest.approx(80)  # 8 samples per 0.1 s
     assert r0["comm_share"] == pytest.approx(0.25)
     assert a["tiers"]["host"]["bytes"] == 3_000_000
-    # 1 MB in 10 s on a 1 Gbit/s link dilated to 0.5 Gbit/s
+    # 1 MB on a 1 Gbit/s link dilated to 0.5 Gbit/s, over the window the job communicated:
+    # first collective starts at 100.15, the last one ends at 101.0 (raw), not the 10 s wall time
+    assert a["util_window"]["kind"] == "comm"
+    assert a["util_window"]["raw_s"] == pytest.approx(0.85)
+    assert a["tiers"]["host"]["max_util"] == pytest.approx(8e6 / 0.85 / 5e8)
+
+
+def test_utilisation_falls_back_to_wall_time_without_collectives(tmp_path):
+    run = _fake_run(tmp_path, s=2.0)
+    for f in (run / "probe").glob("*.jsonl"):
+        f.write_text("\n".join(l for l in f.read_text().splitlines() if '"coll"' not in l) + "\n")
+    a = analyze(run)
+    assert a["util_window"]["kind"] == "wall"
     assert a["tiers"]["host"]["max_util"] == pytest.approx(8e6 / 10 / 5e8)
+    assert "whole wall time" in report(run, plots=False)[0]
 
 
 def test_report_writes_table_and_plots(tmp_path):
     run = _fake_run(tmp_path)
     text, a, plots = report(run)
     assert "iter p50 ms" in text and "host" in text and "time dilation 2" in text
+    assert "s the job communicated (first to last collective)" in text
     assert (run / "report.txt").is_file()
     names = sorted(p.name for p in plots)
     assert names == ["links.png", "step_times.png"]

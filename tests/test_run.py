@@ -1,14 +1,15 @@
-"""`testbed run` on a real (scratch) fabric: DDP, torchrun rendezvous, failures, bandwidth.
+"""`testbed run` on testbeds brought up by testbed.lifecycle: DDP, torchrun rendezvous, failures,
+bandwidth, probe files with the run dir invisible to workers, the Docker runtime.
 
-Kernel tests (root). Each builds its own uniquely named scratch testbed
-(testbed.jobs.scratch) and removes it, even on failure.
+Kernel tests (root). Each brings up its own uniquely named testbed through the
+conftest `testbed` fixture (state under tmp_path), which brings it down again
+even on failure.
 """
 
 import json
 import os
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -17,17 +18,25 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
 
 
-def _name():
-    return f"tr{uuid.uuid4().hex[:6]}"
+def leaf_spine_topology(name="ls", hosts_per_leaf=2, leaves=2, spines=2, host_bw="10gbit", uplink_bw="40gbit"):
+    from testbed.topology.loader import load_topology_text
+
+    return load_topology_text(f"""
+name: {name}
+generator: leaf-spine
+params: {{leaves: {leaves}, spines: {spines}, hosts_per_leaf: {hosts_per_leaf}}}
+tiers:
+  host: {{bandwidth: {host_bw}}}
+  leaf-spine: {{bandwidth: {uplink_bw}}}
+""", "<test_run>")
 
 
-@pytest.fixture(scope="module")
-def leaf_spine():
-    from testbed.jobs.scratch import scratch_testbed, small_leaf_spine
+@pytest.fixture
+def leaf_spine(testbed):
+    from testbed.jobs.run import cluster_from_state
 
-    name = _name()
-    with scratch_testbed(small_leaf_spine(name), name) as cluster:
-        yield cluster
+    st = testbed(leaf_spine_topology())
+    return cluster_from_state(st["name"])
 
 
 def _checksums(run_dir):
@@ -72,12 +81,17 @@ def test_ddp_four_workers_identical_params_and_probe(leaf_spine, tmp_path):
 def test_torchrun_rendezvous(leaf_spine, tmp_path):
     from testbed.jobs.run import run
 
+    lines = []
     res = run(leaf_spine, ["torchrun", str(REPO / "examples" / "train_ddp.py"), "--steps", "3"],
-              workers="w0,w2", nproc_per_node=2, base_dir=tmp_path, workdir=str(REPO), echo=False, timeout=240)
+              workers="w0,w2", nproc_per_node=2, base_dir=tmp_path, workdir=str(REPO), echo=lines.append,
+              timeout=240)
     assert res.rc == 0, (Path(res.run_dir) / "logs" / "w0.log").read_text()[-3000:]
     sums = _checksums(res.run_dir)
     assert len(sums) == 4 and len({s for s, _ in sums}) == 1
     assert sorted(p.name for p in (res.run_dir / "probe").glob("*.jsonl")) == [f"rank-{i}.jsonl" for i in range(4)]
+    # per-rank prefixes in torchrun mode too (torchrun --tee with a "[rN]:" prefix, re-tagged)
+    tagged = {l.split("]", 1)[0] + "]" for l in lines if "checksum=" in l}
+    assert tagged == {"[w0:r0]", "[w0:r1]", "[w2:r2]", "[w2:r3]"}, lines[-20:]
 
 
 def test_failing_rank_stops_everyone_no_orphans(leaf_spine, tmp_path):
@@ -102,6 +116,30 @@ def test_failing_rank_stops_everyone_no_orphans(leaf_spine, tmp_path):
         assert not psutil.pid_exists(r["pid"]) or psutil.Process(r["pid"]).status() == psutil.STATUS_ZOMBIE
 
 
+def test_probe_files_reach_a_run_dir_workers_cannot_see(leaf_spine, tmp_path):
+    """The run dir under tmp_path (/tmp) is invisible in netns workers (private /tmp): the ranks
+    write under the state dir, the launcher moves the files into the run dir."""
+    from testbed.jobs.run import run
+    from testbed.net import state
+
+    probe = ("import os, pathlib, torch\n"
+             "print('sees-run-dir', pathlib.Path(os.environ['TESTBED_RUN_DIR']).exists())\n"
+             "m = torch.nn.Linear(2, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+             "m(torch.ones(3, 2)).sum().backward(); opt.step()\n")
+    res = run(leaf_spine, [sys.executable, "-c", probe], workers="w0,w1", base_dir=tmp_path, workdir=str(REPO),
+              echo=False, timeout=120)
+    assert str(res.run_dir).startswith(str(tmp_path)) and str(tmp_path).startswith("/tmp/")
+    assert res.rc == 0, (res.run_dir / "logs" / "w0.log").read_text()
+    assert "sees-run-dir False" in (res.run_dir / "logs" / "w0.log").read_text()  # really invisible
+    probe_dir = res.run_dir / "probe"
+    assert probe_dir.is_dir() and not probe_dir.is_symlink()
+    assert sorted(p.name for p in probe_dir.glob("*.jsonl")) == ["rank-0.jsonl", "rank-1.jsonl"]
+    for f in probe_dir.glob("*.jsonl"):
+        evs = [json.loads(l)["ev"] for l in f.read_text().splitlines()]
+        assert evs == ["start", "step", "end"]
+    assert not (state.directory(leaf_spine.name) / "runs").exists()  # nothing left in the state dir
+
+
 def test_unknown_worker_is_an_error(leaf_spine, tmp_path):
     from testbed.jobs.run import RunError, run
 
@@ -110,11 +148,65 @@ def test_unknown_worker_is_an_error(leaf_spine, tmp_path):
 
 
 @pytest.mark.slow
-def test_busbw_and_ring_model_at_1gbit(tmp_path):
+def test_busbw_and_ring_model_at_1gbit(testbed, tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
     from bench_ring_model import measure
 
-    r = measure(workers=4, bandwidth="1gbit", size="64M", min_size="64M", iters=3, base_dir=str(tmp_path))
+    r = measure(workers=4, bandwidth="1gbit", size="64M", min_size="64M", iters=3, base_dir=str(tmp_path),
+                up=testbed)
     big = r["rows"][-1]
     assert abs(big["busbw_vs_link"] - 1) <= 0.10, big
     assert abs(big["time_error"]) <= 0.10, big
+
+
+# -- the Docker runtime ------------------------------------------------------------------------------------
+
+REQUIRE_DOCKER = os.environ.get("TESTBED_REQUIRE_DOCKER") == "1"
+
+
+def _docker_or_skip():
+    from testbed.runtime import docker as dk
+
+    why = None
+    if not dk.daemon_available():
+        why = f"no Docker daemon at {dk.docker_host()}"
+    elif not dk.image_available(os.environ.get("TESTBED_WORKER_IMAGE") or dk.DEFAULT_IMAGE):
+        why = "worker image not built (make image)"
+    if why:
+        if REQUIRE_DOCKER:
+            pytest.fail(f"{why} (TESTBED_REQUIRE_DOCKER=1)")
+        pytest.skip(why)
+
+
+@pytest.mark.docker
+def test_ddp_on_docker_runtime(testbed, tmp_path, monkeypatch):
+    """2 workers as containers: gloo DDP of examples/train_ddp.py, probe files, no name-server stalls."""
+    _docker_or_skip()
+    from testbed.jobs.run import cluster_from_state, run
+    from testbed.topology.loader import load_topology_text
+
+    monkeypatch.chdir(REPO)   # the docker runtime mounts the cwd (examples/) at the same path
+    topo = load_topology_text("""
+name: dk
+generator: star
+params: {n: 2}
+tiers:
+  host: {bandwidth: 1gbit}
+""", "<test_run>")
+    st = testbed(topo, runtime="docker")
+    cl = cluster_from_state(st["name"])
+    assert cl.runtime == "docker"
+    steps = 3
+    t0 = time.monotonic()
+    res = run(cl, ["python", "examples/train_ddp.py", "--steps", str(steps)], base_dir=tmp_path,
+              workdir=str(REPO), echo=False, timeout=180)
+    elapsed = time.monotonic() - t0
+    assert res.rc == 0, (res.run_dir / "logs" / "w0.log").read_text()[-3000:]
+    sums = _checksums(res.run_dir)
+    assert len(sums) == 2 and len({s for s, _ in sums}) == 1 and all(ok for _, ok in sums)
+    for rank in range(2):
+        recs = [json.loads(l) for l in (res.run_dir / "probe" / f"rank-{rank}.jsonl").read_text().splitlines()]
+        assert sum(r["ev"] == "step" for r in recs) == steps
+    s = json.loads((res.run_dir / "summary.json").read_text())
+    assert sum(l["bytes_ab"] + l["bytes_ba"] for l in s["links"]) > 0
+    assert elapsed < 120, elapsed

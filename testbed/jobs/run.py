@@ -20,15 +20,29 @@ environment (inherited by all its descendants, torchrun's workers included,
 which torchrun puts in sessions of their own), and the launcher ends, by PID,
 every process that carries it, when the run ends for any reason.
 
-How a command reaches a worker is one small interface (Executor): the
-testbed's runtime (Runtime.exec_argv), or plain `nsenter --net` into a
-namespace (tests, and testbeds whose runtime is not available).
+Workers are reached only through the testbed's runtime
+(testbed.lifecycle.exec_argv: netns containers, docker), for a testbed
+brought up by testbed.lifecycle.up.
+
+Probe files: ranks cannot be relied on to see the run directory (a netns
+worker has a private /tmp, a docker worker sees only what is mounted), so
+they write to <state dir>/runs/<run id>/probe/ (the testbed's state dir,
+which both runtimes show inside every worker at the same path); during the
+run runs/<time>-<testbed>/probe is a symbolic link to it, and at the end the
+launcher moves the files there and removes <state dir>/runs/<run id>.
+
+torchrun mode: torchrun is asked to tee every local rank's output with a
+"[rN]:" prefix (N: the global rank), so lines are tagged "[worker:rN]" as in
+env mode (lines of torchrun itself stay "[worker:torchrun]"); its own log
+files go to <state dir>/runs/<run id>/torchrun/ and are removed at the end.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,6 +59,9 @@ from testbed.jobs.probe import PROBE_PATH
 
 DEFAULT_GRACE_S = 5.0
 KILL_AFTER_S = 2.0
+# torchrun --tee: every line of a local rank starts with this (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE)
+TORCHRUN_PREFIX_TEMPLATE = "[r${rank}]:"
+_TORCHRUN_PREFIX = re.compile(r"^\[r(\d+)\]:")
 
 
 class RunError(TestbedError):
@@ -60,51 +77,22 @@ class Executor:
         raise NotImplementedError
 
 
-class NsenterExecutor(Executor):
-    """Run inside a plain network namespace: nsenter --net=/run/netns/NS.
-
-    Bare namespaces share the host's hostname and /etc: name lookups would go to
-    the host's resolver, which is not reachable from the emulated network (every
-    lookup then hangs until it times out: torchrun's rendezvous stalls). So each
-    command also gets a private UTS and mount namespace with hostname = worker,
-    an /etc/hosts that names every worker and an /etc/resolv.conf without servers.
-    """
-
-    def __init__(self, netns_of: Mapping[str, str], private_etc: bool = True):
-        self.netns_of = dict(netns_of)
-        self.private_etc = private_etc and os.geteuid() == 0
-        self.etc_dir: Path | None = None
-
-    def prepare(self, run_dir: Path, cluster: "Cluster") -> None:
-        if not self.private_etc:
-            return
-        d = run_dir / ".etc"
-        d.mkdir(exist_ok=True)
-        lines = ["127.0.0.1 localhost"] + [f"{ip} {w}" for w, ip in cluster.address.items()]
-        (d / "hosts").write_text("\n".join(lines) + "\n")
-        (d / "resolv.conf").write_text("# testbed: no resolver inside the emulated network\n")
-        self.etc_dir = d
-
-    def argv(self, worker, argv, env, workdir):
-        head = ["nsenter", f"--net=/run/netns/{self.netns_of[worker]}", f"--wd={workdir}", "--"]
-        tail = ["env", *[f"{k}={v}" for k, v in env.items()], *argv]
-        if self.etc_dir is None:
-            return head + tail
-        script = ('hostname "$0" && mount --bind "$1/hosts" /etc/hosts && '
-                  'mount --bind "$1/resolv.conf" /etc/resolv.conf && shift && exec "$@"')
-        return head + ["unshare", "--mount", "--uts", "--propagation", "private", "--",
-                       "sh", "-c", script, worker, str(self.etc_dir), *tail]
-
-
 class RuntimeExecutor(Executor):
-    """Through the testbed's runtime (netns containers, docker)."""
+    """Through the testbed's runtime (netns containers, docker): testbed.lifecycle.exec_argv.
 
-    def __init__(self, runtime: Any, records: Mapping[str, Mapping[str, Any]]):
-        self.runtime = runtime
-        self.records = records
+    `records` are the workers' runtime records (state runtime.workers); a caller may replace them."""
+
+    def __init__(self, st: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]] | None = None):
+        self.state = dict(st)
+        self.records = dict(records if records is not None else (st.get("runtime") or {}).get("workers") or {})
 
     def argv(self, worker, argv, env, workdir):
-        return self.runtime.exec_argv(worker, self.records.get(worker, {}), list(argv), env=dict(env), workdir=workdir)
+        from testbed import lifecycle
+
+        rt = dict(self.state.get("runtime") or {})
+        rt["workers"] = self.records
+        return lifecycle.exec_argv({**self.state, "runtime": rt}, worker, list(argv), env=dict(env),
+                                   workdir=workdir)
 
 
 # -- the cluster a run targets --------------------------------------------------------------------------------
@@ -121,58 +109,41 @@ class Cluster:
     time_dilation: float = 1.0
     dilation_source: str = "none"
     gpus: dict[str, list[int]] = field(default_factory=dict)  # worker -> GPU indices (CUDA_VISIBLE_DEVICES)
-
-
-def cluster_from_topology(name: str, topo: Any, executor: Executor | None = None, *,
-                          netns_of: Mapping[str, str] | None = None, time_dilation: float = 1.0,
-                          dilation_source: str = "none") -> Cluster:
-    from testbed.net import names
-    from testbed.topology.plan import plan_network
-
-    plan = plan_network(topo)
-    workers = list(topo.workers)
-    ifn = {}
-    for w in workers:
-        ports = [p for p in plan.ports(w) if p.address]
-        ifn[w] = ports[0].ifname if ports else "eth0"
-    ns = {n: names.netns(name, n) for n in topo.nodes}
-    ns.update(netns_of or {})
-    return Cluster(name=name, workers=workers, address=plan.hosts(), ifname=ifn,
-                   executor=executor or NsenterExecutor(ns), topology=topo, netns_of=ns,
-                   time_dilation=time_dilation, dilation_source=dilation_source)
+    runtime: str = "netns"             # the testbed's runtime kind
+    state_dir: Path | None = None      # the testbed's state dir: visible inside every worker, same path
 
 
 def cluster_from_state(name: str) -> Cluster:
-    """The cluster of a running testbed, from its state file."""
-    from testbed.net import state as st
+    """The cluster of a running testbed (brought up by testbed.lifecycle), from its state file."""
+    from testbed import lifecycle
+    from testbed.net import names
+    from testbed.net import state as st_mod
     from testbed.topology.model import Topology
+    from testbed.topology.plan import plan_network
 
-    data = st.load(name)
+    data = lifecycle.load(name)
     topo_json = data.get("topology")
     if not topo_json:
         raise RunError(f"state of testbed {name!r} has no topology snapshot")
     topo = Topology.from_json(topo_json)
     rt = data.get("runtime")
-    kind = rt.get("kind") if isinstance(rt, Mapping) else rt
+    kind = (rt.get("kind") if isinstance(rt, Mapping) else rt) or "bare"
     records = (rt.get("workers") if isinstance(rt, Mapping) else None) or data.get("workers") or {}
     if isinstance(records, list):
         records = {r.get("name"): r for r in records if isinstance(r, Mapping)}
-    executor: Executor | None = None
-    if kind and kind != "bare":
-        try:
-            from testbed.runtime import get_runtime
-
-            executor = RuntimeExecutor(get_runtime(kind, name), records)
-        except Exception:
-            executor = None
-    if executor is None:  # bare namespaces: nsenter, with a private hostname and /etc (see NsenterExecutor)
-        from testbed.net import names
-
-        executor = NsenterExecutor({w: (records.get(w) or {}).get("netns") or names.netns(name, w)
-                                    for w in topo.workers})
+    plan = plan_network(topo)
+    ifn = {}
+    for w in topo.workers:
+        ports = [p for p in plan.ports(w) if p.address]
+        ifn[w] = ports[0].ifname if ports else "eth0"
     s, source = _dilation_from_state(data, topo)
-    cl = cluster_from_topology(name, topo, executor, time_dilation=s, dilation_source=source)
+    cl = Cluster(name=name, workers=list(topo.workers), address=plan.hosts(), ifname=ifn,
+                 executor=RuntimeExecutor(data, records), topology=topo,
+                 netns_of={n: names.netns(name, n) for n in topo.nodes}, time_dilation=s, dilation_source=source,
+                 runtime=kind, state_dir=st_mod.directory(name))
     for w, rec in records.items():
+        if isinstance(rec, Mapping) and rec.get("netns"):
+            cl.netns_of[w] = rec["netns"]
         if isinstance(rec, Mapping) and rec.get("gpus") is not None:
             cl.gpus[w] = list(rec["gpus"])
     return cl
@@ -233,7 +204,7 @@ def _has_opt(cmd: Sequence[str], *opts: str) -> bool:
 
 
 def torchrun_argv(cmd: Sequence[str], nnodes: int, nproc: int, endpoint: str, run_id: str,
-                  is_host: bool | None = None) -> list[str]:
+                  is_host: bool | None = None, log_dir: str | None = None) -> list[str]:
     """CMD with the rendezvous options added (before the script) unless already there.
 
     is_host tells torchrun which worker hosts the rendezvous store: its own guess
@@ -256,6 +227,11 @@ def torchrun_argv(cmd: Sequence[str], nnodes: int, nproc: int, endpoint: str, ru
         extra.append("--max-restarts=0")
     if is_host is not None and not _has_opt(cmd, "--rdzv-conf", "--rdzv_conf"):
         extra.append(f"--rdzv-conf=is_host={1 if is_host else 0}")
+    if log_dir is not None and not _has_opt(cmd, "--tee", "--redirects"):
+        # per-rank output, prefixed "[rN]:" (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE in the env)
+        extra.append("--tee=3")
+        if not _has_opt(cmd, "--log-dir", "--log_dir"):
+            extra.append(f"--log-dir={log_dir}")
     return cmd[:head] + extra + cmd[head:]
 
 
@@ -336,7 +312,19 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     run_id = uuid.uuid4().hex[:12]
     workdir = workdir or os.getcwd()
     rd = rundir.create(cluster.name, base_dir)
-    probe_dir = rd / "probe"
+    # What the ranks write lives in the testbed's state dir (visible in every worker, same path).
+    shared = _shared_dir(cluster, run_id)
+    probe_dir = shared / "probe"
+    probe_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(shared, 0o777)
+    os.chmod(probe_dir, 0o777)
+    (rd / "probe").rmdir()
+    (rd / "probe").symlink_to(probe_dir)   # live view (progress bars, scenario players)
+    probe_path, pythonpath = PROBE_PATH, os.environ.get("PYTHONPATH", "")
+    if cluster.runtime == "docker":       # the package is mounted at PKG_TARGET there
+        from testbed.runtime.docker import PKG_TARGET
+
+        probe_path, pythonpath = f"{PKG_TARGET}/testbed/jobs/probe", PKG_TARGET
     torchrun = is_torchrun(cmd)
     world = len(chosen) * nproc_per_node
     master_addr = cluster.address[master]
@@ -379,12 +367,12 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             wenv["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cluster.gpus[w]))
         if probe:
             wenv["TESTBED_PROBE_DIR"] = str(probe_dir)
-            pp = os.environ.get("PYTHONPATH", "")
-            wenv["PYTHONPATH"] = PROBE_PATH + (os.pathsep + pp if pp else "")
+            wenv["PYTHONPATH"] = probe_path + (os.pathsep + pythonpath if pythonpath else "")
         wenv.update(env or {})
         if torchrun:
+            wenv.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", TORCHRUN_PREFIX_TEMPLATE)
             argv = torchrun_argv(cmd, len(chosen), nproc_per_node, f"{master_addr}:{port}", run_id,
-                                 is_host=(w == master))
+                                 is_host=(w == master), log_dir=str(shared / "torchrun" / w))
             ranks.append(Rank(w, node_rank, None, None, f"{w}:torchrun", argv, {**wenv}))
             continue
         for lr in range(nproc_per_node):
@@ -395,21 +383,24 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                     "TORCHELASTIC_MAX_RESTARTS": "0"}
             ranks.append(Rank(w, node_rank, lr, rank, f"{w}:r{rank}", list(cmd), renv))
 
-    if hasattr(cluster.executor, "prepare"):
-        cluster.executor.prepare(rd, cluster)
     logs: dict[str, Any] = {w: open(rd / "logs" / f"{w}.log", "a", buffering=1) for w in chosen}
     log_lock = threading.Lock()
     readers: list[threading.Thread] = []
 
     def pump(r: Rank) -> None:
         assert r.proc is not None and r.proc.stdout is not None
-        tag = f"[{r.label}] "
+        label = r.label
         for raw in iter(r.proc.stdout.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
+            if r.local_rank is None:   # torchrun: "[rN]:line" is rank N's
+                m = _TORCHRUN_PREFIX.match(line)
+                label = f"{r.worker}:r{m.group(1)}" if m else r.label
+                if m:
+                    line = line[m.end():]
             with log_lock:
-                logs[r.worker].write(f"[{r.label.split(':', 1)[1]}] {line}\n")
+                logs[r.worker].write(f"[{label.split(':', 1)[1]}] {line}\n")
                 if echo is not None:
-                    echo(tag + line)
+                    echo(f"[{label}] {line}")
         r.proc.stdout.close()
 
     summary: dict[str, Any] = {
@@ -507,6 +498,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             t.join(2)
         for f in logs.values():
             f.close()
+        _collect_probe(rd, shared)
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
 
@@ -528,6 +520,33 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         summary["links"] = counters.link_bytes(topo, before, after)
     rundir.write_json(rd / "summary.json", summary)
     return RunResult(rc, rd, summary)
+
+
+def _shared_dir(cluster: Cluster, run_id: str) -> Path:
+    """<state dir>/runs/<run id>: where ranks write (the state dir is visible in every worker)."""
+    base = cluster.state_dir
+    if base is None:
+        from testbed.net import state
+
+        base = state.directory(cluster.name)
+    return Path(base) / "runs" / run_id
+
+
+def _collect_probe(rd: Path, shared: Path) -> None:
+    """Replace the run dir's probe link with a directory holding the ranks' files; remove `shared`."""
+    link = rd / "probe"
+    if link.is_symlink():
+        link.unlink()
+    link.mkdir(exist_ok=True)
+    src = shared / "probe"
+    if src.is_dir():
+        for f in sorted(src.iterdir()):
+            shutil.move(str(f), str(link / f.name))
+    shutil.rmtree(shared, ignore_errors=True)
+    try:
+        shared.parent.rmdir()   # <state dir>/runs, when no other run is using it
+    except OSError:
+        pass
 
 
 def format_cmd(cmd: Sequence[str]) -> str:

@@ -6,7 +6,8 @@ Layout:
   counters-before.json    per node, per interface byte/packet counters (host view)
   counters-after.json
   logs/<worker>.log       every line of that worker's ranks, prefixed with the rank
-  probe/rank-<R>.jsonl    the probe's records (optimizer steps, collectives)
+  probe/rank-<R>.jsonl    the probe's records (optimizer steps, collectives); during the run
+                          probe is a link to <state dir>/runs/<run id>/probe (see testbed.jobs.run)
   report.txt, *.png       written by `testbed report RUN`
 """
 

@@ -215,6 +215,7 @@ def _probe_all() -> Capabilities:
     caps.gpus = _gpus()
     caps.docker = _docker_answers()
     if caps.is_root:
+        sweep_stale_probes()
         try:
             _probe_kernel(caps)
         except Exception as exc:
@@ -226,6 +227,27 @@ def _probe_all() -> Capabilities:
 
 def _probe_ns_name(suffix: str = "") -> str:
     return f"tb-probe-{os.getpid()}{suffix}"
+
+
+def sweep_stale_probes() -> list[str]:
+    """Remove probe namespaces (tb-probe-<pid>[-w|-s]) whose process is gone (killed mid-probe)."""
+    removed = []
+    try:
+        names = os.listdir("/run/netns")
+    except OSError:
+        return removed
+    for name in names:
+        m = re.fullmatch(r"tb-probe-(\d+)(-[ws])?", name)
+        if not m or os.path.exists(f"/proc/{m.group(1)}"):
+            continue
+        try:
+            from pyroute2 import netns
+
+            netns.remove(name)
+            removed.append(name)
+        except Exception:
+            pass
+    return removed
 
 
 def _probe_kernel(caps: Capabilities) -> None:

@@ -82,9 +82,14 @@ DEFAULT_QUEUE = 1000
 
 # -- what a profile needs ---------------------------------------------------------
 
+# When the floor could not be measured: what a veth + bridge hop costs on any machine
+# (DESIGN.md: tens of microseconds), so a 2 us datacenter link never goes through userspace.
+DEFAULT_FLOOR_S = 20e-6
+
+
 def floor_of(caps: Any) -> float:
     f = getattr(caps, "latency_floor_s", None)
-    return float(f) if f else 0.0
+    return float(f) if f else DEFAULT_FLOOR_S
 
 
 def has_delay(profile: LinkProfile, caps: Any) -> bool:

@@ -78,7 +78,16 @@ def analyze(run: str | Path) -> dict[str, Any]:
             "step_times": [{"t": (b - ends[0]) / s, "dt": d} for b, d in zip(ends[1:], iters)],
         })
     links = summary.get("links") or []
-    dur = float(summary.get("duration_s") or 0.0)
+    # Utilisation is over the window the job communicated (first collective's start to the last
+    # one's end, over all ranks), not the whole wall time (start-up, imports, rendezvous, teardown
+    # would dilute it); without collectives in the probe, over the run's wall time.
+    colls = [r for recs in probe.values() for r in recs if r.get("ev") == "coll" and "t" in r]
+    if colls:
+        w0 = min(c["t"] for c in colls)
+        w1 = max(c["t"] + (c.get("dur") or 0.0) for c in colls)
+        dur, util_window = max(w1 - w0, 0.0), "comm"
+    else:
+        dur, util_window = float(summary.get("duration_s") or 0.0), "wall"
     tiers: dict[str, dict[str, float]] = {}
     for l in links:
         t = tiers.setdefault(l["tier"], {"bytes": 0, "links": 0, "max_util": 0.0})
@@ -86,9 +95,10 @@ def analyze(run: str | Path) -> dict[str, Any]:
         t["links"] += 1
         for key, bw in (("bytes_ab", l.get("bandwidth_ab")), ("bytes_ba", l.get("bandwidth_ba"))):
             if bw and dur > 0:
-                # the emulated link ran at bw/s for dur seconds of real time
+                # the emulated link ran at bw/s for dur seconds of real time (raw, undilated)
                 util = l[key] * 8 / dur / (bw / s)
                 l.setdefault("util", {})[key] = util
                 t["max_util"] = max(t["max_util"], util)
     return {"run": str(run), "summary": summary, "dilation": s, "ranks": ranks, "tiers": tiers, "links": links,
-            "samples_per_s": tot_samples_rate or None}
+            "samples_per_s": tot_samples_rate or None,
+            "util_window": {"kind": util_window, "raw_s": dur, "s": dur / s}}

@@ -81,7 +81,8 @@ def links(a: dict[str, Any], topo: dict[str, Any], out: Path) -> Path:
                     xytext=(0, -7 if w else 7), textcoords="offset points")
     sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, vmax * 100))
     fig.colorbar(sm, ax=ax, label="peak direction utilisation (% of dilated rate)")
-    ax.set_title(f"link utilisation over the run ({a['summary'].get('testbed')})")
+    over = "while the job communicated" if (a.get("util_window") or {}).get("kind") == "comm" else "over the run"
+    ax.set_title(f"link utilisation {over} ({a['summary'].get('testbed')})")
     ax.axis("off")
     fig.tight_layout()
     fig.savefig(out, dpi=110)

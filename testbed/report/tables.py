@@ -33,7 +33,13 @@ def render(a: dict[str, Any]) -> str:
                      f"{_ms(r['iter_p95_s']):>12} {sps:>10} {cs:>7}")
     if a.get("samples_per_s"):
         lines.append(f"total throughput: {a['samples_per_s']:.0f} samples/s")
-    lines += ["", f"{'tier':>12} {'links':>6} {'bytes':>12} {'peak util %':>12}"]
+    win = a.get("util_window") or {}
+    if win.get("kind") == "comm":
+        what = f"over the {win['s']:.2f} s the job communicated (first to last collective)"
+    else:
+        what = f"over the whole wall time ({win.get('s', 0):.2f} s: no collectives in the probe)"
+    lines += ["", f"link utilisation {what}",
+              f"{'tier':>12} {'links':>6} {'bytes':>12} {'peak util %':>12}"]
     for tier, t in a["tiers"].items():
         lines.append(f"{tier:>12} {t['links']:>6} {_bytes(t['bytes']):>12} {100 * t['max_util']:>12.2f}")
     return "\n".join(lines)

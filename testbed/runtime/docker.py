@@ -27,6 +27,9 @@ it with `make image`) with:
     * the testbed's state directory (/run/testbed/NAME), same path,
       read-write: job logs and results written there are seen by the host.
     * extra mounts from $TESTBED_DOCKER_MOUNTS ("SRC:DST[:ro],...").
+- /etc/hosts naming every worker, and an /etc/resolv.conf without name
+  servers (Docker would copy the host's, unreachable from the emulated
+  network: every lookup of an unknown name would hang until it timed out).
 - labels testbed.owner=testbed, testbed.name, testbed.node, testbed.netns,
   testbed.state_root: `cleanup_by_label` finds containers of a CLI that died.
 
@@ -64,6 +67,7 @@ PKG_TARGET = "/opt/testbed/src"
 CPU_PERIOD = 100_000
 STOP_TIMEOUT = 5
 _GiB = 1 << 30
+RESOLV_CONF = "# testbed worker: no DNS; names come from /etc/hosts\noptions timeout:1 attempts:1\n"
 
 
 class DockerUnavailable(CapabilityError):
@@ -288,9 +292,12 @@ class DockerRuntime(Runtime):
             raise errors[0]
 
     def _write_files(self, c: Any, node: str, hosts: Mapping[str, str], env: Mapping[str, str]) -> None:
-        script = ('printf "%s" "$1" > /etc/hosts && mkdir -p /etc/testbed && printf "%s" "$2" > /etc/testbed/env '
-                  '&& ln -sf /etc/testbed/env /etc/profile.d/testbed.sh')
-        res = c.exec_run(["/bin/sh", "-c", script, "sh", _hosts_file(hosts, node), _env_file(env)], user="0")
+        # /etc/resolv.conf: Docker copies the host's, whose name server the emulated network cannot
+        # reach (every lookup of an unknown name would hang for seconds): none, as in the netns runtime.
+        script = ('printf "%s" "$1" > /etc/hosts && printf "%s" "$3" > /etc/resolv.conf && mkdir -p /etc/testbed '
+                  '&& printf "%s" "$2" > /etc/testbed/env && ln -sf /etc/testbed/env /etc/profile.d/testbed.sh')
+        res = c.exec_run(["/bin/sh", "-c", script, "sh", _hosts_file(hosts, node), _env_file(env), RESOLV_CONF],
+                         user="0")
         if res.exit_code != 0:
             raise TestbedError(f"worker {node}: writing /etc/hosts failed: {res.output.decode(errors='replace')}")
 

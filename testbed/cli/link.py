@@ -1,0 +1,118 @@
+"""testbed link show|set|down|up|reset: change a running testbed's links (see testbed.faults.control)."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from testbed.cli.common import NameOption, console, require_root, resolve_name
+
+DirectionOption = typer.Option("both", "--direction", "-d",
+                               help="both, A->B (traffic from A to B) or B->A.")
+
+
+def _fmt(p: dict) -> str:
+    from testbed.topology.units import format_bandwidth, format_time
+
+    parts = [format_bandwidth(p["bandwidth_bps"]) if p.get("bandwidth_bps") else "unshaped"]
+    if p.get("delay_s"):
+        parts.append(format_time(p["delay_s"]))
+    if p.get("jitter_s"):
+        parts.append("±" + format_time(p["jitter_s"]))
+    if p.get("loss"):
+        parts.append(f"loss {p['loss'] * 100:g}%")
+    if p.get("queue"):
+        parts.append(f"q {p['queue']}")
+    return " ".join(parts)
+
+
+def register(app: typer.Typer) -> None:
+    link_app = typer.Typer(help="Show and change the links of a running testbed (takes effect at once).",
+                           no_args_is_help=True)
+    app.add_typer(link_app, name="link")
+
+    @link_app.command("show")
+    def show(name: Optional[str] = NameOption,
+             as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+             changed: bool = typer.Option(False, "--changed", help="Only links that are down or changed.")) -> None:
+        """Every link: state, and the profile it runs at now (emulated units)."""
+        from rich.table import Table
+
+        from testbed.faults import control
+
+        name = resolve_name(name)
+        links = control.link_show(name)
+        if changed:
+            links = [l for l in links if l["state"] != "up" or l["changed"]]
+        if as_json:
+            typer.echo(json.dumps(links, indent=1))
+            return
+        t = Table(title=f"links of {name}")
+        for col in ("#", "A", "B", "tier", "state", "A->B", "B->A"):
+            t.add_column(col)
+        for l in links:
+            st = l["state"] + (f" ({', '.join(l['down_by'])})" if l["state"] == "down" else "")
+            st += " *" if l["changed"] else ""
+            t.add_row(str(l["index"]), l["endpoints"][0], l["endpoints"][1], l["tier"], st,
+                      _fmt(l["ab"]), _fmt(l["ba"]))
+        console.print(t)
+        console.print("* profile changed from the topology's (testbed link reset A B)", style="dim")
+
+    @link_app.command("set")
+    def set_(a: str = typer.Argument(..., metavar="A"), b: str = typer.Argument(..., metavar="B"),
+             bandwidth: Optional[str] = typer.Option(None, "--bandwidth", help="e.g. 1gbit, 100mbit"),
+             delay: Optional[str] = typer.Option(None, "--delay", help="one-way, e.g. 5ms"),
+             jitter: Optional[str] = typer.Option(None, "--jitter", help="e.g. 1ms"),
+             loss: Optional[str] = typer.Option(None, "--loss", help="e.g. 1% (or a fraction)"),
+             queue: Optional[str] = typer.Option(None, "--queue", help="packets"),
+             direction: str = DirectionOption, name: Optional[str] = NameOption) -> None:
+        """Change a link's bandwidth/delay/jitter/loss/queue (scaled by the testbed's time dilation)."""
+        from testbed.faults import control
+        from testbed.faults.scenario import ScenarioError, format_changes, parse_direction, parse_link_changes
+
+        raw = {k: v for k, v in (("bandwidth", bandwidth), ("delay", delay), ("jitter", jitter),
+                                 ("loss", loss), ("queue", queue)) if v is not None}
+        try:
+            changes = parse_link_changes(raw, path="")
+            direction = parse_direction(direction, path="--direction")
+        except ScenarioError as e:
+            raise control.FaultError(f"--{e.path.lstrip('.')}: {e.reason} (got {e.value!r})"
+                                     if e.path and e.path != "--direction" else str(e)) from None
+        require_root("testbed link set")
+        name = resolve_name(name)
+        link = control.link_set(name, a, b, changes, direction)
+        console.print(f"{a} <-> {b}: {format_changes(changes)}"
+                      f"{'' if direction == 'both' else f' ({direction})'}; now "
+                      f"A->B {_fmt(link['ab'])}, B->A {_fmt(link['ba'])}", highlight=False)
+
+    @link_app.command("down")
+    def down(a: str = typer.Argument(..., metavar="A"), b: str = typer.Argument(..., metavar="B"),
+             name: Optional[str] = NameOption) -> None:
+        """Take a link down (both ends); ECMP fails over where there is another path."""
+        from testbed.faults import control
+
+        require_root("testbed link down")
+        went = control.link_down(resolve_name(name), a, b)
+        console.print(f"{a} <-> {b}: down" + ("" if went else " (it was down already)"), highlight=False)
+
+    @link_app.command("up")
+    def up(a: str = typer.Argument(..., metavar="A"), b: str = typer.Argument(..., metavar="B"),
+           name: Optional[str] = NameOption) -> None:
+        """Bring a link downed with `link down` back up."""
+        from testbed.faults import control
+
+        require_root("testbed link up")
+        left = control.link_up(resolve_name(name), a, b)
+        console.print(f"{a} <-> {b}: " + (f"still down ({', '.join(left)})" if left else "up"), highlight=False)
+
+    @link_app.command("reset")
+    def reset(a: str = typer.Argument(..., metavar="A"), b: str = typer.Argument(..., metavar="B"),
+              name: Optional[str] = NameOption) -> None:
+        """A link back to the topology's profile, and up."""
+        from testbed.faults import control
+
+        require_root("testbed link reset")
+        control.link_reset(resolve_name(name), a, b)
+        console.print(f"{a} <-> {b}: reset to the topology's profile", highlight=False)

@@ -1,0 +1,859 @@
+"""Runtime control of a running testbed: links, nodes, partitions.
+
+Every operation works from the testbed's state file alone (so it works from
+any shell), takes effect in a few netlink round trips (well under 100 ms),
+and records what it did in the state, under:
+
+  st["links"][i]["state"]        "up" | "down" (lifecycle's field)
+  st["links"][i]["down_by"]      why it is down: ["link"], ["node:core1"], ...
+  st["links"][i]["profile"]      {"ab": LinkProfile, "ba": LinkProfile} when it differs from the
+                                 topology (emulated values, before time dilation)
+  st["faults"]["nodes"][NODE]    {"state": "down"|"crashed"|"up", "cpus": x, "cgroup": [...]}
+  st["faults"]["partition"]      {"groups": [[w..], ..], "netns": [...]} while partitioned
+  st["faults"]["log"]            the last changes (time, what)
+
+Link down/up sets both ends of the link admin down/up in their namespaces.
+On switches `ignore_routes_with_linkdown=1` and dead ECMP next hops make
+traffic fail over with no control plane; admin-down also flushes routes and
+neighbour entries that used the interface, so `up` re-installs the plan's
+routes and permanent neighbours on both endpoints (idempotent `replace`).
+
+Shaping changes honour the testbed's time-dilation factor: the user speaks
+in emulated units, the kernel gets `dilate(profile, s)`.
+
+A partition drops, in each worker's namespace, packets *arriving* from
+workers of other groups (nftables, hook input): traffic vanishes silently
+like on a real partition (no EPERM to the sender, as an output drop would).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import signal
+import subprocess
+import time
+from typing import Any, Iterator, Sequence
+
+from testbed.errors import CapabilityError, StateError, TestbedError
+from testbed.net import names, netns, state
+from testbed.topology.model import LinkProfile, Topology
+
+PROFILE_FIELDS = ("bandwidth_bps", "delay_s", "jitter_s", "loss", "queue")
+NFT_TABLE = "testbed_partition"
+LOG_KEEP = 200
+STOP_GRACE_S = 2.0
+
+
+class FaultError(TestbedError):
+    """A fault command names something the testbed does not have, or cannot do it: exit status 2."""
+
+    exit_code = 2
+
+
+# -- the testbed as seen from its state -------------------------------------------------------------------------
+
+
+class Handle:
+    """A running testbed: its state, topology, plan and dilation factor (loaded once per operation)."""
+
+    def __init__(self, name: str, st: dict[str, Any] | None = None):
+        self.name = name
+        self.st = st if st is not None else state.load(name)
+        if not self.st.get("topology"):
+            raise StateError(f"state of testbed {name!r} has no topology snapshot")
+        self.topo = Topology.from_json(self.st["topology"])
+        self._plan = None
+
+    @property
+    def plan(self):
+        if self._plan is None:
+            from testbed.topology.plan import plan_network
+
+            self._plan = plan_network(self.topo)
+        return self._plan
+
+    @property
+    def dilation(self) -> float:
+        return dilation_of(self.st, self.topo)
+
+    @property
+    def caps(self):
+        from testbed.net.capabilities import Capabilities
+
+        data = self.st.get("capabilities")
+        if isinstance(data, dict):
+            return Capabilities.from_json(data)
+        from testbed.net import capabilities
+
+        return capabilities.probe()
+
+    def netns(self, node: str) -> str:
+        if node in self.topo.workers:
+            rec = self.st.get("runtime", {}).get("workers", {}).get(node) or {}
+            if rec.get("netns"):
+                return rec["netns"]
+        return names.netns(self.name, node)
+
+    def faults(self) -> dict[str, Any]:
+        f = self.st.setdefault("faults", {})
+        f.setdefault("nodes", {})
+        f.setdefault("log", [])
+        return f
+
+    # -- links --
+    def node(self, node: str, *, path: str = "node") -> Any:
+        n = self.topo.nodes.get(node)
+        if n is None:
+            some = ", ".join(list(self.topo.nodes)[:12]) + (" ..." if len(self.topo.nodes) > 12 else "")
+            raise FaultError(f"{path}: testbed {self.name!r} has no node {node!r} (nodes: {some})")
+        return n
+
+    def link(self, a: str, b: str) -> tuple[int, dict[str, Any]]:
+        """(index, state record) of the link between a and b."""
+        self.node(a, path="A")
+        self.node(b, path="B")
+        link = self.topo.link_between(a, b)
+        if link is None:
+            nb = ", ".join(self.topo.neighbors(a)) or "none"
+            raise FaultError(f"link: testbed {self.name!r} has no link between {a} and {b} "
+                             f"({a}'s neighbours: {nb})")
+        i = self.topo.link_index(a, b)
+        recs = self.st.get("links") or []
+        if i >= len(recs):
+            raise StateError(f"state of testbed {self.name!r} lacks the record of link {i}")
+        return i, recs[i]
+
+    def profiles(self, i: int) -> tuple[LinkProfile, LinkProfile]:
+        """The emulated (undilated) profiles a->b and b->a link i runs at now."""
+        link = self.topo.links[i]
+        rec = self.st["links"][i]
+        prof = rec.get("profile")
+        if prof:
+            return LinkProfile.from_json(prof["ab"]), LinkProfile.from_json(prof["ba"])
+        return link.ab, link.ba
+
+    def log(self, what: str) -> None:
+        f = self.faults()
+        f["log"].append({"t": time.time(), "what": what})
+        del f["log"][:-LOG_KEEP]
+
+
+def dilation_of(st: dict[str, Any], topo: Topology | None = None) -> float:
+    """The testbed's time-dilation factor (1 when none)."""
+    for key in ("time_dilation", "dilation"):
+        v = st.get(key)
+        if isinstance(v, dict) and v.get("factor"):
+            return float(v["factor"])
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    td = (topo.time_dilation if topo is not None else (st.get("topology") or {}).get("time_dilation"))
+    if isinstance(td, (int, float)) and not isinstance(td, bool) and td >= 1:
+        return float(td)
+    return 1.0
+
+
+@contextlib.contextmanager
+def locked(name: str) -> Iterator[Handle]:
+    """The testbed's state, loaded under an exclusive lock and saved when the block succeeds.
+
+    Fault commands from several shells (and a scenario player) serialise here. On an error
+    the state is saved too (what was changed before the error is recorded), then it re-raises.
+    """
+    if not state.exists(name):
+        up = state.list_names()
+        raise StateError(f"no testbed named {name!r} is up" + (f" (up: {', '.join(up)})" if up else ""))
+    lock_path = state.directory(name) / "faults.lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        h = Handle(name)
+        try:
+            yield h
+        finally:
+            if state.exists(name):
+                state.save(name, h.st)
+    finally:
+        os.close(fd)
+
+
+# -- netlink helpers ----------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _ipr(ns: str) -> Iterator[Any]:
+    from pyroute2 import IPRoute
+
+    if not netns.exists(ns):
+        raise StateError(f"namespace {ns} is gone (testbed half-removed? try `testbed cleanup`)")
+    with netns.enter(ns):
+        ipr = IPRoute()
+    try:
+        yield ipr
+    finally:
+        ipr.close()
+
+
+def _index(ipr: Any, ifname: str) -> int | None:
+    found = ipr.link_lookup(ifname=ifname)
+    return found[0] if found else None
+
+
+def _set_admin(h: Handle, i: int, up: bool) -> None:
+    rec = h.st["links"][i]
+    link = h.topo.links[i]
+    for node, ifname in zip((link.a, link.b), rec["ifnames"]):
+        with _ipr(h.netns(node)) as ipr:
+            idx = _index(ipr, ifname)
+            if idx is not None:
+                ipr.link("set", index=idx, state="up" if up else "down")
+
+
+def _down_set(h: Handle) -> set[int]:
+    return {i for i, rec in enumerate(h.st.get("links", [])) if rec.get("state") == "down"}
+
+
+def _down_ifnames(h: Handle) -> set[tuple[str, str]]:
+    """(node, ifname) of every link end that is down now."""
+    out = set()
+    for i in _down_set(h):
+        rec = h.st["links"][i]
+        link = h.topo.links[i]
+        out.add((link.a, rec["ifnames"][0]))
+        out.add((link.b, rec["ifnames"][1]))
+    return out
+
+
+def converged_routes(plan: Any, switches: Sequence[str], down: set[int]) -> dict[str, dict[str, tuple]]:
+    """switch -> {subnet: ((via, ifname), ...)}: ECMP over the shortest paths of the fabric without
+    the links in `down` (what a routing protocol converges to). With nothing down it is the plan's."""
+    adj: dict[str, list[str]] = {s: [] for s in switches}
+    hops: dict[str, list[tuple[str, tuple[str, str]]]] = {s: [] for s in switches}
+    for lp in plan.links:
+        if lp.kind != "fabric" or lp.index in down:
+            continue
+        a, b = lp.a, lp.b
+        adj[a.node].append(b.node)
+        adj[b.node].append(a.node)
+        hops[a.node].append((b.node, (b.address.split("/")[0], a.ifname)))
+        hops[b.node].append((a.node, (a.address.split("/")[0], b.ifname)))
+    out: dict[str, dict[str, tuple]] = {s: {} for s in switches}
+    for owner, subnet in plan.subnets.items():
+        dist = {owner: 0}
+        queue = [owner]
+        for u in queue:
+            for v in adj[u]:
+                if v not in dist:
+                    dist[v] = dist[u] + 1
+                    queue.append(v)
+        for sw in switches:
+            if sw == owner or sw not in dist:
+                continue
+            hs = tuple(sorted(hp for peer, hp in hops[sw] if dist.get(peer) == dist[sw] - 1))
+            if hs:
+                out[sw][subnet.network] = hs
+    return out
+
+
+def _sync_routes(h: Handle, old_down: set[int], touched: Sequence[str] = ()) -> None:
+    """After links went down or up: converge the switches' routes (only those that changed), and
+    re-install routes and permanent neighbours on `touched` nodes (endpoints of links that came up:
+    admin-down flushed what used their interfaces)."""
+    from testbed.net.builder import Builder
+
+    new_down = _down_set(h)
+    switches = h.topo.switches
+    old_r = converged_routes(h.plan, switches, old_down)
+    new_r = converged_routes(h.plan, switches, new_down)
+    touched = set(touched)
+    down_if = _down_ifnames(h)
+    neigh = Builder(h.name, h.topo, h.plan)._neighbours() if touched else {}
+    for node in h.topo.nodes:
+        is_switch = node in new_r
+        full = node in touched
+        if not full and (not is_switch or old_r[node] == new_r[node]):
+            continue
+        with _ipr(h.netns(node)) as ipr:
+            index = {l.get_attr("IFLA_IFNAME"): l["index"] for l in ipr.get_links()}
+            if full:
+                for ifname, ip, mac in neigh.get(node, []):
+                    if (node, ifname) in down_if or ifname not in index:
+                        continue
+                    with contextlib.suppress(Exception):
+                        ipr.neigh("replace", dst=ip, lladdr=mac, ifindex=index[ifname], state="permanent")
+            if is_switch:
+                for dst, hs in new_r[node].items():
+                    if not full and old_r[node].get(dst) == hs:
+                        continue
+                    try:
+                        if len(hs) == 1:
+                            ipr.route("replace", dst=dst, gateway=hs[0][0], oif=index[hs[0][1]])
+                        else:
+                            ipr.route("replace", dst=dst,
+                                      multipath=[{"gateway": via, "oif": index[ifn]} for via, ifn in hs])
+                    except Exception as exc:  # pragma: no cover - reported, the rest still goes in
+                        h.log(f"route {dst} on {node} not installed: {exc}")
+                for dst in set(old_r[node]) - set(new_r[node]):
+                    with contextlib.suppress(Exception):
+                        ipr.route("del", dst=dst)
+            else:
+                for route in h.plan.routes.get(node, []):
+                    dst = "0.0.0.0/0" if route.dst == "default" else route.dst
+                    hops_ = [hp for hp in route.nexthops if (node, hp.ifname) not in down_if and hp.ifname in index]
+                    if len(hops_) == 1:
+                        with contextlib.suppress(Exception):
+                            ipr.route("replace", dst=dst, gateway=hops_[0].via, oif=index[hops_[0].ifname])
+                    elif hops_:
+                        with contextlib.suppress(Exception):
+                            ipr.route("replace", dst=dst, multipath=[{"gateway": hp.via, "oif": index[hp.ifname]}
+                                                                     for hp in hops_])
+
+
+def _down_reasons(rec: dict[str, Any]) -> list[str]:
+    reasons = rec.get("down_by")
+    if reasons is None:
+        reasons = ["link"] if rec.get("state") == "down" else []
+    return list(reasons)
+
+
+def _hold_down(h: Handle, i: int, reason: str) -> bool:
+    """Add a reason for link i to be down; returns True if it went down now."""
+    rec = h.st["links"][i]
+    reasons = _down_reasons(rec)
+    was_up = not reasons
+    if reason not in reasons:
+        reasons.append(reason)
+    rec["down_by"] = reasons
+    rec["state"] = "down"
+    if was_up:
+        _set_admin(h, i, False)
+    return was_up
+
+
+def _release(h: Handle, i: int, reason: str | None) -> bool:
+    """Drop a reason (None: all) for link i to be down; bring it up when none is left. True if it came up."""
+    rec = h.st["links"][i]
+    reasons = _down_reasons(rec)
+    if not reasons:
+        rec["down_by"] = []
+        rec["state"] = "up"
+        return False
+    reasons = [] if reason is None else [r for r in reasons if r != reason]
+    rec["down_by"] = reasons
+    if reasons:
+        return False
+    rec["state"] = "up"
+    _set_admin(h, i, True)
+    return True
+
+
+# -- links ----------------------------------------------------------------------------------------------------------
+
+
+def _fmt_profile(p: LinkProfile) -> dict[str, Any]:
+    return {k: getattr(p, k) for k in PROFILE_FIELDS}
+
+
+def link_show(name: str) -> list[dict[str, Any]]:
+    """Every link: endpoints, tier, state, why it is down, the profile it runs at (emulated units)."""
+    h = Handle(name)
+    out = []
+    for i, link in enumerate(h.topo.links):
+        rec = h.st["links"][i]
+        ab, ba = h.profiles(i)
+        out.append({"index": i, "endpoints": [link.a, link.b], "tier": link.tier,
+                    "state": rec.get("state", "up"), "down_by": _down_reasons(rec),
+                    "ab": _fmt_profile(ab), "ba": _fmt_profile(ba), "changed": bool(rec.get("profile")),
+                    "ifnames": rec.get("ifnames")})
+    return out
+
+
+def _delay_line_of(h: Handle, i: int) -> dict[str, Any] | None:
+    for rec in h.st.get("resources", {}).get("delay_lines", []):
+        if rec.get("link") == i or str(rec.get("link_id")) == str(i):
+            return rec
+    return None
+
+
+def _apply_profiles(h: Handle, i: int, new_ab: LinkProfile, new_ba: LinkProfile) -> None:
+    """Install new emulated profiles on link i (dilated for the kernel); record them."""
+    from testbed.jobs.dilation import dilate
+    from testbed.net import shaping
+
+    link = h.topo.links[i]
+    rec = h.st["links"][i]
+    old_ab, old_ba = h.profiles(i)
+    s = h.dilation
+    caps = h.caps
+    dl = _delay_line_of(h, i)
+    # Refuse before touching anything.
+    for direction, prof in (("A->B", new_ab), ("B->A", new_ba)):
+        if dl is None and shaping.needs_delay_line(prof, caps):
+            raise CapabilityError(
+                f"link {link.a}-{link.b} {direction}: delay {prof.delay_s * 1e3:g}ms needs sch_netem, which this "
+                "kernel lacks; without netem only links built with a delay (delay lines) can change their delay")
+        if prof.loss > 0 and not caps.can_lose:
+            raise CapabilityError("loss needs sch_netem or cls_bpf, and this kernel has neither")
+    for node, ifname, old, new in ((link.a, rec["ifnames"][0], old_ab, new_ab),
+                                   (link.b, rec["ifnames"][1], old_ba, new_ba)):
+        if old == new:
+            continue
+        with _ipr(h.netns(node)) as ipr:
+            shaping.change(ipr, ifname, dilate(old, s), dilate(new, s), caps)
+    if dl is not None and ((old_ab.delay_s, old_ab.jitter_s, old_ba.delay_s, old_ba.jitter_s) !=
+                           (new_ab.delay_s, new_ab.jitter_s, new_ba.delay_s, new_ba.jitter_s)):
+        from testbed.net import delayline
+
+        delayline.update(dl.get("control"), dilate(new_ab, s), dilate(new_ba, s))
+    if (new_ab, new_ba) == (link.ab, link.ba):
+        rec.pop("profile", None)
+    else:
+        rec["profile"] = {"ab": new_ab.to_json(), "ba": new_ba.to_json()}
+
+
+def _directions(direction: str) -> tuple[bool, bool]:
+    if direction == "both":
+        return True, True
+    if direction == "A->B":
+        return True, False
+    if direction == "B->A":
+        return False, True
+    raise FaultError(f"--direction must be both, A->B or B->A (got {direction!r})")
+
+
+def _changed(p: LinkProfile, changes: dict[str, Any]) -> LinkProfile:
+    unknown = set(changes) - set(PROFILE_FIELDS)
+    if unknown:
+        raise FaultError(f"cannot change {', '.join(sorted(unknown))}; fields: {', '.join(PROFILE_FIELDS)}")
+    return p.with_changes(**changes)
+
+
+def link_set(name: str, a: str, b: str, changes: dict[str, Any], direction: str = "both") -> dict[str, Any]:
+    """Change link a-b's profile (emulated units: bandwidth_bps, delay_s, jitter_s, loss, queue).
+
+    direction: "both", "A->B" (traffic from a to b) or "B->A". Returns the link as `link_show` does.
+    """
+    fwd, rev = _directions(direction)
+    with locked(name) as h:
+        i, _ = h.link(a, b)
+        link = h.topo.links[i]
+        if (link.a, link.b) != (a, b):   # the user's A is the link's b
+            fwd, rev = rev, fwd
+        ab, ba = h.profiles(i)
+        new_ab = _changed(ab, changes) if fwd else ab
+        new_ba = _changed(ba, changes) if rev else ba
+        _apply_profiles(h, i, new_ab, new_ba)
+        from testbed.faults.scenario import format_changes
+
+        h.log(f"link set {a} {b} {format_changes(changes)} ({direction})")
+    return link_show(name)[i]
+
+
+def link_restore(name: str, a: str, b: str, fields: Sequence[str], direction: str = "both") -> None:
+    """Put `fields` of link a-b back to the topology's values (in the given directions)."""
+    fwd, rev = _directions(direction)
+    with locked(name) as h:
+        i, _ = h.link(a, b)
+        link = h.topo.links[i]
+        if (link.a, link.b) != (a, b):
+            fwd, rev = rev, fwd
+        ab, ba = h.profiles(i)
+        new_ab = ab.with_changes(**{f: getattr(link.ab, f) for f in fields}) if fwd else ab
+        new_ba = ba.with_changes(**{f: getattr(link.ba, f) for f in fields}) if rev else ba
+        _apply_profiles(h, i, new_ab, new_ba)
+        h.log(f"link restore {a} {b} {','.join(fields)} ({direction})")
+
+
+def link_down(name: str, a: str, b: str) -> bool:
+    """Take link a-b down (both ends admin down). False if it was down already."""
+    with locked(name) as h:
+        i, _ = h.link(a, b)
+        old = _down_set(h)
+        went = _hold_down(h, i, "link")
+        _sync_routes(h, old)
+        h.log(f"link down {a} {b}")
+        return went
+
+
+def link_up(name: str, a: str, b: str) -> list[str]:
+    """Undo `link down a b`. Returns what still holds it down (e.g. ["node:core1"]); [] if it is up."""
+    with locked(name) as h:
+        i, rec = h.link(a, b)
+        old = _down_set(h)
+        if _release(h, i, "link"):
+            _sync_routes(h, old, h.topo.links[i].endpoints)
+        h.log(f"link up {a} {b}")
+        return _down_reasons(rec)
+
+
+def link_reset(name: str, a: str, b: str) -> None:
+    """Link a-b back to the topology: its profile, and up (unless a downed node holds it)."""
+    with locked(name) as h:
+        i, rec = h.link(a, b)
+        link = h.topo.links[i]
+        _apply_profiles(h, i, link.ab, link.ba)
+        old = _down_set(h)
+        if _release(h, i, "link"):
+            _sync_routes(h, old, link.endpoints)
+        h.log(f"link reset {a} {b}")
+
+
+# -- nodes ----------------------------------------------------------------------------------------------------------
+
+
+def _runtime(h: Handle):
+    from testbed.lifecycle import runtime_for
+
+    return runtime_for(h.st)
+
+
+def _worker_record(h: Handle, node: str) -> dict[str, Any]:
+    return h.st.setdefault("runtime", {}).setdefault("workers", {}).setdefault(node, {"netns": h.netns(node)})
+
+
+def _signal_netns(ns: str, sig: int, wait: float = 0.0) -> int:
+    """Send `sig` to every process in namespace `ns`; with wait, wait that long for them to go."""
+    pids = list(netns.pids_in([ns]))
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    deadline = time.monotonic() + wait
+    while wait and time.monotonic() < deadline:
+        if not any(_exists(p) for p in pids):
+            break
+        time.sleep(0.02)
+    return len(pids)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _try(fn, *args, **kw) -> bool:
+    """Call a runtime control method; False when the runtime does not implement it."""
+    try:
+        fn(*args, **kw)
+        return True
+    except NotImplementedError:
+        return False
+
+
+def _strays(h: Handle, rt: Any, node: str, rec: dict[str, Any]) -> list[int]:
+    """Processes in the worker's network namespace that its runtime does not know (e.g. started with
+    nsenter --net): they are part of the worker too."""
+    known: set[int] = set()
+    procs = getattr(rt, "processes", None)
+    if procs is not None:
+        with contextlib.suppress(Exception):
+            known = set(procs(node, rec))
+    return [p for p in netns.pids_in([h.netns(node)]) if p not in known]
+
+
+def _kill(pids: Sequence[int], sig: int, wait: float) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    deadline = time.monotonic() + wait
+    while wait and time.monotonic() < deadline and any(_exists(p) for p in pids):
+        time.sleep(0.02)
+
+
+def node_down(name: str, node: str) -> None:
+    """A switch: all its links down. A worker: its container stopped, and its links down."""
+    with locked(name) as h:
+        n = h.node(node)
+        ns = h.faults()["nodes"].setdefault(node, {})
+        if n.is_worker and ns.get("state") not in ("down", "crashed"):
+            rt = _runtime(h)
+            rec = _worker_record(h, node)
+            strays = _strays(h, rt, node, rec)
+            try:
+                rt.stop(node, rec)
+            except NotImplementedError:
+                pass
+            except Exception as exc:  # a runtime without a running init: nothing to stop
+                h.log(f"node down {node}: runtime stop: {exc}")
+            _kill(strays, signal.SIGTERM, STOP_GRACE_S)
+            _kill(strays, signal.SIGKILL, 1.0)
+        old = _down_set(h)
+        for link in h.topo.links_of(node):
+            _hold_down(h, h.topo.link_index(link.a, link.b), f"node:{node}")
+        _sync_routes(h, old)
+        ns["state"] = "down"
+        ns["since"] = time.time()
+        h.log(f"node down {node}")
+
+
+def node_up(name: str, node: str) -> None:
+    """Undo node down/crash: a worker's container started again; its links up."""
+    with locked(name) as h:
+        n = h.node(node)
+        ns = h.faults()["nodes"].setdefault(node, {})
+        if n.is_worker and ns.get("state") in ("down", "crashed"):
+            rt = _runtime(h)
+            rec = _worker_record(h, node)
+            try:
+                new = rt.restart(node, rec)
+                if isinstance(new, dict):
+                    rec.update(new)
+            except NotImplementedError:
+                pass   # the bare runtime has nothing to start: the namespace is the node
+        old = _down_set(h)
+        touched: list[str] = []
+        for link in h.topo.links_of(node):
+            if _release(h, h.topo.link_index(link.a, link.b), f"node:{node}"):
+                touched += link.endpoints
+        _sync_routes(h, old, touched)
+        ns["state"] = "up"
+        ns.pop("since", None)
+        h.log(f"node up {node}")
+
+
+def node_crash(name: str, node: str) -> int:
+    """kill -9 of everything in worker `node` (its links stay up). Returns how many processes."""
+    with locked(name) as h:
+        n = h.node(node)
+        if not n.is_worker:
+            raise FaultError(f"node: {node} is a switch; crash acts on workers (use `node down` for a switch)")
+        count = len(netns.pids_in([h.netns(node)]))
+        rt = _runtime(h)
+        rec = _worker_record(h, node)
+        try:
+            rt.kill(node, rec)
+        except NotImplementedError:
+            pass
+        except Exception as exc:
+            h.log(f"node crash {node}: runtime kill: {exc}")
+        count = max(count, _signal_netns(h.netns(node), signal.SIGKILL, 1.0))
+        ns = h.faults()["nodes"].setdefault(node, {})
+        ns["state"] = "crashed"
+        ns["since"] = time.time()
+        h.log(f"node crash {node} ({count} processes killed)")
+        return count
+
+
+def _own_cgroup_slow(h: Handle, node: str, cpus: float, ns: dict[str, Any]) -> None:
+    """The runtime has no cgroups (bare): a group of our own, with the worker's processes moved in."""
+    from testbed.runtime import cgroups
+
+    paths = ns.get("cgroup") or cgroups.create(f"{h.name}.faults", node, cpus=cpus)
+    if not paths:
+        raise CapabilityError("node slow needs cgroups, and none are mounted")
+    cgroups.set_limits(paths, cpus=cpus)
+    for pid in netns.pids_in([h.netns(node)]):
+        with contextlib.suppress(OSError):
+            cgroups.add(paths, pid)
+    ns["cgroup"] = list(paths)
+
+
+def _own_cgroup_release(ns: dict[str, Any]) -> None:
+    from pathlib import Path
+
+    from testbed.runtime import cgroups
+
+    paths = ns.pop("cgroup", None)
+    if not paths:
+        return
+    for p in map(Path, paths):
+        root = p.parent.parent.parent   # <mount>/testbed/<tb>/<worker> -> <mount>
+        for pid in cgroups.pids([p]):
+            with contextlib.suppress(OSError):
+                cgroups.add([root], pid)
+    with contextlib.suppress(OSError):
+        cgroups.remove(paths, kill=False)
+
+
+def node_slow(name: str, node: str, cpus: float) -> None:
+    """Make worker `node` a straggler: at most `cpus` CPUs (cgroup CPU quota)."""
+    if not (cpus > 0):
+        raise FaultError(f"--cpus must be positive (got {cpus})")
+    with locked(name) as h:
+        n = h.node(node)
+        if not n.is_worker:
+            raise FaultError(f"node: {node} is a switch; slow acts on workers")
+        ns = h.faults()["nodes"].setdefault(node, {})
+        rt = _runtime(h)
+        rec = _worker_record(h, node)
+        done = False
+        if not ns.get("cgroup"):
+            try:
+                done = _try(rt.set_limits, node, rec, cpus=cpus)
+            except CapabilityError:
+                done = False
+            paths = rec.get("cgroups") or rec.get("cgroup") or []
+            if done and paths:
+                from testbed.runtime import cgroups
+
+                for pid in _strays(h, rt, node, rec):   # everything in the worker is slowed
+                    with contextlib.suppress(OSError):
+                        cgroups.add(paths, pid)
+            elif done:
+                done = False
+        if not done:
+            _own_cgroup_slow(h, node, cpus, ns)
+        ns["cpus"] = cpus
+        h.log(f"node slow {node} cpus={cpus:g}")
+
+
+def node_restore(name: str, node: str) -> None:
+    """Undo `node slow`: the worker's CPU limit back to the topology's (or none)."""
+    with locked(name) as h:
+        n = h.node(node)
+        ns = h.faults()["nodes"].setdefault(node, {})
+        if "cpus" not in ns and not ns.get("cgroup"):
+            return
+        if ns.get("cgroup"):
+            _own_cgroup_release(ns)
+        else:
+            rt = _runtime(h)
+            rec = _worker_record(h, node)
+            if n.cpus is not None:
+                _try(rt.set_limits, node, rec, cpus=n.cpus)
+            else:
+                from testbed.runtime import cgroups
+
+                paths = rec.get("cgroup") or rec.get("cgroups") or []
+                if paths:
+                    cgroups.set_limits(paths, clear=True)
+                    if n.memory_bytes is not None:
+                        cgroups.set_limits(paths, memory_bytes=n.memory_bytes)
+        ns.pop("cpus", None)
+        h.log(f"node restore {node}")
+
+
+# -- partitions -------------------------------------------------------------------------------------------------------
+
+
+def _nft(ns: str, script: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["nsenter", f"--net={netns.path(ns)}", "--", "nft", "-f", "-"], input=script,
+                          text=True, capture_output=True, check=False, timeout=10)
+
+
+def partition(name: str, groups: Sequence[Sequence[str]]) -> list[list[str]]:
+    """Split the workers into groups that cannot reach each other (see the module docstring).
+
+    A switch in a group stands for the workers attached to it; workers in no group form one more
+    group. Replaces a partition in place. Returns the groups of workers.
+    """
+    from testbed.faults.scenario import ScenarioError, resolve_partition_groups
+
+    with locked(name) as h:
+        try:
+            resolved = resolve_partition_groups(groups, h.topo, path="partition")
+        except ScenarioError as e:
+            raise FaultError(str(e)) from None
+        _heal(h)
+        member = {w: j for j, g in enumerate(resolved) for w in g}
+        done = []
+        try:
+            for w, j in member.items():
+                blocked = [addr.split("/")[0] for v, k in member.items() if k != j
+                           for addr in h.plan.addresses(v)]
+                script = (f"table ip {NFT_TABLE} {{\n"
+                          f"  set blocked {{ type ipv4_addr; elements = {{ {', '.join(blocked)} }} }}\n"
+                          f"  chain input {{ type filter hook input priority -10; policy accept; "
+                          f"ip saddr @blocked drop; }}\n}}\n")
+                ns = h.netns(w)
+                r = _nft(ns, script)
+                if r.returncode != 0:
+                    raise CapabilityError(f"partition: nft failed in {ns}: {r.stderr.strip()}")
+                done.append(ns)
+        except BaseException:
+            for ns in done:
+                _nft(ns, f"delete table ip {NFT_TABLE}\n")
+            raise
+        h.faults()["partition"] = {"groups": [list(g) for g in resolved], "netns": done, "since": time.time()}
+        h.log("partition " + " | ".join(",".join(g) for g in resolved))
+        return [list(g) for g in resolved]
+
+
+def _heal(h: Handle) -> bool:
+    part = h.faults().pop("partition", None)
+    if not part:
+        return False
+    for ns in part.get("netns", []):
+        if netns.exists(ns):
+            _nft(ns, f"delete table ip {NFT_TABLE}\n")
+    return True
+
+
+def heal(name: str) -> bool:
+    """Undo a partition. False if there was none."""
+    with locked(name) as h:
+        healed = _heal(h)
+        if healed:
+            h.log("heal")
+        return healed
+
+
+# -- everything back --------------------------------------------------------------------------------------------------
+
+
+def restore_all(name: str) -> list[str]:
+    """Put the testbed back as its topology describes it: partition healed, nodes up (crashed
+    workers restarted), CPU limits restored, every link up with its topology profile.
+    Returns what it changed."""
+    changed: list[str] = []
+    h = Handle(name)
+    if h.faults().get("partition"):
+        heal(name)
+        changed.append("heal")
+    for node, ns in sorted(h.faults()["nodes"].items()):
+        if ns.get("state") in ("down", "crashed"):
+            node_up(name, node)
+            changed.append(f"node up {node}")
+        if "cpus" in ns or ns.get("cgroup"):
+            node_restore(name, node)
+            changed.append(f"node restore {node}")
+    h = Handle(name)
+    for i, link in enumerate(h.topo.links):
+        rec = h.st["links"][i]
+        if rec.get("profile") or rec.get("state") == "down" or rec.get("down_by"):
+            with locked(name) as hh:
+                _apply_profiles(hh, i, link.ab, link.ba)
+                old = _down_set(hh)
+                if _release(hh, i, None):
+                    _sync_routes(hh, old, link.endpoints)
+                hh.log(f"link reset {link.a} {link.b}")
+            changed.append(f"link reset {link.a} {link.b}")
+    return changed
+
+
+def apply_step(name: str, step: Any) -> str:
+    """Apply one planned scenario step (testbed.faults.scenario.Step); returns what changed."""
+    op, tgt, p = step.op, step.target, step.kwargs
+    if op == "link_down":
+        link_down(name, *tgt)
+    elif op == "link_up":
+        left = link_up(name, *tgt)
+        if left:
+            return step.describe() + f" (still down: {', '.join(left)})"
+    elif op == "link_set":
+        link_set(name, *tgt, dict(p["changes"]), p.get("direction", "both"))
+    elif op == "link_restore":
+        link_restore(name, *tgt, p["fields"], p.get("direction", "both"))
+    elif op == "link_reset":
+        link_reset(name, *tgt)
+    elif op == "node_down":
+        node_down(name, tgt[0])
+    elif op == "node_up":
+        node_up(name, tgt[0])
+    elif op == "node_crash":
+        n = node_crash(name, tgt[0])
+        return step.describe() + f" ({n} processes killed)"
+    elif op == "node_slow":
+        node_slow(name, tgt[0], p["cpus"])
+    elif op == "node_restore":
+        node_restore(name, tgt[0])
+    elif op == "partition":
+        partition(name, p["groups"])
+    elif op == "heal":
+        heal(name)
+    else:  # pragma: no cover - the planner makes only the ops above
+        raise FaultError(f"unknown step {op!r}")
+    return step.describe()

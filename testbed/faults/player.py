@@ -1,0 +1,342 @@
+"""Play a scenario against a job on a running testbed (`testbed scenario run`).
+
+    result = play(name, scenario)          # -> PlayResult(outcome, error, run_dir, ...)
+
+1. plan: everything is checked against the running testbed's topology *before* the job
+   starts (unknown nodes/links, contradictions, units); a bad file changes nothing;
+2. the job starts through testbed.jobs.run (the run directory, logs, probe);
+3. a player thread applies each step at t0 + at x dilation (t0: the job's first training
+   step, as the probe records it: start-up time varies, the timeline should not) and
+   writes events.jsonl (planned time, applied time, what changed) as it goes; a
+   watchdog reads the probe's step records: no step progress for hang_after (x
+   dilation) ends the job as `hung`;
+4. when the job ends (or the timeout hits), the testbed is put back as the topology
+   describes it (testbed.faults.control.restore_all), and scenario.json +
+   step-time plot (scenario.png) are written into the run directory.
+
+Outcomes: completed (every rank exited 0), failed (a rank failed: its first error
+line is reported), hung (no step progress for hang_after, or the timeout hit).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from testbed.faults import control
+from testbed.faults.scenario import Plan, Scenario, plan_scenario
+
+EXIT_CODES = {"completed": 0, "failed": 1, "hung": 124}
+_ERROR_RE = re.compile(r"\b([A-Za-z_][\w.]*(Error|Exception)|error|Traceback|terminate called)\b")
+
+
+@dataclass
+class PlayResult:
+    outcome: str                       # completed | failed | hung
+    error: str | None
+    run_dir: Path | None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    restored: list[str] = field(default_factory=list)
+    rc: int = 0
+    plan: Plan | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.outcome]
+
+
+def plan_for(name: str, scenario: Scenario) -> Plan:
+    """The scenario's plan against running testbed `name` (its topology and dilation factor),
+    with what this machine cannot do refused up front (a delay on a kernel without netem, on a
+    link that is no delay line)."""
+    h = control.Handle(name)
+    plan = plan_scenario(scenario, h.topo, h.dilation)
+    preflight(h, scenario, plan)
+    return plan
+
+
+def preflight(h: "control.Handle", scenario: Scenario, plan: Plan) -> None:
+    from testbed.faults.scenario import ScenarioError
+    from testbed.net import shaping
+
+    caps = h.caps
+    for step in plan.steps:
+        if step.op != "link_set":
+            continue
+        changes = dict(step.kwargs["changes"])
+        i = h.topo.link_index(*step.target)
+        link = h.topo.links[i]
+        path = f"events[{step.event}].set"
+        for prof in (link.ab.with_changes(**changes), link.ba.with_changes(**changes)):
+            if shaping.needs_delay_line(prof, caps) and control._delay_line_of(h, i) is None:
+                raise ScenarioError("this kernel has no sch_netem, and the link is no delay line: its delay "
+                                    "cannot change at run time (give the link a delay in the topology)",
+                                    file=scenario.source, path=f"{path}.delay",
+                                    value=changes.get("delay_s"))
+            if prof.loss > 0 and not caps.can_lose:
+                raise ScenarioError("this kernel can drop packets neither with netem nor with cls_bpf",
+                                    file=scenario.source, path=f"{path}.loss", value=changes.get("loss"))
+
+
+class _Steps:
+    """Incremental reader of the probe's rank-*.jsonl: time of the last step seen."""
+
+    def __init__(self, probe_dir: Path):
+        self.dir = probe_dir
+        self.offsets: dict[Path, int] = {}
+        self.last_step_t: float | None = None
+        self.steps = 0
+
+    def poll(self) -> None:
+        if not self.dir.is_dir():
+            return
+        for f in self.dir.glob("rank-*.jsonl"):
+            off = self.offsets.get(f, 0)
+            try:
+                with open(f, "rb") as fh:
+                    fh.seek(off)
+                    data = fh.read()
+            except OSError:
+                continue
+            end = data.rfind(b"\n")
+            if end < 0:
+                continue
+            self.offsets[f] = off + end + 1
+            for line in data[: end + 1].splitlines():
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if ev.get("ev") == "step":
+                    self.steps += 1
+                    self.last_step_t = max(self.last_step_t or 0.0, float(ev.get("t", 0.0)))
+
+
+def _first_error_line(run_dir: Path, failure: dict[str, Any] | None) -> str | None:
+    if not failure:
+        return None
+    worker, label = failure.get("worker"), failure.get("label", "")
+    tag = f"[{label.split(':', 1)[1]}] " if ":" in label else ""
+    try:
+        lines = (run_dir / "logs" / f"{worker}.log").read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    mine = [l[len(tag):] for l in lines if l.startswith(tag)] if tag else lines
+    # the exception line of a traceback says most; else the first line that looks like an error
+    for l in mine:
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception)\b", l.strip()):
+            return l.strip()
+    for l in mine:
+        if _ERROR_RE.search(l):
+            return l.strip()
+    rc = failure.get("rc")
+    if rc is not None and rc > 128:
+        try:
+            return f"{label} killed by {signal.Signals(rc - 128).name}"
+        except ValueError:
+            pass
+    return f"{label} exited with status {rc}"
+
+
+def play(name: str, scenario: Scenario, *, hang_after: float | None = None, timeout: float | None = None,
+         echo: Callable[[str], None] | bool | None = True, base_dir: Any = None) -> PlayResult:
+    from testbed.jobs import run as jobrun
+
+    plan = plan_for(name, scenario)          # refuses bad input before anything happens
+    s = plan.dilation
+    hang_s = (hang_after if hang_after is not None else scenario.job.hang_after_s) * s
+    startup_s = scenario.job.startup_s * s
+    timeout_s = (timeout if timeout is not None else scenario.job.timeout_s) * s
+    cmd = list(scenario.job.command) if isinstance(scenario.job.command, tuple) \
+        else shlex.split(scenario.job.command)
+    cluster = jobrun.cluster_from_state(name)
+    records = (control.Handle(name).st.get("runtime") or {}).get("workers") or {}
+    ex = cluster.executor
+    if isinstance(ex, jobrun.RuntimeExecutor) and records and not any(ex.records.get(w) for w in records):
+        ex.records = records   # lifecycle keeps worker records under runtime.workers
+    say: Callable[[str], None] | None
+    if echo is True:
+        def say(line: str) -> None:
+            print(line, flush=True)
+    else:
+        say = echo or None
+
+    events: list[dict[str, Any]] = []
+    stop = threading.Event()
+    hung: dict[str, Any] = {}
+    ctx: dict[str, Any] = {}
+
+    def player(rd: Path) -> None:
+        t0: float | None = None
+        log = open(rd / "events.jsonl", "a", buffering=1)
+        steps = _Steps(rd / "probe")
+        pending = list(plan.steps)
+        try:
+            while not stop.is_set():
+                steps.poll()
+                now = time.monotonic()
+                if t0 is None and steps.steps:
+                    # `at:` counts from the training's first step (start-up time varies from run to run)
+                    t0 = now
+                    ctx["t0_events_wall"] = time.time()
+                    if say:
+                        say("[scenario] training started: the timeline begins")
+                while t0 is not None and pending and now >= t0 + plan.wall(pending[0]):
+                    step = pending.pop(0)
+                    rec: dict[str, Any] = {"event": step.event, "planned_s": step.t,
+                                           "planned_wall_s": plan.wall(step), "op": step.op,
+                                           "target": list(step.target), "revert": step.revert}
+                    try:
+                        what = control.apply_step(name, step)
+                        rec["what"] = what
+                    except Exception as exc:   # recorded; the run goes on (and is restored at the end)
+                        rec["what"] = step.describe()
+                        rec["error"] = str(exc)
+                    rec["applied_wall_s"] = time.monotonic() - t0
+                    rec["applied_s"] = rec["applied_wall_s"] / s
+                    rec["t"] = time.time()
+                    events.append(rec)
+                    log.write(json.dumps(rec) + "\n")
+                    if say:
+                        say(f"[scenario] {rec['applied_s']:8.3f}s  #{step.event} {rec['what']}"
+                            + (f"  ERROR: {rec['error']}" if "error" in rec else ""))
+                    now = time.monotonic()
+                if steps.last_step_t is not None:
+                    quiet = time.time() - steps.last_step_t > hang_s
+                else:   # start-up (imports, rendezvous) gets its own allowance
+                    quiet = time.time() - ctx["t0_wall"] > max(hang_s, startup_s)
+                if quiet and not hung:
+                    hung.update(at=time.monotonic() - ctx["t0"], steps=steps.steps)
+                    if say:
+                        say(f"[scenario] no step progress for {hang_s:g}s"
+                            f"{'' if steps.steps else ' (none at all since the start)'}: the job is hung; "
+                            "stopping it")
+                    run_id = (json.loads((rd / "summary.json").read_text()) or {}).get("run_id")
+                    if run_id:
+                        jobrun._signal_all([], run_id, signal.SIGKILL)
+                stop.wait(0.02)
+        finally:
+            log.close()
+
+    threads: list[threading.Thread] = []
+
+    def on_start(rd: Path) -> None:
+        ctx["t0"] = time.monotonic()
+        ctx["t0_wall"] = time.time()
+        ctx["rd"] = rd
+        (rd / "scenario-plan.json").write_text(json.dumps(plan.to_json(), indent=1))
+        t = threading.Thread(target=player, args=(rd,), daemon=True)
+        t.start()
+        threads.append(t)
+
+    if say:
+        say(f"[scenario] {scenario.name}: {len(plan.steps)} steps, job on {', '.join(plan.workers)}"
+            + (f", time dilation {s:g}" if s != 1 else ""))
+    res = None
+    try:
+        res = jobrun.run(cluster, cmd, workers=plan.workers, timeout=timeout_s, env=dict(scenario.job.env),
+                         echo=say if say else False, base_dir=base_dir, on_start=on_start)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        restored = control.restore_all(name)
+        if say and restored:
+            say(f"[scenario] testbed restored: {'; '.join(restored)}")
+    rd = res.run_dir
+    summary = res.summary
+    if hung or summary.get("status") == "timeout":
+        outcome = "hung"
+        error = ((f"no step progress for {hang_s / s:g}s (after {hung.get('steps', 0)} steps)"
+                  if hung.get("steps") else f"no training step within {max(hang_s, startup_s) / s:g}s of the start")
+                 if hung
+                 else f"timeout after {timeout_s / s:g}s")
+    elif res.rc == 0:
+        outcome, error = "completed", None
+    else:
+        outcome = "failed"
+        error = _first_error_line(rd, summary.get("first_failure"))
+        fw = (summary.get("first_failure") or {}).get("worker")
+        crash = [e for e in events if e["op"] == "node_crash" and e["target"] == [fw]]
+        if crash:
+            error = f"{error} (node crash of {fw} at {crash[0]['applied_s']:.2f}s)"
+    doc = {"scenario": scenario.name, "source": scenario.source, "seed": scenario.seed, "testbed": name,
+           "outcome": outcome, "error": error, "rc": res.rc, "dilation": s, "hang_after_s": hang_s / s,
+           "timeout_s": timeout_s / s, "events": events, "restored": restored, "plan": plan.to_json(),
+           "job_status": summary.get("status"), "first_failure": summary.get("first_failure")}
+    (rd / "scenario.json").write_text(json.dumps(doc, indent=1))
+    try:
+        plot(rd, doc, ctx.get("t0_events_wall") or ctx.get("t0_wall"))
+    except Exception as exc:  # a missing plot must not hide the outcome
+        if say:
+            say(f"[scenario] plot failed: {exc}")
+    return PlayResult(outcome, error, rd, events, restored, res.rc, plan)
+
+
+def step_times(run_dir: Path) -> dict[str, list[tuple[float, float]]]:
+    """rank -> [(end time, step time)] from the probe: a step's time is the wall time between the
+    ends of consecutive optimizer steps (forward, backward, all-reduce and update), the first
+    step of each rank left out (it includes start-up)."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for f in sorted((Path(run_dir) / "probe").glob("rank-*.jsonl")):
+        rank = f.stem.split("-", 1)[1]
+        prev = None
+        for line in f.read_text(errors="replace").splitlines():
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if ev.get("ev") != "step":
+                continue
+            t = float(ev["t"])
+            if prev is not None:
+                out.setdefault(rank, []).append((t, t - prev))
+            prev = t
+    return out
+
+
+def plot(run_dir: Path, doc: dict[str, Any], t0_wall: float | None) -> Path:
+    """scenario.png: step time of every rank over the run, events marked (times undilated)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = float(doc.get("dilation") or 1.0)
+    data = step_times(run_dir)
+    if t0_wall is None:
+        t0_wall = min((t for pts in data.values() for t, _ in pts), default=0.0)
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for rank, pts in sorted(data.items(), key=lambda kv: (len(kv[0]), kv[0])):
+        ax.plot([(t - t0_wall) / s for t, _ in pts], [d / s * 1e3 for _, d in pts], ".-", ms=3, lw=0.8,
+                label=f"rank {rank}")
+    colours = {"down": "tab:red", "crash": "black", "up": "tab:green", "heal": "tab:green",
+               "set": "tab:orange", "restore": "tab:green", "slow": "tab:purple", "partition": "tab:red",
+               "reset": "tab:green"}
+    ymax = ax.get_ylim()[1]
+    for e in doc.get("events", []):
+        verb = e["op"].split("_", 1)[-1]
+        c = colours.get(verb, "tab:gray")
+        x = e["applied_s"]
+        ax.axvline(x, color=c, ls="--" if e.get("revert") else "-", lw=0.9, alpha=0.7)
+        ax.annotate(e["what"][:40], (x, ymax), rotation=90, fontsize=6, va="top", ha="right", color=c)
+    ax.set_xlabel("time since the first training step (s)" + (f", undilated (s={s:g})" if s != 1 else ""))
+    ax.set_ylabel("step time (ms)")
+    title = f"{doc['scenario']}: {doc['outcome']}"
+    if doc.get("error"):
+        title += f" - {doc['error'][:80]}"
+    ax.set_title(title, fontsize=9)
+    if data:
+        ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    out = Path(run_dir) / "scenario.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

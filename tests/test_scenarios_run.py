@@ -1,0 +1,125 @@
+"""Every example scenario, played for real against its small topology (root; a few tens of seconds each)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+IS_ROOT = os.geteuid() == 0
+pytestmark = [pytest.mark.root, pytest.mark.slow,
+              pytest.mark.skipif(not IS_ROOT, reason="needs root (namespaces, tc)")]
+
+EXPECTED = {"core-flap": "completed", "lossy-tor": "completed", "switch-failure": "completed",
+            "straggler": "completed", "partition": "hung", "rank-crash": "failed"}
+
+
+@pytest.fixture()
+def env(tmp_path):
+    old = os.environ.get("TESTBED_STATE_DIR")
+    os.environ["TESTBED_STATE_DIR"] = str(tmp_path / "state")
+    # the run directory must be visible inside workers, whose /tmp is private: not under /tmp
+    runs = Path(tempfile.mkdtemp(prefix="tb-scenario-runs-", dir="/var/tmp"))
+    try:
+        yield runs
+    finally:
+        shutil.rmtree(runs, ignore_errors=True)
+        if old is None:
+            os.environ.pop("TESTBED_STATE_DIR", None)
+        else:
+            os.environ["TESTBED_STATE_DIR"] = old
+
+
+def _links_pristine(name):
+    from testbed.faults import control
+
+    return all(l["state"] == "up" and not l["changed"] for l in control.link_show(name))
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("stem", sorted(EXPECTED))
+def test_example_scenario_runs(env, stem, monkeypatch):
+    from testbed import lifecycle
+    from testbed.faults.player import play
+    from testbed.faults.scenario import load_scenario
+    from testbed.net import state
+
+    monkeypatch.chdir(REPO)
+    s = load_scenario(REPO / "scenarios" / f"{stem}.yaml")
+    name = f"s{uuid.uuid4().hex[:6]}"
+    lifecycle.up(s.load_topology(), name)
+    try:
+        res = play(name, s, base_dir=env, echo=False)
+        assert res.outcome == EXPECTED[stem], (res.outcome, res.error)
+        doc = json.loads((res.run_dir / "scenario.json").read_text())
+        assert doc["outcome"] == res.outcome
+        applied = [e for e in doc["events"] if "error" not in e]
+        assert applied, doc["events"]
+        assert all(abs(e["applied_s"] - e["planned_s"]) < 1.0 for e in applied), doc["events"]
+        assert (res.run_dir / "events.jsonl").read_text().count("\n") == len(doc["events"])
+        assert (res.run_dir / "scenario.png").stat().st_size > 1000
+        if stem == "rank-crash":
+            assert "node crash of w1" in res.error
+        # the testbed is left as the topology describes it
+        assert _links_pristine(name)
+        f = state.load(name).get("faults", {})
+        assert not f.get("partition")
+        assert all(n.get("state") in (None, "up") and "cpus" not in n for n in f.get("nodes", {}).values())
+    finally:
+        lifecycle.down(name)
+
+
+@pytest.mark.timeout(120)
+def test_bad_scenario_changes_nothing(env, tmp_path):
+    from testbed import lifecycle
+    from testbed.faults.player import play
+    from testbed.faults.scenario import ScenarioError, scenario_from_data
+    from testbed.topology.loader import load_topology
+
+    name = f"s{uuid.uuid4().hex[:6]}"
+    lifecycle.up(load_topology("star", ["params.n=2"]), name)
+    try:
+        bad = scenario_from_data({"name": "bad", "job": {"command": "true"}, "events": [
+            {"at": "1s", "link": ["w0", "s0"], "action": "down"},
+            {"at": "2s", "link": ["w1", "core9"], "action": "down"}]}, "bad.yaml")
+        with pytest.raises(ScenarioError) as ei:
+            play(name, bad, base_dir=env, echo=False)
+        assert ei.value.path == "events[1].link"
+        assert _links_pristine(name)
+        assert not list(Path(env).glob("runs/*")), "no job was started"
+    finally:
+        lifecycle.down(name)
+
+
+@pytest.mark.timeout(420)
+def test_straggler_step_time_grows(env, monkeypatch):
+    """node slow makes the straggler's (and, DDP being synchronous, everyone's) step time grow."""
+    from statistics import mean
+
+    from testbed import lifecycle
+    from testbed.faults.player import play, step_times
+    from testbed.faults.scenario import load_scenario
+
+    monkeypatch.chdir(REPO)
+    s = load_scenario(REPO / "scenarios" / "straggler.yaml")
+    name = f"s{uuid.uuid4().hex[:6]}"
+    lifecycle.up(s.load_topology(), name)
+    try:
+        res = play(name, s, base_dir=env, echo=False)
+        assert res.outcome == "completed", res.error
+        ev = {e["op"]: e for e in res.events}
+        start, end = ev["node_slow"]["t"], ev["node_restore"]["t"]
+        pts = step_times(res.run_dir)["1"]
+        during = [d for t, d in pts if start + 0.3 < t < end]
+        before = [d for t, d in pts if t < start]
+        assert during and before
+        # a CPU quota throttles in bursts (20 ms of every 100 ms at 0.2 CPUs): the mean step time grows
+        assert mean(during) > 2 * mean(before), (mean(before), mean(during))
+    finally:
+        lifecycle.down(name)
