@@ -138,15 +138,19 @@ def check_capabilities(topo: Topology, caps: Any = None) -> Any:
     """Probe the machine (cached) and refuse, before creating anything, what it cannot emulate."""
     if os.geteuid() != 0:
         raise CapabilityError("testbed up needs root (network namespaces and tc): run it with sudo")
-    if caps is None:
-        from testbed.net import capabilities
+    from testbed.net import capabilities, shaping
 
+    given = caps is not None
+    if caps is None:
         caps = capabilities.probe()
     try:
-        from testbed.net import shaping
-    except ImportError:
-        return caps
-    shaping.check_supported(_profiles(topo), caps)
+        shaping.check_supported(_profiles(topo), caps)
+    except CapabilityError:
+        if given:
+            raise
+        # A probe on a loaded machine can fail spuriously; ask the kernel once more before refusing.
+        caps = capabilities.probe(refresh=True)
+        shaping.check_supported(_profiles(topo), caps)
     return caps
 
 
@@ -339,6 +343,12 @@ def _remove(st: dict[str, Any]) -> None:
             for node, rec in workers.items():
                 with suppress(Exception):
                     rt.remove(node, rec)
+    for rec in ((st.get("faults") or {}).get("nodes") or {}).values():
+        if isinstance(rec, dict) and rec.get("cgroup"):  # a straggler group `node slow` made itself
+            from testbed.runtime import cgroups
+
+            with suppress(Exception):
+                cgroups.remove(rec["cgroup"], kill=True)
     mps = (st.get("gpu") or {}).get("mps_daemon")
     if mps:
         from testbed.runtime import gpu
@@ -526,21 +536,25 @@ def status(name: str) -> dict[str, Any]:
                 addrs[p["node"]].append(p["address"])
     nodes = [{"name": n.name, "kind": n.kind, "addresses": addrs[n.name], "netns": names.netns(name, n.name)}
              for n in topo.nodes.values()]
+    fields = ("bandwidth_bps", "delay_s", "jitter_s", "loss", "queue")
     links = []
     for rec, link in zip(st.get("links", []), topo.links):
+        ab, ba = link.ab, link.ba
+        if rec.get("profile"):  # changed at run time (testbed link set); nominal (undilated) values
+            ab, ba = LinkProfile.from_json(rec["profile"]["ab"]), LinkProfile.from_json(rec["profile"]["ba"])
         d = {"index": rec["index"], "endpoints": [link.a, link.b], "tier": link.tier,
-             "ifnames": rec.get("ifnames"),
-             **{k: getattr(link.ab, k) for k in ("bandwidth_bps", "delay_s", "jitter_s", "loss", "queue")},
-             "state": rec.get("state", "up")}
-        if not link.symmetric:
-            d["reverse"] = {k: getattr(link.ba, k) for k in ("bandwidth_bps", "delay_s", "jitter_s", "loss", "queue")}
+             "ifnames": rec.get("ifnames"), **{k: getattr(ab, k) for k in fields},
+             "state": rec.get("state", "up"), "changed": bool(rec.get("profile"))}
+        if ab != ba:
+            d["reverse"] = {k: getattr(ba, k) for k in fields}
         links.append(d)
     missing = health(st) if st.get("status") == UP else []
     return {
         "name": name, "status": st.get("status") if not missing else "degraded", "missing": missing,
         "topology": topo.name, "runtime": st.get("runtime", {}).get("kind"), "created": st.get("created"),
         "latency_floor_s": st.get("latency_floor_s"), "no_delay_element": st.get("no_delay_element", []),
-        "nodes": nodes, "links": links,
+        "time_dilation": st.get("time_dilation", 1.0),
+        "nodes": nodes, "links": links, "faults": st.get("faults") or {},
     }
 
 

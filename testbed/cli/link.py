@@ -10,7 +10,7 @@ import typer
 from testbed.cli.common import NameOption, console, require_root, resolve_name
 
 DirectionOption = typer.Option("both", "--direction", "-d",
-                               help="both, A->B (traffic from A to B) or B->A.")
+                               help="both, A->B (traffic from A to B), B->A, or with node names: w0->edge0-0.")
 
 
 def _fmt(p: dict) -> str:
@@ -76,6 +76,9 @@ def register(app: typer.Typer) -> None:
                                  ("loss", loss), ("queue", queue)) if v is not None}
         try:
             changes = parse_link_changes(raw, path="")
+            # also accept the node names: --direction w0->edge0-0
+            named = {f"{a}->{b}": "A->B", f"{b}->{a}": "B->A"}
+            direction = named.get(direction.replace(" ", ""), direction)
             direction = parse_direction(direction, path="--direction")
         except ScenarioError as e:
             raise control.FaultError(f"--{e.path.lstrip('.')}: {e.reason} (got {e.value!r})"

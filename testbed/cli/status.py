@@ -46,8 +46,18 @@ def status_cmd(
         lt.add_row(str(link["index"]), " - ".join(link["endpoints"]), link["tier"], _fmt_bw(link["bandwidth_bps"]),
                    f"{link['delay_s'] * 1e6:g}us", f"{link['jitter_s'] * 1e6:g}us", f"{link['loss'] * 100:g}%",
                    str(link["queue"] or "auto"),
-                   link["state"] if link["state"] == "up" else f"[red]{link['state']}[/]")
+                   (link["state"] if link["state"] == "up" else f"[red]{link['state']}[/]")
+                   + (" [yellow](changed)[/]" if link.get("changed") else "")
+                   + (" [yellow](asymmetric)[/]" if link.get("reverse") else ""))
     console.print(lt)
+    if doc.get("time_dilation", 1.0) != 1.0:
+        console.print(f"time dilation {doc['time_dilation']:g}: the kernel runs these links at bandwidth/"
+                      f"{doc['time_dilation']:g} and delay*{doc['time_dilation']:g}")
+    faults = doc.get("faults") or {}
+    if faults.get("partition"):
+        console.print(f"[red]partitioned:[/] {faults['partition']} (testbed heal)")
+    for node, rec in (faults.get("nodes") or {}).items():
+        console.print(f"[yellow]{node}:[/] {rec}")
 
 
 def register(app: typer.Typer) -> None:

@@ -161,7 +161,9 @@ def probe(measure_floor: bool = True, refresh: bool = False) -> Capabilities:
                 _CACHE.latency_floor_s = measure_latency_floor()
             except Exception as exc:  # a floor we cannot measure is not fatal
                 _CACHE.notes["latency_floor"] = str(exc)
-        if _CACHE.is_root and "kernel" not in _CACHE.notes:
+        # Keep only a probe that worked: HTB is in every kernel we run on, so a probe without it
+        # failed (a loaded machine) and must not be believed for the rest of the boot.
+        if _CACHE.is_root and _CACHE.htb and "kernel" not in _CACHE.notes:
             _save_boot_cache(_CACHE)
         return _CACHE
 
