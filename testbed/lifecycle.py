@@ -86,13 +86,9 @@ def _checkpoint(phase: str) -> None:
 
 
 def _runtime_kind(topo: Topology, requested: str | None) -> str:
-    kind = requested or topo.runtime or "netns"
-    if kind == "netns":
-        try:
-            import testbed.runtime.netns  # noqa: F401  (the container runtime, when it exists)
-        except ImportError:
-            return "bare"
-    return kind
+    from testbed.runtime import DEFAULT_RUNTIME
+
+    return requested or topo.runtime or DEFAULT_RUNTIME
 
 
 def make_runtime(kind: str, name: str):

@@ -32,6 +32,9 @@ def run_app(app: typer.Typer) -> None:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
+    except OSError as exc:  # a path the user gave that cannot be read or written, a missing tool
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        sys.exit(1)
 
 
 def require_root(what: str) -> None:

@@ -12,7 +12,15 @@ from testbed.cli.common import console, fail, resolve_name
 
 
 def _fmt_bw(b):
-    return "unshaped" if b is None else f"{b / 1e9:g}G"
+    from testbed.topology.units import format_bandwidth
+
+    return "unshaped" if b is None else format_bandwidth(b)
+
+
+def _fmt_t(seconds):
+    from testbed.topology.units import format_time
+
+    return format_time(seconds)
 
 
 def status_cmd(
@@ -44,7 +52,7 @@ def status_cmd(
         lt.add_column(col)
     for link in doc["links"]:
         lt.add_row(str(link["index"]), " - ".join(link["endpoints"]), link["tier"], _fmt_bw(link["bandwidth_bps"]),
-                   f"{link['delay_s'] * 1e6:g}us", f"{link['jitter_s'] * 1e6:g}us", f"{link['loss'] * 100:g}%",
+                   _fmt_t(link["delay_s"]), _fmt_t(link["jitter_s"]), f"{link['loss'] * 100:g}%",
                    str(link["queue"] or "auto"),
                    (link["state"] if link["state"] == "up" else f"[red]{link['state']}[/]")
                    + (" [yellow](changed)[/]" if link.get("changed") else "")

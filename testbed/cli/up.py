@@ -53,6 +53,7 @@ def _head(items: list[str], table: Table) -> list[str]:
 
 def _summary(st: dict[str, Any], seconds: float) -> None:
     from testbed.topology.model import Topology
+    from testbed.topology.units import format_time
 
     topo = Topology.from_json(st["topology"])
     plan = st["plan"]
@@ -80,18 +81,13 @@ def _summary(st: dict[str, Any], seconds: float) -> None:
         sw.add_row(s, subnets.get(s, {}).get("network", "-"), str(len(topo.links_of(s))))
     if topo.switches:
         console.print(sw)
-    lt = Table(title="links per tier", title_justify="left")
-    for col in ("tier", "links", "bandwidth", "delay", "loss"):
-        lt.add_column(col)
-    for tier in topo.tiers():
-        links = list(topo.iter_links(tier))
-        bws = sorted({link.ab.bandwidth_bps for link in links} | {link.ba.bandwidth_bps for link in links},
-                     key=lambda b: b or 0)
-        dl = sorted({link.ab.delay_s for link in links} | {link.ba.delay_s for link in links})
-        ls = sorted({link.ab.loss for link in links} | {link.ba.loss for link in links})
-        lt.add_row(tier, str(len(links)),
-                   ", ".join("unshaped" if b is None else f"{b / 1e9:g} Gbit/s" for b in bws),
-                   ", ".join(f"{d * 1e6:g} us" for d in dl), ", ".join(f"{x * 100:g}%" for x in ls))
+    from testbed.topology import analysis
+
+    lt = Table(title="links per tier (both directions)", title_justify="left")
+    for col in analysis.TIER_COLUMNS:
+        lt.add_column(col, justify="right" if col == "links" else "left")
+    for row in analysis.tier_rows(topo):
+        lt.add_row(*row.cells())
     console.print(lt)
     factor = st.get("time_dilation") or 1.0
     if factor != 1.0:
@@ -104,7 +100,7 @@ def _summary(st: dict[str, Any], seconds: float) -> None:
         console.print(f"latency floor (one unshaped hop, one way): {floor * 1e6:.1f} us")
     nd = st.get("no_delay_element") or []
     if nd:
-        shown = ", ".join(f"{d['from']}->{d['to']} ({d['delay_s'] * 1e6:g} us)" for d in nd[:6])
+        shown = ", ".join(f"{d['from']}->{d['to']} ({format_time(d['delay_s'])})" for d in nd[:6])
         more = f" and {len(nd) - 6} more" if len(nd) > 6 else ""
         console.print(f"[yellow]{len(nd)} link direction(s) got no delay element[/] (delay at or below the "
                       f"floor): {shown}{more}")

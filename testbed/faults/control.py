@@ -378,7 +378,7 @@ def _delay_line_of(h: Handle, i: int) -> dict[str, Any] | None:
 
 def _apply_profiles(h: Handle, i: int, new_ab: LinkProfile, new_ba: LinkProfile) -> None:
     """Install new emulated profiles on link i (dilated for the kernel); record them."""
-    from testbed.jobs.dilation import dilate
+    from testbed.topology.dilation import dilate
     from testbed.net import shaping
 
     link = h.topo.links[i]

@@ -190,7 +190,7 @@ class Builder:
         dl = delayline.start_delay_link(self.testbed, lp.index, self.ns(lp.a.node), lp.a.ifname,
                                         self.ns(lp.b.node), lp.b.ifname, link.ab, link.ba,
                                         max(link.ab.mtu, link.ba.mtu), state.directory(self.testbed))
-        rec = dl.to_json() if hasattr(dl, "to_json") else {"pid": int(dl)}
+        rec = dl.to_json()
         rec["link"] = lp.index
         try:
             import psutil
@@ -372,7 +372,8 @@ def stop_delay_lines(records: Iterable[dict[str, Any]]) -> None:
         try:
             delayline.stop(pid)
         except Exception:
-            kill_pid(pid, rec.get("start_time"))
+            if rec.get("start_time") is not None:  # without it the PID may name someone else's process
+                kill_pid(pid, rec["start_time"])
 
 
 def kill_pid(pid: int, start_time: float | None = None, timeout: float = 2.0) -> None:

@@ -13,7 +13,6 @@ Nothing here changes the root namespace.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
@@ -24,50 +23,9 @@ import subprocess
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
-T = TypeVar("T")
-
-CLONE_NEWNET = 0x40000000
-NETNS_RUN_DIR = "/run/netns"
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-# -- running code inside a namespace ----------------------------------------------
-
-def run_in_netns(ns: str | None, fn: Callable[[], T]) -> T:
-    """Run fn() in a short-lived thread that has entered network namespace `ns`.
-
-    setns(2) acts on the calling thread only, so the caller's own namespace is
-    never changed (the builder may itself be sitting in a node's namespace).
-    Sockets and TUN devices opened by fn belong to `ns`. ns None: the
-    namespace of the calling process's main thread is not assumed; fn runs in
-    whatever namespace a fresh thread inherits (the process's).
-    """
-    result: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            if ns is not None:
-                fd = os.open(os.path.join(NETNS_RUN_DIR, ns), os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    if _libc.setns(fd, CLONE_NEWNET) != 0:
-                        err = ctypes.get_errno()
-                        raise OSError(err, f"setns into {ns}: {os.strerror(err)}")
-                finally:
-                    os.close(fd)
-            result["value"] = fn()
-        except BaseException as exc:  # handed back to the caller's thread
-            result["error"] = exc
-
-    t = threading.Thread(target=target, name=f"netns-{ns}", daemon=True)
-    t.start()
-    t.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
-
+from testbed.net.netns import run_in_netns  # noqa: F401  (also used by delayline)
 
 # -- the result ------------------------------------------------------------------
 

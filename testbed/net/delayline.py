@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from testbed.net.capabilities import run_in_netns
+from testbed.net.netns import run_in_netns
 
 IFF_TAP = 0x0002
 IFF_NO_PI = 0x1000

@@ -20,7 +20,9 @@ import errno
 import os
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator, TypeVar
+
+T = TypeVar("T")
 
 NETNS_RUN_DIR = Path("/run/netns")
 CLONE_NEWNET = 0x40000000
@@ -111,6 +113,36 @@ def enter(name: str | int) -> Iterator[None]:
             setns(home)
     finally:
         os.close(home)
+
+
+def run_in_netns(ns: str | None, fn: Callable[[], T]) -> T:
+    """Run fn() in a short-lived thread that has entered network namespace `ns`.
+
+    setns(2) acts on the calling thread only, so the caller's own namespace is
+    never changed (the builder may itself be sitting in a node's namespace).
+    Sockets and TUN devices opened by fn belong to `ns`. ns None: fn runs in
+    whatever namespace a fresh thread inherits (the process's).
+    """
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            if ns is not None:
+                fd = os.open(path(ns), os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    setns(fd)
+                finally:
+                    os.close(fd)
+            result["value"] = fn()
+        except BaseException as exc:  # handed back to the caller's thread
+            result["error"] = exc
+
+    t = threading.Thread(target=target, name=f"netns-{ns}", daemon=True)
+    t.start()
+    t.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 class Home:

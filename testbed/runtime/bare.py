@@ -2,8 +2,9 @@
 
 No init process, no private hostname or PID space: `exec` runs a command in
 the node's network namespace with `nsenter --net=/run/netns/NS` and nothing
-else. Switches always use it; workers use it until (or where) the container
-runtime (testbed/runtime/netns.py) is not available.
+else. Switches always use it (exec/attach on a switch); workers run in a
+container runtime (testbed/runtime/netns.py or docker.py) and use it only in
+states whose runtime kind is "bare".
 """
 
 from __future__ import annotations

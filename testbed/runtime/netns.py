@@ -196,6 +196,20 @@ def _starttime(pid: int) -> int | None:
         return None
 
 
+def _visible_under_tmp(state_dir: Path) -> list[str]:
+    """Host dirs a worker must still see though its /tmp is private: the state dir, the
+    project and its venv, and the caller's working dir (a checkout under /tmp, a test's tmp)."""
+    import sys
+
+    import testbed
+
+    wanted = [Path(state_dir), Path(testbed.__file__).resolve().parents[1], Path(sys.prefix).resolve(),
+              Path.cwd()]
+    tmp = [p for p in wanted if str(p).startswith("/tmp/")]
+    # a dir inside another kept one comes along with it
+    return sorted({str(p) for p in tmp if not any(q != p and q in p.parents for q in tmp)})
+
+
 def hosts_text(testbed: str, node: str, hosts: Mapping[str, Any]) -> str:
     """The /etc/hosts of a worker: localhost, then every worker by name (its own name included)."""
     lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
@@ -280,7 +294,7 @@ class NetnsRuntime(Runtime):
         cfg = {
             "netns": str(nspath), "cgroup_procs": cgroups.cgroup_procs_files(cg), "hostname": node.name,
             "share_ipc": share_ipc, "log": str(ldir / "init.log"), "grace": STOP_GRACE_S,
-            "keep": [str(state.directory(self.testbed))],
+            "keep": _visible_under_tmp(state.directory(self.testbed)),
             "binds": [[str(wdir / "etc" / "hosts"), "/etc/hosts"], [str(wdir / "etc" / "hostname"), "/etc/hostname"]]
             + ([[str(wdir / "etc" / "resolv.conf"), "/etc/resolv.conf"]] if os.path.exists("/etc/resolv.conf") else []),
         }

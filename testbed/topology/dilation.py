@@ -10,6 +10,7 @@ the run is divided by s before it is reported. Pure functions, no I/O.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from testbed.topology.model import LinkProfile, Topology
 
@@ -64,11 +65,9 @@ def undilate(seconds: float, s: float) -> float:
     return seconds / s
 
 
-def dilate_topology(topo: "Topology", s: float) -> "Topology":
+def dilate_topology(topo: Topology, s: float) -> Topology:
     """The topology whose links run dilated by s (the same object when s == 1)."""
     if s == 1:
         return topo
-    from dataclasses import replace
-
     links = [replace(link, ab=dilate(link.ab, s), ba=dilate(link.ba, s)) for link in topo.links]
     return replace(topo, links=links)
