@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 from testbed.errors import CapabilityError, StateError, TestbedError
 from testbed.net import names, netns, state
-from testbed.topology.model import Link, LinkProfile, Topology
+from testbed.topology.model import LinkProfile, Topology
 
 Progress = Callable[[str, int, int], None]
 
@@ -255,10 +255,11 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     try:
         t0 = time.perf_counter()
         workers = [topo.nodes[w] for w in topo.workers]
-        for i, node in enumerate(workers):
-            rt.prepare_netns(node, names.netns(name, node.name))
-            if progress:
-                progress("worker namespaces", i + 1, len(workers))
+        if progress:
+            progress("worker namespaces", 0, len(workers))
+        rt.prepare_many([(node, names.netns(name, node.name)) for node in workers])
+        if progress:
+            progress("worker namespaces", len(workers), len(workers))
         timings["worker namespaces"] = time.perf_counter() - t0
         _checkpoint("workers")
         builder.create_switch_namespaces()
@@ -282,16 +283,9 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
             env = worker_env(name, node.name, ifs, cpus=node.cpus, gpu_env=gplan.env(node.name, mps),
                              extra={"TESTBED_TIME_DILATION": repr(factor)})
             batch.append((node, names.netns(name, node.name), env, hosts))
-        if hasattr(rt, "start_many"):
-            if progress:
-                progress("workers", 0, len(workers))
-            recs = rt.start_many(batch)
-        else:
-            recs = []
-            for i, args in enumerate(batch):
-                recs.append(rt.start(*args) or {})
-                if progress:
-                    progress("workers", i + 1, len(workers))
+        if progress:
+            progress("workers", 0, len(workers))
+        recs = rt.start_many(batch)
         for (node, ns, _env, _hosts), rec in zip(batch, recs):
             st["runtime"]["workers"][node.name] = {"netns": ns, **(rec or {})}
         state.save(name, st)
@@ -332,10 +326,9 @@ def _remove(st: dict[str, Any]) -> None:
     except Exception:
         rt = None
     if rt is not None and workers:
-        if hasattr(rt, "remove_many"):
-            with suppress(Exception):
-                rt.remove_many(list(workers.items()))
-        else:
+        try:
+            rt.remove_many(list(workers.items()))
+        except Exception:  # one failure must not keep the others alive
             for node, rec in workers.items():
                 with suppress(Exception):
                     rt.remove(node, rec)

@@ -280,3 +280,50 @@ def test_up_star_with_docker_runtime(daemon, tmp_path, monkeypatch):
             lifecycle.down(name)
         except Exception:
             pass
+
+
+@pytest.mark.docker
+@pytest.mark.root
+def test_fat_tree_on_docker_all_pairs_then_kill_9_and_cleanup(daemon, tmp_path, monkeypatch):
+    """The k=4 fat-tree with 16 worker containers: every worker reaches every other; an `up`
+    killed with -9 midway leaves containers that `testbed cleanup` removes, and nothing else."""
+    from test_dataplane import all_pairs_reachable
+    from testbed import lifecycle
+    from testbed.topology.loader import load_topology
+
+    state_dir = tmp_path / "state"
+    monkeypatch.setenv("TESTBED_STATE_DIR", str(state_dir))
+    monkeypatch.chdir(tmp_path)
+    name = f"dkft{os.getpid() % 100000}x{next(_counter)}"
+    try:
+        st = lifecycle.up(load_topology("fat-tree"), name, runtime="docker")
+        assert len(dk.list_containers(name)) == 16
+        all_pairs_reachable(st)
+        lifecycle.down(name)
+        assert dk.list_containers(name) == [] and netns.list_names(f"tb-{name}-") == []
+
+        # kill -9 of the CLI once the containers exist, then cleanup
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        p = subprocess.Popen([sys.executable, "-c", "from testbed.cli import main; main()", "up", "fat-tree",
+                              "--runtime", "docker", "--name", name],
+                             env={**os.environ, "PYTHONPATH": repo, "TESTBED_PAUSE_AT": "configured:60"},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 120
+            while len(netns.list_names(f"tb-{name}-")) < 36 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(1.0)
+        finally:
+            p.kill()
+            p.wait()
+        assert dk.list_containers(name), "the killed up should have left containers behind"
+        r = subprocess.run([sys.executable, "-c", "from testbed.cli import main; main()", "cleanup"],
+                           env={**os.environ, "PYTHONPATH": repo}, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert dk.list_containers(name) == []
+        assert netns.list_names(f"tb-{name}-") == []
+        assert not (state_dir / name).exists()
+    finally:
+        dk.cleanup_by_label(name)
+        for ns in netns.list_names(f"tb-{name}-"):
+            netns.delete(ns)

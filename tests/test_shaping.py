@@ -273,7 +273,13 @@ def test_netem_delay(pair, delay):
 @pytest.mark.netem
 @netem_only()
 def test_netem_jitter_keeps_order(pair):
-    """Jitter 5 ms on 10 ms, 2000 UDP datagrams at 10 kpps: none reordered."""
+    """Jitter 5 ms on 10 ms, 2000 UDP datagrams at 10 kpps: netem keeps them in order.
+
+    netem itself keeps FIFO order here (its `rate`); plain jitter would swap roughly half
+    of the neighbours at this spacing (5 ms jitter, 0.1 ms apart). A handful of swaps can
+    still come from the receive side: the veth peer queues each packet on the backlog of
+    the CPU that dequeued it, and with 2 CPUs two neighbours can be delivered crosswise
+    (seen under TCG: 8 of 2000). So: at most 1%, against ~50% without the fix."""
     shaping.apply(pair.ipr_a, "eth0", LinkProfile(delay_s=0.010, jitter_s=0.005), caps())
     d = shaping.describe(pair.ipr_a, "eth0")
     assert any(q["kind"] == "netem" for q in d["qdiscs"])
@@ -303,7 +309,7 @@ else:
     subprocess.run(["ip", "netns", "exec", pair.a, sys.executable, "-c", script, "tx"], check=True, timeout=60)
     out, _ = rx.communicate(timeout=30)
     got, inversions = map(int, out.split())
-    assert got >= 1900 and inversions == 0, f"received {got}, {inversions} reordered"
+    assert got >= 1900 and inversions <= got // 100, f"received {got}, {inversions} reordered"
     rtts, _ = pair.ping(50, 0.01)
     assert max(rtts) - min(rtts) > 0.003  # the jitter is there
 

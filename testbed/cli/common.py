@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, NoReturn
+from typing import NoReturn
 
 import typer
 from rich.console import Console

@@ -108,7 +108,6 @@ class Cluster:
     netns_of: dict[str, str] = field(default_factory=dict)   # node -> netns (counters); default tb-NAME-NODE
     time_dilation: float = 1.0
     dilation_source: str = "none"
-    gpus: dict[str, list[int]] = field(default_factory=dict)  # worker -> GPU indices (CUDA_VISIBLE_DEVICES)
     runtime: str = "netns"             # the testbed's runtime kind
     state_dir: Path | None = None      # the testbed's state dir: visible inside every worker, same path
 
@@ -126,40 +125,22 @@ def cluster_from_state(name: str) -> Cluster:
     if not topo_json:
         raise RunError(f"state of testbed {name!r} has no topology snapshot")
     topo = Topology.from_json(topo_json)
-    rt = data.get("runtime")
-    kind = (rt.get("kind") if isinstance(rt, Mapping) else rt) or "bare"
-    records = (rt.get("workers") if isinstance(rt, Mapping) else None) or data.get("workers") or {}
-    if isinstance(records, list):
-        records = {r.get("name"): r for r in records if isinstance(r, Mapping)}
+    kind = data["runtime"]["kind"]
+    records = data["runtime"]["workers"]
     plan = plan_network(topo)
     ifn = {}
     for w in topo.workers:
         ports = [p for p in plan.ports(w) if p.address]
         ifn[w] = ports[0].ifname if ports else "eth0"
-    s, source = _dilation_from_state(data, topo)
+    s = float(data.get("time_dilation") or 1.0)
     cl = Cluster(name=name, workers=list(topo.workers), address=plan.hosts(), ifname=ifn,
                  executor=RuntimeExecutor(data, records), topology=topo,
-                 netns_of={n: names.netns(name, n) for n in topo.nodes}, time_dilation=s, dilation_source=source,
-                 runtime=kind, state_dir=st_mod.directory(name))
+                 netns_of={n: names.netns(name, n) for n in topo.nodes}, time_dilation=s,
+                 dilation_source="state" if s != 1.0 else "none", runtime=kind, state_dir=st_mod.directory(name))
     for w, rec in records.items():
-        if isinstance(rec, Mapping) and rec.get("netns"):
+        if rec.get("netns"):
             cl.netns_of[w] = rec["netns"]
-        if isinstance(rec, Mapping) and rec.get("gpus") is not None:
-            cl.gpus[w] = list(rec["gpus"])
     return cl
-
-
-def _dilation_from_state(data: Mapping[str, Any], topo: Any) -> tuple[float, str]:
-    for key in ("time_dilation", "dilation"):
-        v = data.get(key)
-        if isinstance(v, Mapping):
-            return float(v.get("factor", 1.0)), str(v.get("source", "state"))
-        if isinstance(v, (int, float)):
-            return float(v), "state"
-    td = getattr(topo, "time_dilation", None)
-    if isinstance(td, (int, float)):
-        return float(td), "topology"
-    return 1.0, "none"
 
 
 # -- the run ----------------------------------------------------------------------------------------------
@@ -353,18 +334,14 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     common.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
     ranks: list[Rank] = []
     for node_rank, w in enumerate(chosen):
-        ifn = cluster.ifname.get(w, "eth0")
         wenv = {
             "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
             "GROUP_RANK": str(node_rank), "NODE_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(len(chosen)),
             "LOCAL_WORLD_SIZE": str(nproc_per_node),
-            "GLOO_SOCKET_IFNAME": ifn, "NCCL_SOCKET_IFNAME": ifn, "NCCL_IB_DISABLE": "1",
-            "NCCL_HOSTID": f"{cluster.name}-{w}",
+            # NCCL/gloo interface, host id and GPUs come with the worker's own environment (runtime)
             "TESTBED_NAME": cluster.name, "TESTBED_WORKER": w, "TESTBED_RUN_ID": run_id,
             "TESTBED_RUN_DIR": str(rd), "TESTBED_TIME_DILATION": repr(float(cluster.time_dilation)),
         }
-        if cluster.gpus.get(w):
-            wenv["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cluster.gpus[w]))
         if probe:
             wenv["TESTBED_PROBE_DIR"] = str(probe_dir)
             wenv["PYTHONPATH"] = probe_path + (os.pathsep + pythonpath if pythonpath else "")

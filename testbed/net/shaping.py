@@ -44,7 +44,7 @@ import math
 import os
 import platform
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from pyroute2.netlink.exceptions import NetlinkError

@@ -42,6 +42,18 @@ class Runtime(abc.ABC):
     def remove(self, node: str, record: Mapping[str, Any]) -> None:
         """Stop and remove everything of this worker (idempotent; tolerates half-made workers)."""
 
+    # -- batches (backends override these where overlapping the work pays) ------
+    def prepare_many(self, items: Sequence[tuple[Node, str]]) -> None:
+        for node, netns in items:
+            self.prepare_netns(node, netns)
+
+    def start_many(self, items: Sequence[tuple[Node, str, Mapping[str, str], Mapping[str, str]]]) -> list[dict[str, Any]]:
+        return [self.start(*item) for item in items]
+
+    def remove_many(self, items: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
+        for node, record in items:
+            self.remove(node, record)
+
     # -- reaching a worker -----------------------------------------------------
     @abc.abstractmethod
     def exec_argv(self, node: str, record: Mapping[str, Any], argv: Sequence[str], *,
