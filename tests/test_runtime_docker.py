@@ -194,16 +194,30 @@ def test_remove_leaves_nothing(rt):
 
 @pytest.mark.docker
 @pytest.mark.root
-def test_restart_rebinds_namespace_links_lost(rt):
+def test_stop_kill_restart_keep_the_namespace(rt):
+    """Faults act inside the container: its namespace (and so its links) survives them all."""
     recs = _pair(rt)
-    old = netns.inode(recs["w0"]["netns"])
-    new = rt.restart("w0", recs["w0"])
-    assert new["links_lost"] and new["pid"] != recs["w0"]["pid"]
-    assert netns.inode(new["netns"]) == os.stat(f"/proc/{new['pid']}/ns/net").st_ino != old
-    assert _run(rt, "w0", new, ["hostname"]).stdout.strip() == "w0"
-    assert _run(rt, "w0", new, ["getent", "hosts", "w1"]).returncode == 0
-    links = _run(rt, "w0", new, ["ip", "-o", "link", "show"]).stdout
-    assert "eth0" not in links
+    rec = recs["w0"]
+    ns_inode = netns.inode(rec["netns"])
+    job = subprocess.Popen(rt.exec_argv("w0", rec, ["sleep", "300"]))
+    try:
+        time.sleep(1.0)
+        assert len(rt.processes("w0", rec)) >= 2
+        rt.stop("w0", rec)                      # frozen
+        assert rt._get("w0", rec).status == "paused"
+        rt.kill("w0", rec)                      # crashed: the workload dies, the init stays
+        job.wait(timeout=30)
+        assert len(rt.processes("w0", rec)) == 2  # tini and its sleep: the machine itself
+        new = rt.restart("w0", rec)
+        assert new["pid"] == rec["pid"] and rt.pid("w0", new) == rec["pid"]
+        assert netns.inode(new["netns"]) == ns_inode
+        assert _run(rt, "w0", new, ["hostname"]).stdout.strip() == "w0"
+        assert "eth0" in _run(rt, "w0", new, ["ip", "-o", "link", "show"]).stdout
+        assert _run(rt, "w0", new, ["ping", "-c", "1", "-W", "2", "w1"]).returncode == 0
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
 
 
 @pytest.mark.docker

@@ -512,20 +512,6 @@ def _worker_record(h: Handle, node: str) -> dict[str, Any]:
     return h.st.setdefault("runtime", {}).setdefault("workers", {}).setdefault(node, {"netns": h.netns(node)})
 
 
-def _signal_netns(ns: str, sig: int, wait: float = 0.0) -> int:
-    """Send `sig` to every process in namespace `ns`; with wait, wait that long for them to go."""
-    pids = list(netns.pids_in([ns]))
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-    deadline = time.monotonic() + wait
-    while wait and time.monotonic() < deadline:
-        if not any(_exists(p) for p in pids):
-            break
-        time.sleep(0.02)
-    return len(pids)
-
-
 def _exists(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -620,16 +606,18 @@ def node_crash(name: str, node: str) -> int:
         n = h.node(node)
         if not n.is_worker:
             raise FaultError(f"node: {node} is a switch; crash acts on workers (use `node down` for a switch)")
-        count = len(netns.pids_in([h.netns(node)]))
         rt = _runtime(h)
         rec = _worker_record(h, node)
+        before = set(netns.pids_in([h.netns(node)]))
+        strays = _strays(h, rt, node, rec)  # in the namespace, unknown to the runtime (nsenter'd)
         try:
-            rt.kill(node, rec)
+            rt.kill(node, rec)  # the runtime decides what a crash kills (docker keeps its init)
         except NotImplementedError:
-            pass
+            strays = list(before)
         except Exception as exc:
             h.log(f"node crash {node}: runtime kill: {exc}")
-        count = max(count, _signal_netns(h.netns(node), signal.SIGKILL, 1.0))
+        _kill(strays, signal.SIGKILL, 1.0)
+        count = len(before - set(netns.pids_in([h.netns(node)])))
         ns = h.faults()["nodes"].setdefault(node, {})
         ns["state"] = "crashed"
         ns["since"] = time.time()

@@ -37,11 +37,10 @@ The Docker endpoint is $DOCKER_HOST (default unix:///var/run/docker.sock); it
 is recorded with each worker so other shells reach the same daemon. Start a
 private daemon with `scripts/dockerd.sh start`.
 
-Limits: a container restart gives it a new, empty network namespace; the
-old one (with the worker's links) is released when /run/netns is rebound, so
-**links are lost on restart** (the record returned says `links_lost`), and
-the caller must rebuild that worker's links. stop/kill leave the namespace
-and its links in place (held by the bind mount) for a later restart.
+Faults never restart a container: its init holds the network namespace our
+links live in, and a restarted container would get a new, empty one. So
+stop = freeze (docker pause), kill = SIGKILL of everything but the init (a
+crashed server), restart = thaw + a fresh workload; links stay throughout.
 """
 
 from __future__ import annotations
@@ -344,38 +343,81 @@ class DockerRuntime(Runtime):
         return self.pid(node, record) is not None
 
     # -- control ---------------------------------------------------------------------------------------
+    # The container's init (tini + sleep) is the "machine" and holds the network namespace our links
+    # live in: faults act on what runs inside it and never restart the container, whose new
+    # namespace would be empty.
     def stop(self, node: str, record: Mapping[str, Any]) -> None:
-        """Stop the worker (SIGTERM, SIGKILL after 5 s). Its namespace and links stay, unused."""
-        self._get(node, record).stop(timeout=STOP_TIMEOUT)
+        """Freeze every process of the worker (cgroup freezer), as the netns runtime does: a hung node."""
+        c = self._get(node, record)
+        c.reload()
+        if c.status != "paused":
+            c.pause()
 
-    def kill(self, node: str, record: Mapping[str, Any]) -> None:
-        """SIGKILL every process of the worker (a crashed server)."""
-        import docker
-
-        try:
-            self._get(node, record).kill()
-        except docker.errors.APIError as exc:
-            if exc.status_code != 409:  # 409: not running
-                raise
-
-    def pause(self, node: str, record: Mapping[str, Any]) -> None:
-        """Freeze every process of the worker (cgroup freezer): a hung server."""
-        self._get(node, record).pause()
+    def cont(self, node: str, record: Mapping[str, Any]) -> None:
+        self._resume(node, record)
 
     def resume(self, node: str, record: Mapping[str, Any]) -> None:
-        self._get(node, record).unpause()
+        self._resume(node, record)
+
+    def _resume(self, node: str, record: Mapping[str, Any]) -> None:
+        c = self._get(node, record)
+        c.reload()
+        if c.status == "paused":
+            c.unpause()
+
+    def processes(self, node: str, record: Mapping[str, Any]) -> list[int]:
+        """Host PIDs of everything in the worker's PID namespace, its init (tini) first.
+        (`docker exec` processes are not the init's children: match on the namespace.)"""
+        init = self.pid(node, record)
+        if init is None:
+            return []
+        try:
+            ns = os.stat(f"/proc/{init}/ns/pid").st_ino
+        except OSError:
+            return []
+        out = [init]
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != init:
+                try:
+                    if os.stat(f"/proc/{entry}/ns/pid").st_ino == ns:
+                        out.append(int(entry))
+                except OSError:
+                    pass
+        return out
+
+    def _machine(self, init: int) -> set[int]:
+        """The init and the `sleep infinity` it keeps: what must survive a crash."""
+        import psutil
+
+        keep = {init}
+        try:
+            keep |= {c.pid for c in psutil.Process(init).children() if c.cmdline() == ["sleep", "infinity"]}
+        except psutil.Error:
+            pass
+        return keep
+
+    def kill(self, node: str, record: Mapping[str, Any]) -> None:
+        """SIGKILL every process the worker runs (a crashed server); its init and links stay."""
+        self._resume(node, record)
+        procs = self.processes(node, record)
+        if not procs:
+            return
+        keep = self._machine(procs[0])
+        for pid in procs:
+            if pid not in keep:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+
+    def pause(self, node: str, record: Mapping[str, Any]) -> None:
+        self.stop(node, record)
 
     def restart(self, node: str, record: Mapping[str, Any]) -> dict[str, Any]:
-        """Restart the container. Its new network namespace is empty: links are lost (see links_lost)."""
-        c = self._get(node, record)
-        c.restart(timeout=STOP_TIMEOUT)
-        c.reload()
-        pid = int(c.attrs["State"]["Pid"])
-        name = record.get("netns") or names.netns(self.testbed, node)
-        netns.delete(name)
-        attach_netns(name, pid)
-        self._write_files(c, node, record.get("hosts") or {}, record.get("env") or {})
-        return {**record, "id": c.id, "pid": pid, "links_lost": True}
+        """The worker comes back: thawed, with nothing of its old workload running. Same
+        container, same network namespace, so its links are intact."""
+        self.kill(node, record)
+        return dict(record)
 
     def set_limits(self, node: str, record: Mapping[str, Any], *, cpus: float | None = None,
                    memory_bytes: int | None = None) -> None:
