@@ -12,7 +12,7 @@ PY      = $(VENV)/bin/python
 TESTBED = $(VENV)/bin/testbed
 PYTEST_ARGS ?=
 
-.PHONY: help venv testbed down test test-kernel bench image doctor clean
+.PHONY: help deps venv testbed down test test-kernel bench image doctor clean
 
 help:
 	@echo "make testbed TOPO=fat-tree   bring up a topology and run the main training job"
@@ -22,6 +22,12 @@ help:
 	@echo "make bench                   benchmarks (up/down speed vs Mininet, ring model)"
 	@echo "make image                   build the Docker worker image (offline-capable)"
 	@echo "make doctor                  what this machine's kernel can do"
+	@echo "make deps                    apt packages the tests use (iperf3, ping, nftables, ...)"
+
+# What the tests measure with (Debian/Ubuntu); Docker and the kernel VM stage: see .ci/run.
+deps:
+	apt-get install -y --no-install-recommends iproute2 iputils-ping iperf3 nftables tcpdump ethtool \
+	  procps util-linux kmod python3-venv
 
 venv: $(VENV)/.stamp
 
