@@ -208,10 +208,20 @@ class Builder:
     def bridge_mac(self, switch: str) -> str:
         return mac_for(self.testbed, f"br/{switch}")
 
-    def configure(self) -> None:
-        """Everything inside each namespace: one IPRoute per namespace, opened after setns."""
+    def _iproute_in(self, home: Any, node: str) -> Any:
+        """An IPRoute socket bound to `node`'s namespace (made there, then back home)."""
         from pyroute2 import IPRoute
 
+        fd = os.open(netns.path(self.ns(node)), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            netns.setns(fd)
+            return IPRoute()
+        finally:
+            home.back()
+            os.close(fd)
+
+    def configure(self) -> None:
+        """Everything inside each namespace: one IPRoute per namespace, opened after setns."""
         t0 = time.perf_counter()
         neigh = self._neighbours()
         # the egress profile and MAC of every port, by (node, ifname)
@@ -229,13 +239,7 @@ class Builder:
         total = len(self.topo.nodes)
         with netns.Home() as home:
             for n, node in enumerate(self.topo.nodes):
-                fd = os.open(netns.path(self.ns(node)), os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    netns.setns(fd)
-                    ipr = IPRoute()
-                finally:
-                    home.back()
-                    os.close(fd)
+                ipr = self._iproute_in(home, node)
                 try:
                     self._configure_node(ipr, node, ports[node], neigh.get(node, []), delayed_ports[node])
                 finally:
@@ -316,7 +320,6 @@ class Builder:
     def wait_ready(self, timeout: float = 5.0) -> None:
         """Wait until every interface we made is operationally up (the kernel's linkwatch attaches
         qdiscs asynchronously after carrier comes up; until then a device drops what it sends)."""
-        from pyroute2 import IPRoute
 
         from testbed.errors import TestbedError
 
@@ -330,13 +333,7 @@ class Builder:
             expected[sw].add(BRIDGE)
         with netns.Home() as home:
             for node, want in expected.items():
-                fd = os.open(netns.path(self.ns(node)), os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    netns.setns(fd)
-                    ipr = IPRoute()
-                finally:
-                    home.back()
-                    os.close(fd)
+                ipr = self._iproute_in(home, node)
                 try:
                     while True:
                         down = [link.get_attr("IFLA_IFNAME") for link in ipr.get_links()

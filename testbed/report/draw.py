@@ -16,11 +16,11 @@ LABEL_NODES nodes / LABEL_EDGES edges the labels are left out, so a
 
 from __future__ import annotations
 
-from collections import deque
 from pathlib import Path
 from typing import Mapping
 
 from testbed.topology.model import Topology
+from testbed.topology.analysis import switch_layers
 from testbed.topology.units import format_bandwidth
 
 __all__ = ["draw_topology", "layout", "LABEL_NODES", "LABEL_EDGES"]
@@ -30,18 +30,8 @@ LABEL_EDGES = 64    # draw edge labels up to this many links
 
 
 def _layers(topo: Topology) -> dict[str, int]:
-    adj: dict[str, list[str]] = {n: [] for n in topo.nodes}
-    for link in topo.links:
-        adj[link.a].append(link.b)
-        adj[link.b].append(link.a)
-    dist = {w: 0 for w in topo.workers}
-    queue = deque(topo.workers)
-    while queue:
-        u = queue.popleft()
-        for v in adj[u]:
-            if v not in dist:
-                dist[v] = dist[u] + 1
-                queue.append(v)
+    """Drawing row of every node: hops to the nearest worker; unreachable nodes on top."""
+    dist = switch_layers(topo)
     top = max(dist.values(), default=0) + 1
     for n in topo.nodes:
         dist.setdefault(n, top)

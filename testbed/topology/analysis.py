@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from testbed.topology.model import Link, LinkProfile, Topology
+from testbed.topology.plan import hop_distances
 from testbed.topology.units import format_bandwidth, format_time
 
 __all__ = ["counts", "tier_rows", "TierRow", "Bisection", "bisection", "OversubRow", "oversubscription",
@@ -135,15 +136,7 @@ def switch_layers(topo: Topology) -> dict[str, int]:
     for link in topo.links:
         adj[link.a].append(link.b)
         adj[link.b].append(link.a)
-    dist = {w: 0 for w in topo.workers}
-    queue = deque(topo.workers)
-    while queue:
-        u = queue.popleft()
-        for v in adj[u]:
-            if v not in dist:
-                dist[v] = dist[u] + 1
-                queue.append(v)
-    return dist
+    return hop_distances(adj, topo.workers)
 
 
 def access_switch(topo: Topology) -> dict[str, str]:

@@ -14,7 +14,7 @@ import ipaddress
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from testbed.errors import TopologyError
 from testbed.topology.model import Topology
@@ -202,7 +202,7 @@ def plan_network(topo: Topology, pool: str | None = None, fabric_pool: str | Non
     # Routes. Switches: ECMP over all shortest switch paths to each foreign subnet.
     routes: dict[str, list[Route]] = {n: [] for n in nodes}
     for owner, subnet in subnets.items():
-        dist = _bfs(switch_adj, owner)
+        dist = hop_distances(switch_adj, [owner])
         for sw in topo.switches:
             if sw == owner or sw not in dist:
                 continue
@@ -228,9 +228,10 @@ def _network(text: str, path: str, topo: Topology) -> ipaddress.IPv4Network:
         raise TopologyError(f"not an IPv4 network ({exc})", file=topo.source, path=path, value=text) from None
 
 
-def _bfs(adj: dict[str, list[str]], start: str) -> dict[str, int]:
-    dist = {start: 0}
-    queue = deque([start])
+def hop_distances(adj: dict[str, list[str]], sources: Iterable[str]) -> dict[str, int]:
+    """Hops from the nearest of `sources` to every node they reach (breadth-first)."""
+    dist = {s: 0 for s in sources}
+    queue = deque(dist)
     while queue:
         u = queue.popleft()
         for v in adj[u]:
@@ -241,7 +242,7 @@ def _bfs(adj: dict[str, list[str]], start: str) -> dict[str, int]:
 
 
 def _count_shortest_paths(adj: dict[str, list[str]], src: str, dst: str) -> int:
-    dist = _bfs(adj, src)
+    dist = hop_distances(adj, [src])
     if dst not in dist:
         return 0
     count = {src: 1}
