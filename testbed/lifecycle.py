@@ -252,6 +252,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     old_term = signal.signal(signal.SIGTERM, _raise_terminated)
     old_hup = signal.signal(signal.SIGHUP, _raise_terminated)
     builder = Builder(name, topo, plan, caps, record=record, owner_label=owner_label(name), progress=progress)
+    pending = None
     try:
         t0 = time.perf_counter()
         workers = [topo.nodes[w] for w in topo.workers]
@@ -262,14 +263,8 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
             progress("worker namespaces", len(workers), len(workers))
         timings["worker namespaces"] = time.perf_counter() - t0
         _checkpoint("workers")
-        builder.create_switch_namespaces()
-        _checkpoint("switches")
-        builder.set_worker_sysctls()
-        builder.create_links()
-        _checkpoint("links")
-        builder.configure()
-        builder.wait_ready()
-        _checkpoint("configured")
+        # The workers' inits start now and come up while the fabric is built (they need only
+        # their namespace); their records are saved at once so cleanup finds them after kill -9.
         t0 = time.perf_counter()
         hosts = plan.hosts()
         mps = None
@@ -285,12 +280,27 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
             batch.append((node, names.netns(name, node.name), env, hosts))
         if progress:
             progress("workers", 0, len(workers))
-        recs = rt.start_many(batch)
+        pending = rt.begin_start_many(batch)
+        for (node, ns, _env, _hosts), rec in zip(batch, pending.records):
+            st["runtime"]["workers"][node.name] = {"netns": ns, **rec}
+        state.save(name, st)
+        t_launch = time.perf_counter() - t0
+        builder.create_switch_namespaces()
+        _checkpoint("switches")
+        builder.set_worker_sysctls()
+        builder.create_links()
+        _checkpoint("links")
+        builder.configure()
+        builder.wait_ready()
+        _checkpoint("configured")
+        t0 = time.perf_counter()
+        recs, pending = pending.finish(), None
         for (node, ns, _env, _hosts), rec in zip(batch, recs):
             st["runtime"]["workers"][node.name] = {"netns": ns, **(rec or {})}
         state.save(name, st)
         if progress:
             progress("workers", len(workers), len(workers))
+        t0 -= t_launch  # launching + waiting; the inits' own start-up overlapped the fabric
         timings["start workers"] = time.perf_counter() - t0
         _checkpoint("started")
         timings.update(builder.timings)
@@ -303,6 +313,9 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop the rollback
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
+            if pending is not None:
+                with suppress(Exception):
+                    pending.abort()
             _remove(st)
         finally:
             signal.signal(signal.SIGINT, old_int)

@@ -18,9 +18,19 @@ from __future__ import annotations
 
 import abc
 import subprocess
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from testbed.topology.model import Node
+
+
+class PendingStart:
+    """Workers being started: finish() -> their records (in order); abort() undoes the start."""
+
+    def __init__(self, finish: Callable[[], list[dict[str, Any]]], abort: Callable[[], None],
+                 records: list[dict[str, Any]] | None = None):
+        self.finish = finish
+        self.abort = abort
+        self.records = records or []  # what is known already (for the state: cleanup after kill -9)
 
 
 class Runtime(abc.ABC):
@@ -43,6 +53,13 @@ class Runtime(abc.ABC):
         """Stop and remove everything of this worker (idempotent; tolerates half-made workers)."""
 
     # -- batches (backends override these where overlapping the work pays) ------
+    def begin_start_many(self, items: Sequence[tuple[Node, str, Mapping[str, str], Mapping[str, str]]]
+                         ) -> "PendingStart":
+        """Start workers in the background while the caller builds the fabric; the returned
+        handle's finish() waits for them (-> records), abort() removes them. Default: all the
+        work happens in finish()."""
+        return PendingStart(finish=lambda: self.start_many(items), abort=lambda: None)
+
     def prepare_many(self, items: Sequence[tuple[Node, str]]) -> None:
         for node, netns in items:
             self.prepare_netns(node, netns)

@@ -30,6 +30,7 @@ host's IPC namespace and /dev/shm: MPS clients talk to the server through them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -45,7 +46,7 @@ from testbed.errors import CapabilityError, StateError, TestbedError
 from testbed.net import netns as netns_mod
 from testbed.net import state
 from testbed.runtime import cgroups
-from testbed.runtime.base import Runtime
+from testbed.runtime.base import PendingStart, Runtime
 from testbed.runtime.env import log_dir
 from testbed.topology.model import Node
 
@@ -250,23 +251,42 @@ class NetnsRuntime(Runtime):
 
         If one fails, the ones started here are removed again and the error raised.
         """
+        return self.begin_start_many(workers).finish()
+
+    def begin_start_many(self, workers: Sequence[tuple[Node, str, Mapping[str, str], Mapping[str, Any]]]
+                         ) -> PendingStart:
+        """Launch the inits now (they come up while the caller builds links); finish() collects them."""
         launched: list[tuple[Node, dict[str, Any], subprocess.Popen | None]] = []
+
+        def abort() -> None:
+            for node, rec, proc in launched:  # let each init report its pid, so remove finds it
+                with contextlib.suppress(Exception):
+                    self._collect(node.name, rec, proc)
+            self.remove_many([(node.name, rec) for node, rec, _ in launched])
+
+        def finish() -> list[dict[str, Any]]:
+            try:
+                errors = []
+                for node, rec, proc in launched:
+                    try:
+                        self._collect(node.name, rec, proc)
+                    except TestbedError as exc:
+                        errors.append(exc)
+                if errors:
+                    raise errors[0]
+            except BaseException:
+                self.remove_many([(node.name, rec) for node, rec, _ in launched])
+                raise
+            return [rec for _, rec, _ in launched]
+
         try:
             for node, netns, env, hosts in workers:
                 rec, proc = self._launch(node, netns, env, hosts_text(self.testbed, node.name, hosts))
                 launched.append((node, rec, proc))
-            errors = []
-            for node, rec, proc in launched:
-                try:
-                    self._collect(node.name, rec, proc)
-                except TestbedError as exc:
-                    errors.append(exc)
-            if errors:
-                raise errors[0]
         except BaseException:
-            self.remove_many([(node.name, rec) for node, rec, _ in launched])
+            abort()
             raise
-        return [rec for _, rec, _ in launched]
+        return PendingStart(finish=finish, abort=abort, records=[rec for _, rec, _ in launched])
 
     def _launch(self, node: Node, netns: str, env: Mapping[str, str], hosts: str) -> tuple[dict[str, Any], subprocess.Popen]:
         nspath = netns_mod.path(netns)
