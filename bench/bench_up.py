@@ -8,7 +8,7 @@ the state's timings. The capability probe is cached per machine-boot in practice
 and is reported on its own line, not inside `up`.
 Mininet: Debian's package through its Python API (Topo with the same nodes and
 links, LinuxBridge switches, TCLink with bw=1000, its maximum here), net.start()
-and net.stop(); its cleanup (`mn -c`, which kills processes by name) is never
+and net.stop(); Mininet's own cleanup command (it kills processes by name) is never
 called. If Mininet cannot run, the bench says why and still prints our numbers.
 Targets (issue 3): k=4 up <= 0.6 s, down <= 0.5 s; k=8 up <= 5 s, down <= 3 s.
 """
@@ -146,5 +146,14 @@ def main() -> int:
     return 0 if ok else 1
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 if __name__ == "__main__":
+    # SIGTERM (a `timeout`, a CI limit) unwinds like Ctrl-C, so every finally (net.stop(),
+    # testbed down) runs and neither Mininet's nor our resources are left behind.
+    import signal
+
+    signal.signal(signal.SIGTERM, _interrupt)
     sys.exit(main())
