@@ -329,9 +329,6 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
               and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     common.update({"PATH": _base_path(), "PYTHONUNBUFFERED": "1"})
     common.setdefault("OMP_NUM_THREADS", "1")
-    # A worker whose resolv.conf names a server the emulated network cannot reach
-    # would stall every name lookup (gloo and c10d do several per peer) for 5 s x 2.
-    common.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
     ranks: list[Rank] = []
     for node_rank, w in enumerate(chosen):
         wenv = {

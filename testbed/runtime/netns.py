@@ -53,8 +53,8 @@ from testbed.topology.model import Node
 START_TIMEOUT_S = 15.0
 STOP_GRACE_S = 3.0
 
-# The worker's init, run as `python -S -c <exec $TESTBED_INIT> testbed-init NODE`
-# (script and config in its environment, so that ps shows a short command). It is a script and
+# The worker's init, forked by the spawner below (`python -S -c <_SPAWN> testbed-init`, which
+# is what ps shows for every init; its config comes through the environment). It is a script and
 # not a module so that it needs nothing but the standard library (no site, no
 # venv): stage A joins the cgroup and the network namespace, unshares the
 # others and forks stage B, PID 1 of the new PID namespace; A reports B's host
