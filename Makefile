@@ -39,7 +39,7 @@ $(VENV)/.stamp: pyproject.toml
 	@touch $@
 
 testbed: venv
-	$(PY) -m testbed.jobs.mainjob $(TOPO) $(if $(NAME),--name $(NAME))
+	$(PY) -m testbed.mainjob $(TOPO) $(if $(NAME),--name $(NAME))
 
 down: venv
 	$(TESTBED) down --all

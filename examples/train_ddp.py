@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""DDP training of a small CNN on synthetic data, launched the torchrun way.
+"""DDP training of a small CNN (or an MLP with tens of MiB of gradients) on synthetic data, the torchrun way.
 
 A plain script that knows nothing of testbed: it reads RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT from the environment (torchrun or
@@ -22,6 +22,22 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class MLP(nn.Module):
+    """A multi-layer perceptron on flattened images: `layers` hidden layers of `hidden` units."""
+
+    def __init__(self, in_features: int, hidden: int = 1536, layers: int = 3, classes: int = 10):
+        super().__init__()
+        sizes = [in_features] + [hidden] * layers
+        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+        self.out = nn.Linear(sizes[-1], classes)
+
+    def forward(self, x):
+        x = x.flatten(1)
+        for layer in self.hidden:
+            x = F.relu(layer(x))
+        return self.out(x)
 
 
 class TinyCNN(nn.Module):
@@ -50,7 +66,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
     ap.add_argument("--image-size", type=int, default=16)
+    ap.add_argument("--model", choices=("cnn", "mlp"), default="cnn",
+                    help="cnn: ~5k parameters (width scales it); mlp: --layers x --hidden, tens of MiB")
     ap.add_argument("--width", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1536)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--bucket-cap-mb", type=int, default=None, help="DDP's bucket size (default: DDP's 25 MiB)")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")
     ap.add_argument("--log-every", type=int, default=5)
@@ -75,9 +96,14 @@ def main() -> int:
         print(f"init {backend} world_size={world} in {time.time() - t0:.2f}s", flush=True)
 
     torch.manual_seed(0)
-    model = TinyCNN(args.width).to(device)
+    if args.model == "mlp":
+        model = MLP(3 * args.image_size ** 2, args.hidden, args.layers).to(device)
+    else:
+        model = TinyCNN(args.width).to(device)
     nparams = sum(p.numel() for p in model.parameters())
-    ddp = DDP(model, device_ids=[device.index] if use_cuda else None)
+    if rank == 0:
+        print(f"model {args.model}: {nparams} parameters ({nparams * 4 / 2 ** 20:.1f} MiB of gradients)", flush=True)
+    ddp = DDP(model, device_ids=[device.index] if use_cuda else None, bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     gen = torch.Generator().manual_seed(1000 + rank)
     teacher = torch.randn(3 * args.image_size ** 2, 10, generator=torch.Generator().manual_seed(7))

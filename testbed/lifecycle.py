@@ -73,6 +73,14 @@ def _alive(pid: int | None, start: float | None) -> bool:
     return start is None or abs(t - start) < 1.0
 
 
+def cores() -> int:
+    """CPU cores this process may run on (what time-shared ranks divide)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _checkpoint(phase: str) -> None:
     """Test hooks: TESTBED_FAIL_AT=PHASE raises there; TESTBED_PAUSE_AT=PHASE:SECONDS sleeps there."""
     fail = os.environ.get("TESTBED_FAIL_AT")
@@ -162,15 +170,17 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 def up(topo: Topology, name: str | None = None, *, progress: Progress | None = None,
        runtime: str | None = None, caps: Any = None, allow_gpu_sharing: bool = False,
-       time_dilation: float | str | None = None) -> dict[str, Any]:
+       time_dilation: float | str | None = None, machine: Any = None) -> dict[str, Any]:
     """Build testbed `name` (default: the topology's name) from a validated topology. All or nothing.
 
-    time_dilation (a factor >= 1, "auto" or None for the topology's own setting): links are
-    built at bandwidth/s and delay*s; the state keeps the topology's nominal profiles and s.
+    time_dilation (a factor >= 1, "auto", "none" or None for the topology's own setting): links
+    are built at bandwidth/s and delay*s; the state keeps the topology's nominal profiles, s and
+    why it was chosen. machine: the calibrated MachineConstants "auto" accounts the traffic with
+    (testbed.jobs.calibration); without them "auto" counts ranks per core only.
     """
     from testbed.runtime import gpu
     from testbed.runtime.env import worker_env
-    from testbed.topology.dilation import dilate_topology, resolve as resolve_dilation
+    from testbed.topology.dilation import choose as choose_dilation, dilate_topology
     from testbed.net.builder import Builder, no_delay_element
     from testbed.topology.plan import plan_network
 
@@ -193,12 +203,12 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     gplan = gpu.plan_topology(topo, allow_sharing=allow_gpu_sharing)  # refuses too few GPUs, before anything
     setting = time_dilation if time_dilation is not None else topo.time_dilation
     try:
-        factor = resolve_dilation(setting, n_ranks=len(topo.workers), n_gpus=len(gplan.used),
-                                  n_cpus=os.cpu_count() or 1)
+        dilation = choose_dilation(setting, topo, plan, n_gpus=len(gplan.used), n_cpus=cores(), constants=machine)
     except ValueError as exc:
         raise TestbedError(f"--time-dilation: {exc}") from None
+    factor = dilation.factor
     nominal = topo
-    topo = dilate_topology(topo, factor)  # what the kernel gets; the state keeps `nominal`
+    topo = dilate_topology(topo, factor, cap_cpu=dilation.cap_cpu)  # what the kernel gets; the state keeps `nominal`
     t0 = time.perf_counter()
     caps = check_capabilities(topo, caps)
     timings["capabilities"] = time.perf_counter() - t0
@@ -228,6 +238,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         "owner": owner_label(name),
         "topology": nominal.to_json(),
         "time_dilation": factor,
+        "dilation": dilation.to_json(),
         "gpu": {**gplan.to_json(), "mps_daemon": None},
         "plan": plan.to_json(),
         "capabilities": caps.to_json() if hasattr(caps, "to_json") else None,
@@ -555,7 +566,7 @@ def status(name: str) -> dict[str, Any]:
         "name": name, "status": st.get("status") if not missing else "degraded", "missing": missing,
         "topology": topo.name, "runtime": st.get("runtime", {}).get("kind"), "created": st.get("created"),
         "latency_floor_s": st.get("latency_floor_s"), "no_delay_element": st.get("no_delay_element", []),
-        "time_dilation": st.get("time_dilation", 1.0),
+        "time_dilation": st.get("time_dilation", 1.0), "dilation": st.get("dilation"),
         "nodes": nodes, "links": links, "faults": st.get("faults") or {},
     }
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from testbed.jobs.dilation import auto_factor, dilate, resolve, undilate
+from testbed.topology.dilation import auto_factor, dilate, undilate
 from testbed.topology.model import LinkProfile
 
 
@@ -34,11 +34,5 @@ def test_auto_factor(ranks, gpus, cpus, s):
     assert auto_factor(ranks, gpus, cpus) == pytest.approx(s)
 
 
-def test_resolve_and_undilate():
-    assert resolve(None, 16, 0, 2) == 1.0
-    assert resolve("auto", 16, 0, 2) == 8.0
-    assert resolve(3, 16, 0, 2) == 3.0
-    assert resolve("2.5", 16, 0, 2) == 2.5
-    with pytest.raises(ValueError):
-        resolve(0.5, 1, 0, 1)
+def test_undilate():
     assert undilate(8.0, 4) == 2.0

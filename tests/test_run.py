@@ -147,18 +147,6 @@ def test_unknown_worker_is_an_error(leaf_spine, tmp_path):
         run(leaf_spine, ["true"], workers="w0,w99", base_dir=tmp_path, echo=False)
 
 
-@pytest.mark.slow
-def test_busbw_and_ring_model_at_1gbit(testbed, tmp_path):
-    sys.path.insert(0, str(REPO / "bench"))
-    from bench_ring_model import measure
-
-    r = measure(workers=4, bandwidth="1gbit", size="64M", min_size="64M", iters=3, base_dir=str(tmp_path),
-                up=testbed)
-    big = r["rows"][-1]
-    assert abs(big["busbw_vs_link"] - 1) <= 0.10, big
-    assert abs(big["time_error"]) <= 0.10, big
-
-
 # -- the Docker runtime ------------------------------------------------------------------------------------
 
 REQUIRE_DOCKER = os.environ.get("TESTBED_REQUIRE_DOCKER") == "1"

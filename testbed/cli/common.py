@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -63,3 +63,15 @@ def resolve_name(name: str | None) -> str:
 NameOption = typer.Option(None, "--name", "-n", help="The testbed to act on (default: the only one up).")
 
 
+def print_dilation(st: dict[str, Any]) -> None:
+    """The factor a testbed runs at and why (up and status)."""
+    choice = st.get("dilation") or {}
+    factor = st.get("time_dilation") or 1.0
+    how = choice.get("setting", "fixed" if factor != 1.0 else "none")
+    if factor != 1.0:
+        console.print(f"time dilation: {factor:g} ({how}): links run at bandwidth/{factor:g} and delay*{factor:g}, "
+                      f"reports and the probe's clock divide time by {factor:g}; tables show nominal profiles")
+    else:
+        console.print(f"time dilation: 1 ({how}): real time")
+    for reason in choice.get("reasons") or []:
+        console.print(f"  {reason}", highlight=False)

@@ -34,3 +34,13 @@ def register(app: typer.Typer) -> None:
                           + ("cls_bpf" if caps.bpf else "[red]unavailable[/]"))
         else:
             console.print("[red]delay/jitter unavailable[/]: install sch_netem or enable /dev/net/tun")
+        from testbed.jobs import calibration
+
+        cal = calibration.cached()
+        if cal is None:
+            console.print("reference model: not calibrated on this boot (testbed calibrate; `auto` dilation "
+                          "and `testbed run` do it when needed)")
+        else:
+            console.print("reference model constants (testbed calibrate --refresh to measure again):")
+            for line in cal.lines():
+                console.print(f"  {line}", highlight=False)

@@ -16,7 +16,10 @@ def register(app: typer.Typer) -> None:
         run: Optional[Path] = typer.Argument(None, help="A run directory (default: the latest under ./runs)"),
         no_plots: bool = typer.Option(False, "--no-plots", help="Only the table"),
     ) -> None:
-        """Iteration time p50/p95 per rank, samples/s, communication share, bytes per link tier; PNG plots."""
+        """Iteration times, throughput, bytes per link tier, the collectives against the model, the verdict.
+
+        Writes report.txt and PNG plots into the run directory and the verdict (faithful, not
+        faithful with the reasons, or unverified) into its summary.json."""
         from testbed.errors import TestbedError
         from testbed.jobs import rundir
         from testbed.report import report

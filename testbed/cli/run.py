@@ -20,12 +20,21 @@ def register(app: typer.Typer) -> None:
         port: Optional[int] = typer.Option(None, "--port", help="MASTER_PORT (default: random 20000-29999)"),
         timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop every rank after T seconds (exit 124)"),
         env: List[str] = typer.Option([], "--env", "-e", help="K=V added to every rank's environment"),
-        no_probe: bool = typer.Option(False, "--no-probe", help="Do not inject the measurement probe"),
+        no_probe: bool = typer.Option(False, "--no-probe", help="Do not inject the measurement probe (nor the "
+                                                                "emulated clock; the verdict then has no collectives)"),
+        real_clock: bool = typer.Option(False, "--real-clock", help="Keep the ranks' clocks real under dilation "
+                                                                    "(the probe slows them by the factor otherwise)"),
         grace: float = typer.Option(5.0, "--grace", help="Seconds the others get after a rank fails"),
-        report: bool = typer.Option(False, "--report", help="Print the report when the run ends"),
+        report: bool = typer.Option(False, "--report", help="Print the whole report when the run ends "
+                                                            "(the verdict is always printed)"),
     ) -> None:
-        """Start CMD on every selected worker the torchrun way; logs and probe data go to runs/<time>-<testbed>/."""
-        from testbed.cli.common import require_root
+        """Start CMD on every selected worker the torchrun way; logs and probe data go to runs/<time>-<testbed>/.
+
+        At the end the run is judged against the reference model and what was sampled while it ran
+        (CPUs, queues, delay lines): faithful, not faithful (with the reasons in numbers and what to
+        change) or unverified."""
+        from testbed.cli.common import err_console, require_root
+        from testbed.jobs import calibration
         from testbed.jobs.run import RunError, cluster_from_state, run
 
         require_root("testbed run")
@@ -36,12 +45,18 @@ def register(app: typer.Typer) -> None:
             k, v = kv.split("=", 1)
             extra[k] = v
         cluster = cluster_from_state(resolve_name(name))
+        machine = calibration.get(progress=lambda m: err_console.print(m, highlight=False)).constants()
         result = run(cluster, cmd, workers=workers, nproc_per_node=nproc_per_node, master=master, port=port,
-                     timeout=timeout, env=extra, probe=not no_probe, grace=grace)
-        console.print(f"run directory: {result.run_dir}  (testbed report {result.run_dir})", highlight=False)
-        if report and not no_probe:
-            from testbed.report import report as make_report
+                     timeout=timeout, env=extra, probe=not no_probe, grace=grace, machine=machine,
+                     emulated_clock=not real_clock)
+        from testbed.report import report as make_report
 
-            text, _a, plots = make_report(result.run_dir)
+        text, a, plots = make_report(result.run_dir, plots=report)
+        if report:
             console.print(text, highlight=False, markup=False)
+            for p in plots:
+                console.print(f"plot: {p}", highlight=False)
+        else:
+            console.print("\n".join(a["verdict"].lines()), highlight=False, markup=False)
+        console.print(f"run directory: {result.run_dir}  (testbed report {result.run_dir})", highlight=False)
         raise typer.Exit(result.rc)

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from testbed.cli.common import console, fail, resolve_name
+from testbed.cli.common import console, fail, print_dilation, resolve_name
 
 
 def _fmt_bw(b):
@@ -58,9 +58,7 @@ def status_cmd(
                    + (" [yellow](changed)[/]" if link.get("changed") else "")
                    + (" [yellow](asymmetric)[/]" if link.get("reverse") else ""))
     console.print(lt)
-    if doc.get("time_dilation", 1.0) != 1.0:
-        console.print(f"time dilation {doc['time_dilation']:g}: the kernel runs these links at bandwidth/"
-                      f"{doc['time_dilation']:g} and delay*{doc['time_dilation']:g}")
+    print_dilation(doc)
     faults = doc.get("faults") or {}
     if faults.get("partition"):
         console.print(f"[red]partitioned:[/] {faults['partition']} (testbed heal)")

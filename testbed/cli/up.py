@@ -8,7 +8,7 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
-from testbed.cli.common import console, err_console, fail, require_root
+from testbed.cli.common import console, err_console, fail, print_dilation, require_root
 
 
 class _DelayedProgress:
@@ -89,12 +89,7 @@ def _summary(st: dict[str, Any], seconds: float) -> None:
     for row in analysis.tier_rows(topo):
         lt.add_row(*row.cells())
     console.print(lt)
-    factor = st.get("time_dilation") or 1.0
-    if factor != 1.0:
-        console.print(f"time dilation: {factor:g} (links run at bandwidth/{factor:g} and delay*{factor:g}; "
-                      f"reports divide measured times by {factor:g}); the table shows nominal profiles")
-    else:
-        console.print("time dilation: 1 (real time)")
+    print_dilation(st)
     floor = st.get("latency_floor_s")
     if floor is not None:
         console.print(f"latency floor (one unshaped hop, one way): {floor * 1e6:.1f} us")
@@ -115,6 +110,16 @@ def _summary(st: dict[str, Any], seconds: float) -> None:
     console.print(f"  testbed down {name}")
 
 
+def machine_constants(setting: Any) -> Any:
+    """The calibrated constants `auto` needs (measured once per boot, saying so), else None."""
+    if not (isinstance(setting, str) and setting.strip().lower() == "auto"):
+        return None
+    from testbed.jobs import calibration
+
+    cal = calibration.get(progress=lambda m: err_console.print(m, highlight=False))
+    return cal.constants()
+
+
 def up_cmd(
     topology: str = typer.Argument(..., help="A topology file (YAML, or a Mininet custom .py), the name of one "
                                              "in topologies/ (fat-tree, ...), or mininet:tree,depth=2,..."),
@@ -124,8 +129,10 @@ def up_cmd(
                                           help="Where workers run: netns (default, no daemon) or docker."),
     time_dilation: Optional[str] = typer.Option(
         None, "--time-dilation",
-        help="Slow links by a factor s (bandwidth/s, delay*s) to keep time-shared compute in proportion; "
-             "'auto' = ranks per GPU (or CPU core)."),
+        help="Slow links by a factor s (bandwidth/s, delay*s) to keep time-shared compute in proportion. "
+             "'auto' (the default unless the topology says otherwise): the smallest s at which the run is "
+             "network-bound, from ranks per core (or GPU) and this machine's calibrated forwarding cost; "
+             "a number; or 'none' for real time."),
     allow_gpu_sharing: bool = typer.Option(False, "--allow-gpu-sharing",
                                            help="Let several workers share a GPU when there are too few."),
 ) -> None:
@@ -139,11 +146,13 @@ def up_cmd(
     topo, warnings = load_any(topology, sets)
     for w in warnings:
         err_console.print(f"[yellow]warning:[/] {w}", highlight=False)
-    progress = _DelayedProgress()
+    setting = time_dilation or topo.time_dilation or "auto"
     t0 = time.perf_counter()
+    machine = machine_constants(setting)
+    progress = _DelayedProgress()
     try:
-        st = lifecycle.up(topo, name, progress=progress, runtime=runtime, time_dilation=time_dilation,
-                          allow_gpu_sharing=allow_gpu_sharing)
+        st = lifecycle.up(topo, name, progress=progress, runtime=runtime, time_dilation=setting,
+                          allow_gpu_sharing=allow_gpu_sharing, machine=machine)
     finally:
         progress.stop()
     _summary(st, time.perf_counter() - t0)

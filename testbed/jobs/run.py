@@ -108,6 +108,9 @@ class Cluster:
     netns_of: dict[str, str] = field(default_factory=dict)   # node -> netns (counters); default tb-NAME-NODE
     time_dilation: float = 1.0
     dilation_source: str = "none"
+    dilation: dict[str, Any] = field(default_factory=dict)   # the state's choice: setting, reasons
+    delay_lines: list[dict[str, Any]] = field(default_factory=list)   # the state's delay-line records
+    gpus: int = 0                      # GPUs handed to workers (what ranks time-share; 0: CPU cores)
     runtime: str = "netns"             # the testbed's runtime kind
     state_dir: Path | None = None      # the testbed's state dir: visible inside every worker, same path
 
@@ -136,7 +139,10 @@ def cluster_from_state(name: str) -> Cluster:
     cl = Cluster(name=name, workers=list(topo.workers), address=plan.hosts(), ifname=ifn,
                  executor=RuntimeExecutor(data, records), topology=topo,
                  netns_of={n: names.netns(name, n) for n in topo.nodes}, time_dilation=s,
-                 dilation_source="state" if s != 1.0 else "none", runtime=kind, state_dir=st_mod.directory(name))
+                 dilation_source="state" if s != 1.0 else "none", dilation=dict(data.get("dilation") or {}),
+                 delay_lines=list((data.get("resources") or {}).get("delay_lines") or []),
+                 gpus=len({u for us in ((data.get("gpu") or {}).get("assignment") or {}).values() for u in us}),
+                 runtime=kind, state_dir=st_mod.directory(name))
     for w, rec in records.items():
         if rec.get("netns"):
             cl.netns_of[w] = rec["netns"]
@@ -276,8 +282,13 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         timeout: float | None = None, env: Mapping[str, str] | None = None, probe: bool = True,
         grace: float = DEFAULT_GRACE_S, base_dir: str | os.PathLike | None = None,
         workdir: str | None = None, echo: Callable[[str], None] | None | bool = True,
-        on_start: Callable[[Path], None] | None = None) -> RunResult:
-    """Run CMD across the cluster; return the exit status and the run directory."""
+        on_start: Callable[[Path], None] | None = None, machine: Any = None,
+        monitor: bool = True, emulated_clock: bool = True) -> RunResult:
+    """Run CMD across the cluster; return the exit status and the run directory.
+
+    machine: the calibrated MachineConstants, recorded for the verdict (testbed.report.verdict);
+    monitor: sample CPUs, qdiscs and delay lines while the ranks run (monitor.json);
+    emulated_clock: under dilation the probe slows the ranks' clocks by the factor."""
     cmd = list(cmd)
     if not cmd:
         raise RunError("nothing to run: give a command after --")
@@ -338,6 +349,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             # NCCL/gloo interface, host id and GPUs come with the worker's own environment (runtime)
             "TESTBED_NAME": cluster.name, "TESTBED_WORKER": w, "TESTBED_RUN_ID": run_id,
             "TESTBED_RUN_DIR": str(rd), "TESTBED_TIME_DILATION": repr(float(cluster.time_dilation)),
+            "TESTBED_EMULATED_CLOCK": "1" if emulated_clock else "0",
         }
         if probe:
             wenv["TESTBED_PROBE_DIR"] = str(probe_dir)
@@ -382,7 +394,10 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         "launcher": "torchrun" if torchrun else "env", "workers": chosen, "nproc_per_node": nproc_per_node,
         "world_size": world, "master": master, "master_addr": master_addr, "master_port": port,
         "workdir": workdir, "probe": probe, "env": dict(env or {}), "grace_s": grace, "timeout_s": timeout,
-        "time_dilation": {"factor": float(cluster.time_dilation), "source": cluster.dilation_source},
+        "time_dilation": {"factor": float(cluster.time_dilation), "source": cluster.dilation_source,
+                          "setting": cluster.dilation.get("setting"), "reasons": cluster.dilation.get("reasons")},
+        "emulated_clock": bool(probe and emulated_clock and cluster.time_dilation > 1),
+        "machine": machine.to_json() if machine is not None else None, "gpus": cluster.gpus,
         "started": time.time(),
     }
     rundir.write_json(rd / "summary.json", {**summary, "status": "running"})
@@ -395,6 +410,16 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     stop_at: float | None = None
     killed_at: float | None = None
     t_start = time.monotonic()
+    mon = None
+    if monitor:
+        from testbed.jobs.monitor import Monitor
+        from testbed.lifecycle import cores
+
+        try:
+            mon = Monitor(cluster.netns_of, cluster.delay_lines, cores()).start()
+        except Exception as exc:   # evidence missing is reported by the verdict, the run goes on
+            if echo is not None:
+                echo(f"[testbed] monitor not started ({exc}); the verdict will lack CPU and link samples")
     old_term = None
     if threading.current_thread() is threading.main_thread():
         def _term(signum, frame):
@@ -472,6 +497,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             t.join(2)
         for f in logs.values():
             f.close()
+        if mon is not None:
+            rundir.write_json(rd / "monitor.json", mon.stop())
         _collect_probe(rd, shared)
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)

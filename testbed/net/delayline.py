@@ -264,15 +264,33 @@ def update(target: "DelayLink | str", profile_ab: Any, profile_ba: Any) -> dict[
 
 
 def stats(target: "DelayLink | str") -> dict[str, Any]:
-    """Counters of the helper: frames/bytes forwarded and dropped per direction, current profiles."""
+    """Counters of the helper per direction: frames/bytes forwarded and dropped, current profile,
+    and how late held frames left (late_hist_us_log2: bucket i counts 2^(i-1)..2^i us late)."""
     return _request(target, {"cmd": "stats"})
+
+
+def lateness_percentile(hist: list[int], q: float) -> float | None:
+    """The q-th percentile (0-100) of a lateness histogram, in seconds (a bucket's upper edge)."""
+    total = sum(hist)
+    if total <= 0:
+        return None
+    need = total * q / 100
+    seen = 0
+    for i, n in enumerate(hist):
+        seen += n
+        if seen >= need:
+            return (1 << i) / 1e6 if i else 0.0
+    return (1 << (len(hist) - 1)) / 1e6
 
 
 # -- the helper process ------------------------------------------------------------------
 
+LATE_BUCKETS = 24   # lateness histogram: bucket i counts frames sent 2^(i-1)..2^i microseconds late
+
+
 class _Direction:
     __slots__ = ("name", "src", "dst", "delay", "jitter", "queue", "queued_bytes", "last_due",
-                 "frames", "bytes", "drops")
+                 "frames", "bytes", "drops", "late", "late_max")
 
     def __init__(self, name: str, src: int, dst: int, prof: dict[str, float]):
         self.name, self.src, self.dst = name, src, dst
@@ -280,15 +298,24 @@ class _Direction:
         self.queued_bytes = 0
         self.last_due = 0.0
         self.frames = self.bytes = self.drops = 0
+        self.late = [0] * LATE_BUCKETS   # how late frames left against their schedule (the verdict reads it)
+        self.late_max = 0.0
         self.set(prof)
 
     def set(self, prof: dict[str, float]) -> None:
         self.delay = max(0.0, float(prof.get("delay_s", 0.0)))
         self.jitter = max(0.0, float(prof.get("jitter_s", 0.0)))
 
+    def sent_late(self, seconds: float) -> None:
+        us = int(seconds * 1e6)
+        self.late[min(us.bit_length(), LATE_BUCKETS - 1)] += 1
+        if seconds > self.late_max:
+            self.late_max = seconds
+
     def stats(self) -> dict[str, Any]:
         return {"delay_s": self.delay, "jitter_s": self.jitter, "frames": self.frames, "bytes": self.bytes,
-                "drops": self.drops, "queued": len(self.queue)}
+                "drops": self.drops, "queued": len(self.queue), "late_hist_us_log2": list(self.late),
+                "late_max_s": self.late_max}
 
 
 def serve(cfg: dict[str, Any]) -> None:
@@ -330,12 +357,13 @@ def serve(cfg: dict[str, Any]) -> None:
             for d in dirs.values():
                 q = d.queue
                 while q and q[0][0] <= now:
-                    _, frame = q.popleft()
+                    due, frame = q.popleft()
                     d.queued_bytes -= len(frame)
                     try:
                         write(d.dst, frame)
                         d.frames += 1
                         d.bytes += len(frame) - VNET_HDR_LEN
+                        d.sent_late(now - due)
                     except OSError:   # peer TAP down (EIO) or full: the frame is lost
                         d.drops += 1
                 if q:

@@ -6,14 +6,22 @@ from pathlib import Path
 from typing import Any
 
 
-def report(run: str | Path, plots: bool = True) -> tuple[str, dict[str, Any], list[Path]]:
-    """Analyse RUN, write report.txt (+ PNGs); return (text, analysis, plot paths)."""
+def report(run: str | Path, plots: bool = True, expected_iteration_s: float | None = None
+           ) -> tuple[str, dict[str, Any], list[Path]]:
+    """Analyse RUN, judge it, write report.txt (+ PNGs) and the verdict into summary.json;
+    return (text, analysis with "verdict", plot paths)."""
     from testbed.jobs import rundir
     from testbed.report.analyze import analyze
     from testbed.report.tables import render
+    from testbed.report.verdict import judge
 
     run = Path(run)
     a = analyze(run)
+    v = judge(run, expected_iteration_s=expected_iteration_s, analysis=a)
+    a["verdict"] = v
+    summary = rundir.read_json(run / "summary.json", {}) or {}
+    summary["verdict"] = v.to_json()
+    rundir.write_json(run / "summary.json", summary)
     text = render(a)
     (run / "report.txt").write_text(text + "\n")
     made: list[Path] = []

@@ -22,8 +22,8 @@ def render(a: dict[str, Any]) -> str:
     lines = [f"run {a['run']}",
              f"testbed {s.get('testbed')}  launcher {s.get('launcher')}  world size {s.get('world_size')}  "
              f"status {s.get('status')} (exit {s.get('rc')})  wall {s.get('duration_s', 0):.1f} s",
-             f"time dilation {a['dilation']:g} ({(s.get('time_dilation') or {}).get('source', 'none')}): "
-             f"times below are divided by it", ""]
+             f"time dilation {a['dilation']:g} ({_dilation_how(s)}): times below are divided by it; "
+             f"the ranks' clocks {'ran emulated' if s.get('emulated_clock') else 'were real'}", ""]
     hdr = f"{'rank':>5} {'worker':>8} {'steps':>6} {'iter p50 ms':>12} {'iter p95 ms':>12} {'samples/s':>10} {'comm %':>7}"
     lines += [hdr, "-" * len(hdr)]
     for r in a["ranks"]:
@@ -42,4 +42,22 @@ def render(a: dict[str, Any]) -> str:
               f"{'tier':>12} {'links':>6} {'bytes':>12} {'peak util %':>12}"]
     for tier, t in a["tiers"].items():
         lines.append(f"{tier:>12} {t['links']:>6} {_bytes(t['bytes']):>12} {100 * t['max_util']:>12.2f}")
+    v = a.get("verdict")
+    if v is not None:
+        if v.classes:
+            lines += ["", "collectives against the reference model (emulated time, median instance)",
+                      f"{'collective':>15} {'size':>10} {'count':>6} {'measured ms':>12} {'model ms':>10} "
+                      f"{'error':>7} {'share':>6}  limited by"]
+            for c in v.classes:
+                lines.append(f"{c.op:>15} {_bytes(c.nbytes):>10} {c.count:>6} {c.measured_s * 1e3:>12.3f} "
+                             f"{c.model_s * 1e3:>10.3f} {100 * c.error:>+6.1f}% {100 * c.share:>5.0f}%  "
+                             f"{c.bottleneck}")
+            if v.constants:
+                lines.append(f"model constants: {v.constants}")
+        lines += [""] + v.lines()
     return "\n".join(lines)
+
+
+def _dilation_how(summary: dict[str, Any]) -> str:
+    td = summary.get("time_dilation") or {}
+    return td.get("setting") or td.get("source") or "none"

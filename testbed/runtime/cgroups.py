@@ -22,6 +22,7 @@ cleanup) works from it alone.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import signal
 import time
@@ -33,7 +34,8 @@ from testbed.errors import CapabilityError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 TOP = "testbed"
-CFS_PERIOD_US = 100_000
+CFS_PERIOD_US = 10_000     # short: a throttled worker waits at most this long (dilated workers get ~1/s)
+CFS_MIN_QUOTA_US = 1_000   # the kernel's smallest quota
 # the v1 hierarchies a worker joins (those mounted; cpuset deliberately not)
 V1_CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer")
 
@@ -190,15 +192,16 @@ def set_limits(paths: Sequence[str | Path], *, cpus: float | None = None, memory
         ctrl = _ctrl_of(p, hier)
         if hier.version == 2:
             if cpus is not None or clear:
-                _write(p / "cpu.max", f"{_quota(cpus)} {CFS_PERIOD_US}" if cpus is not None else "max")
+                _write(p / "cpu.max", "{} {}".format(*cfs(cpus)) if cpus is not None else "max")
             if memory_bytes is not None or clear:
                 _write(p / "memory.max", str(memory_bytes) if memory_bytes is not None else "max")
                 if (p / "memory.swap.max").exists():
                     _write(p / "memory.swap.max", "0" if memory_bytes is not None else "max")
         elif ctrl == "cpu":
             if cpus is not None or clear:
-                _write(p / "cpu.cfs_period_us", str(CFS_PERIOD_US))
-                _write(p / "cpu.cfs_quota_us", str(_quota(cpus)) if cpus is not None else "-1")
+                quota, period = cfs(cpus) if cpus is not None else (-1, CFS_PERIOD_US)
+                _write(p / "cpu.cfs_period_us", str(period))
+                _write(p / "cpu.cfs_quota_us", str(quota))
         elif ctrl == "memory":
             if memory_bytes is not None or clear:
                 limit = str(memory_bytes) if memory_bytes is not None else "-1"
@@ -218,8 +221,11 @@ def set_limits(paths: Sequence[str | Path], *, cpus: float | None = None, memory
                         pass
 
 
-def _quota(cpus: float) -> int:
-    return max(1000, int(round(cpus * CFS_PERIOD_US)))
+def cfs(cpus: float) -> tuple[int, int]:
+    """(quota, period) in microseconds for a limit of `cpus` cores: a 10 ms period, longer only
+    where the quota would fall under the kernel's 1 ms minimum (below 0.1 core)."""
+    period = max(CFS_PERIOD_US, math.ceil(CFS_MIN_QUOTA_US / cpus)) if cpus > 0 else CFS_PERIOD_US
+    return max(CFS_MIN_QUOTA_US, int(round(cpus * period))), period
 
 
 def cgroup_procs_files(paths: Iterable[str | Path]) -> list[str]:

@@ -56,6 +56,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from testbed.errors import CapabilityError, StateError, TestbedError
 from testbed.net import names, netns, state
+from testbed.runtime import cgroups
 from testbed.runtime.base import Runtime
 from testbed.topology.model import Node
 
@@ -63,7 +64,6 @@ DEFAULT_IMAGE = "testbed/worker:latest"
 DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
 OWNER = "testbed"
 PKG_TARGET = "/opt/testbed/src"
-CPU_PERIOD = 100_000
 STOP_TIMEOUT = 5
 _GiB = 1 << 30
 RESOLV_CONF = "# testbed worker: no DNS; names come from /etc/hosts\noptions timeout:1 attempts:1\n"
@@ -249,7 +249,8 @@ class DockerRuntime(Runtime):
         if node.memory_bytes:
             kw.update(mem_limit=int(node.memory_bytes), memswap_limit=int(node.memory_bytes))
         if node.cpus:
-            kw.update(cpu_period=CPU_PERIOD, cpu_quota=max(1000, int(node.cpus * CPU_PERIOD)))
+            quota, period = cgroups.cfs(node.cpus)
+            kw.update(cpu_period=period, cpu_quota=quota)
         if node.gpus:
             ids = self.gpu_ids.get(node.name)
             req = (DeviceRequest(device_ids=[str(i) for i in ids], capabilities=[["gpu"]]) if ids
@@ -423,7 +424,8 @@ class DockerRuntime(Runtime):
                    memory_bytes: int | None = None) -> None:
         kw: dict[str, Any] = {}
         if cpus is not None:
-            kw.update(cpu_period=CPU_PERIOD, cpu_quota=max(1000, int(cpus * CPU_PERIOD)) if cpus > 0 else -1)
+            quota, period = cgroups.cfs(cpus) if cpus > 0 else (-1, cgroups.CFS_PERIOD_US)
+            kw.update(cpu_period=period, cpu_quota=quota)
         if memory_bytes is not None:
             kw.update(mem_limit=int(memory_bytes), memswap_limit=int(memory_bytes))
         if kw:

@@ -1,18 +1,22 @@
-"""Time dilation (DESIGN.md "Fidelity", after DieCast).
+"""Time dilation (DESIGN.md "Fidelity", after DieCast), and how its factor is chosen.
 
 When several ranks time-share one GPU (or one CPU core), every rank computes
 s times slower than it would alone. To keep the emulated cluster's ratio of
 compute to communication, the network is slowed by the same factor: links
-run at bandwidth/s with delay*s (and jitter*s), and every time measured in
-the run is divided by s before it is reported. Pure functions, no I/O.
+run at bandwidth/s with delay*s (and jitter*s), each worker's CPU share is
+capped at 1/s of what it asks for, and every time measured in the run is
+divided by s before it is reported. Pure functions, no I/O.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 from testbed.topology.model import LinkProfile, Topology
+from testbed.topology.plan import NetworkPlan
+from testbed.topology.reference import MachineConstants, predict, rank_layout
 
 
 def dilate(profile: LinkProfile, s: float) -> LinkProfile:
@@ -32,8 +36,15 @@ def dilate(profile: LinkProfile, s: float) -> LinkProfile:
     return profile.with_changes(bandwidth_bps=bw, delay_s=profile.delay_s * s, jitter_s=profile.jitter_s * s)
 
 
+# The share of the CPUs the emulated traffic may plan on. 1: beta already holds the kernel's forwarding
+# work (the calibration measures it through a bridge); measured here, 16 ranks at s = 8 on 2 cores kept
+# up with the links (docs/fidelity.md), so a margin would only slow every run down.
+HEADROOM = 1.0
+BIG_MESSAGE = 256 << 20
+
+
 def auto_factor(n_ranks: int, n_gpus: int, n_cpus: int) -> float:
-    """The factor `time_dilation: auto` picks: how many ranks share each compute device.
+    """What compute needs: how many ranks share each compute device.
 
     With GPUs the device is a GPU, without them a CPU core. Never below 1 (a
     machine with more devices than ranks runs in real time).
@@ -46,18 +57,105 @@ def auto_factor(n_ranks: int, n_gpus: int, n_cpus: int) -> float:
     return max(1.0, n_ranks / devices)
 
 
-def resolve(setting: float | str | None, n_ranks: int, n_gpus: int, n_cpus: int) -> float:
-    """A topology's / CLI's `time_dilation` setting (None, a number or "auto") as a factor."""
-    if setting is None:
-        return 1.0
-    if isinstance(setting, str):
-        if setting.strip().lower() == "auto":
-            return auto_factor(n_ranks, n_gpus, n_cpus)
-        setting = float(setting)
-    s = float(setting)
+def network_factor(topo: Topology, plan: NetworkPlan, rank_workers: list[str], n_cpus: int,
+                   constants: MachineConstants) -> tuple[float, float]:
+    """What the traffic needs: (factor, cores of host work) for data-parallel traffic at full rate.
+
+    Every rank runs a ring all_reduce of a large message at the rate the reference model gives
+    it on this topology (its links' shares, its host's calibrated per-byte cost). That keeps
+    load = sum over ranks of rate x beta cores busy moving bytes (copies, the reduction, the
+    kernel's TCP path through every hop: all of it is in beta, measured through a bridge;
+    hops add little on top, see docs/fidelity.md). At dilation s the links run s times slower,
+    so the machine must supply load / s cores, within HEADROOM of its n_cpus.
+    """
+    n = len(rank_workers)
+    if n < 2 or constants.beta_s_per_byte <= 0:
+        return 1.0, 0.0
+    p = predict(topo, plan, "all_reduce", BIG_MESSAGE, rank_workers, constants)
+    if p.bandwidth_s <= 0:
+        return 1.0, 0.0
+    per_rank_bytes = 2 * (n - 1) / n * BIG_MESSAGE
+    load = n * per_rank_bytes / p.bandwidth_s * constants.beta_s_per_byte
+    return max(1.0, load / (max(1, n_cpus) * HEADROOM)), load
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The dilation factor a testbed runs at, and why."""
+
+    factor: float
+    setting: str                   # "auto", "fixed" or "none"
+    compute: float                 # the factor compute needs (ranks per device)
+    network: float | None          # the factor the traffic needs (None: not known, uncalibrated)
+    reasons: tuple[str, ...]
+
+    @property
+    def cap_cpu(self) -> bool:
+        """Above what sharing the CPUs slows compute by, each worker's CPU is capped at 1/s: compute
+        then slows by s too (DieCast's rule), at the price of coarser scheduling (docs/fidelity.md)."""
+        return self.factor > self.compute * 1.01
+
+    def to_json(self) -> dict[str, Any]:
+        return {"factor": self.factor, "setting": self.setting, "compute": self.compute, "network": self.network,
+                "cap_cpu": self.cap_cpu, "reasons": list(self.reasons)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Choice":
+        return cls(float(data["factor"]), str(data.get("setting", "fixed")), float(data.get("compute") or 1.0),
+                   None if data.get("network") is None else float(data["network"]),
+                   tuple(str(r) for r in data.get("reasons") or ()))
+
+
+def _round_up(x: float) -> float:
+    return math.ceil(x * 10 - 1e-9) / 10
+
+
+def choose(setting: float | str | None, topo: Topology, plan: NetworkPlan, n_gpus: int, n_cpus: int,
+           constants: MachineConstants | None = None, nproc_per_node: int = 1) -> Choice:
+    """The factor for a `time_dilation` setting (None, a number, "none" or "auto"), with its reasons.
+
+    auto: the smallest factor at which the run is network-bound rather than CPU-bound: the larger
+    of what compute needs (ranks per GPU, or per core) and what the traffic needs (network_factor),
+    rounded up to a tenth. Without calibrated constants only compute is accounted for.
+    """
+    ranks = rank_layout(topo.workers, nproc_per_node)
+    devices = f"{n_gpus} GPU(s)" if n_gpus else f"{n_cpus} CPU core(s)"
+    compute = auto_factor(len(ranks), n_gpus, n_cpus)
+    why_compute = f"{len(ranks)} ranks (one per worker) share {devices}: compute needs s >= {compute:.3g}"
+    if nproc_per_node != 1:
+        why_compute = why_compute.replace("one per worker", f"{nproc_per_node} per worker")
+    if setting is None or (isinstance(setting, str) and setting.strip().lower() in ("none", "off")):
+        why = [why_compute] if compute > 1 else []
+        return Choice(1.0, "none", compute, None, tuple(["no dilation (real time)", *why]))
+    if isinstance(setting, str) and setting.strip().lower() == "auto":
+        reasons = [why_compute]
+        network = None
+        if constants is None:
+            reasons.append("traffic not accounted for: the machine is not calibrated (testbed calibrate)")
+        else:
+            network, load = network_factor(topo, plan, ranks, n_cpus, constants)
+            reasons.append(f"data-parallel traffic at full rate keeps {load:.2g} core(s) busy moving bytes "
+                           f"(host {8 / constants.beta_s_per_byte / 1e9:.2f} Gbit/s per rank, calibrated) "
+                           f"against {n_cpus} core(s) x {HEADROOM:.0%} headroom: the network needs "
+                           f"s >= {network:.3g}")
+        s = _round_up(max(1.0, compute, network or 1.0))
+        return _with_cap_reason(Choice(s, "auto", compute, network, tuple(reasons)))
+    try:
+        s = float(setting)
+    except (TypeError, ValueError):
+        raise ValueError(f"time dilation must be a number >= 1, 'auto' or 'none' (got {setting!r})") from None
     if not math.isfinite(s) or s < 1:
-        raise ValueError(f"time dilation factor must be >= 1 or 'auto' (got {setting!r})")
-    return s
+        raise ValueError(f"time dilation factor must be >= 1, 'auto' or 'none' (got {setting!r})")
+    reasons = [f"fixed at {s:g}"] + ([why_compute] if compute > 1 else [])
+    return _with_cap_reason(Choice(s, "fixed", compute, None, tuple(reasons)))
+
+
+def _with_cap_reason(choice: Choice) -> Choice:
+    if not choice.cap_cpu:
+        return choice
+    why = (f"s = {choice.factor:g} is above the {choice.compute:.3g} that sharing the CPUs gives: each worker's "
+           f"CPU is capped at 1/{choice.factor:g} of its cores so that compute slows by {choice.factor:g} too")
+    return replace(choice, reasons=choice.reasons + (why,))
 
 
 def undilate(seconds: float, s: float) -> float:
@@ -65,9 +163,17 @@ def undilate(seconds: float, s: float) -> float:
     return seconds / s
 
 
-def dilate_topology(topo: Topology, s: float) -> Topology:
-    """The topology whose links run dilated by s (the same object when s == 1)."""
+def dilate_topology(topo: Topology, s: float, cap_cpu: bool = False) -> Topology:
+    """The topology the kernel builds under dilation s (the same object when s == 1).
+
+    Links run at bandwidth/s and delay*s. cap_cpu: every worker also gets 1/s of its CPUs
+    (`cpus`, one core when unset: a rank's own core, as the calibration measures it), for a
+    factor above what sharing the machine already slows compute by (Choice.cap_cpu).
+    """
     if s == 1:
         return topo
     links = [replace(link, ab=dilate(link.ab, s), ba=dilate(link.ba, s)) for link in topo.links]
-    return replace(topo, links=links)
+    nodes = topo.nodes
+    if cap_cpu:
+        nodes = {name: replace(n, cpus=(n.cpus or 1.0) / s) if n.is_worker else n for name, n in nodes.items()}
+    return replace(topo, links=links, nodes=nodes)

@@ -454,9 +454,9 @@ def topology_from_data(data: Any, source: str | None = None) -> Topology:
               if addressing.get("fabric_pool") is not None else None)
 
     td = data.get("time_dilation")
-    if td is not None and td != "auto":
+    if td is not None and td not in ("auto", "none"):
         if isinstance(td, bool) or not isinstance(td, (int, float)) or not td >= 1:
-            raise ctx.error("time_dilation must be a number >= 1 or 'auto'", "time_dilation", td)
+            raise ctx.error("time_dilation must be a number >= 1, 'auto' or 'none'", "time_dilation", td)
 
     topo = Topology(
         name=name, nodes=nodes, links=links, source=source, generator=generator, params=params,

@@ -138,7 +138,7 @@ class Topology:
     generator: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
     runtime: str | None = None         # "netns" | "docker" | None (the default)
-    time_dilation: float | str | None = None   # a factor >= 1, "auto" or None
+    time_dilation: float | str | None = None   # a factor >= 1, "auto", "none" or None (the caller's default)
     gpu_policy: str = "round-robin"    # "round-robin" | "packed"
     gpu_sharing: str | None = None     # None | "mps"
     address_pool: str | None = None    # worker subnets come from here (None: the plan's default)
@@ -240,8 +240,8 @@ class Topology:
         if self.runtime not in (None, "netns", "docker"):
             raise TopologyError("runtime must be netns or docker", file=f, path="runtime", value=self.runtime)
         td = self.time_dilation
-        if td is not None and td != "auto" and (not isinstance(td, (int, float)) or td < 1):
-            raise TopologyError("time_dilation must be a number >= 1 or 'auto'", file=f,
+        if td is not None and td not in ("auto", "none") and (not isinstance(td, (int, float)) or td < 1):
+            raise TopologyError("time_dilation must be a number >= 1, 'auto' or 'none'", file=f,
                                 path="time_dilation", value=td)
         return self
 

@@ -111,6 +111,33 @@ class NetworkPlan:
             return 1
         return _count_shortest_paths(self._switch_adj, s, d)
 
+    def access_switch(self, worker: str) -> str | None:
+        """The switch a worker's traffic leaves through (its default route's gateway)."""
+        return self._subnet_of_worker.get(worker)
+
+    def paths(self, src_worker: str, dst_worker: str, limit: int = 256) -> list[list[str]]:
+        """Every equal-cost path the routes allow from one worker to another, as node names
+        (workers at both ends): the ECMP choices a flow's hash picks from. At most `limit`."""
+        s, d = self._subnet_of_worker.get(src_worker), self._subnet_of_worker.get(dst_worker)
+        if s is None or d is None:
+            return []
+        to_d = hop_distances(self._switch_adj, [d])
+        if s not in to_d:
+            return []
+        out: list[list[str]] = []
+
+        def walk(path: list[str]) -> None:
+            u = path[-1]
+            if u == d:
+                out.append([src_worker, *path, dst_worker])
+                return
+            for v in self._switch_adj[u]:
+                if len(out) < limit and to_d.get(v) == to_d[u] - 1 and v not in path:
+                    walk(path + [v])
+
+        walk([s])
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {
             "links": [asdict(lp) for lp in self.links],

@@ -1,11 +1,23 @@
-"""The testbed probe: per-rank timings of optimizer steps and collectives.
+"""The testbed probe: per-rank timings of optimizer steps and collectives, and the emulated clock.
 
 Writes one JSON object per line to $TESTBED_PROBE_DIR/rank-<RANK>.jsonl:
-  {"ev": "start", "t": wall, "pid", "rank", "world_size", "local_rank", "worker", "argv"}
+  {"ev": "start", "t": wall, "pid", "rank", "world_size", "local_rank", "worker", "argv", "clock"}
   {"ev": "step", "t": wall end, "dur": seconds, "n": step number, "samples": batch or null}
-  {"ev": "coll", "op", "bytes", "t": wall start, "dur": seconds, "async": bool, "src": "api"|"ddp"}
+  {"ev": "coll", "op", "bytes", "t": wall start, "dur": seconds, "async": bool, "src": "api"|"ddp",
+   "g": process group name, "gn": its size, "seq": this rank's count of collectives on that group,
+   "be": its backend, "peer": the other rank of a send or recv}
   {"ev": "end", "t": wall}
-Times are raw (undilated); the report divides by the run's dilation factor.
+Times are real (undilated) whatever the emulated clock does; the report divides by the run's factor.
+"bytes" follows nccl-tests: all_gather's output, reduce_scatter's and all_to_all's input.
+
+The emulated clock: under time dilation s (TESTBED_TIME_DILATION > 1, unless
+TESTBED_EMULATED_CLOCK=0) time.time, time.perf_counter, time.monotonic (and
+their _ns forms) run s times slower from the moment the probe loads, and
+time.sleep(x) sleeps s*x, so a script's own throughput figures are the
+emulated cluster's. Calls made from the Python parts of torch.distributed,
+multiprocessing, threading, asyncio and the like keep real time: their
+timeouts and heartbeats are the real machine's (the C++ parts never see the
+patch). Functions bound before the probe loaded keep real time too.
 
 torch is patched only when the user's program imports it (an import hook
 that runs after torch's own import finished), so programs without torch pay
@@ -22,6 +34,12 @@ import sys
 import threading
 import time
 
+# The real clocks, whatever the emulated clock later does to the time module.
+_real_time = time.time
+_real_perf = time.perf_counter
+_real_mono = time.monotonic
+_real_sleep = time.sleep
+
 _lock = threading.Lock()
 _tls = threading.local()
 _file = None
@@ -30,6 +48,8 @@ _steps = 0
 _last_samples = None
 _step_t0 = None
 _installed = False
+_seq: dict = {}
+_clock = {"emulated": False, "factor": 1.0}
 
 COLLECTIVES = (
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
@@ -53,9 +73,10 @@ def _open():
         _path = os.path.join(d, f"rank-{_rank()}.jsonl")
         _file = open(_path, "a", buffering=1 << 16)
         _file.write(json.dumps({
-            "ev": "start", "t": time.time(), "pid": os.getpid(), "rank": _int_env("RANK"),
+            "ev": "start", "t": _real_time(), "pid": os.getpid(), "rank": _int_env("RANK"),
             "world_size": _int_env("WORLD_SIZE"), "local_rank": _int_env("LOCAL_RANK"),
             "worker": os.environ.get("TESTBED_WORKER") or os.uname().nodename, "argv": sys.argv[:8],
+            "clock": dict(_clock),
         }) + "\n")
     return _file
 
@@ -83,7 +104,7 @@ def _close() -> None:
     with _lock:
         if _file is not None:
             try:
-                _file.write(json.dumps({"ev": "end", "t": time.time(), "steps": _steps}) + "\n")
+                _file.write(json.dumps({"ev": "end", "t": _real_time(), "steps": _steps}) + "\n")
                 _file.close()
             except Exception:
                 pass
@@ -107,34 +128,81 @@ def _nbytes(obj) -> int:
 
 def _step_pre(opt, args, kwargs):
     global _step_t0
-    _step_t0 = time.perf_counter()
+    _step_t0 = _real_perf()
 
 
 def _step_post(opt, args, kwargs):
     global _steps
     _steps += 1
-    now = time.perf_counter()
+    now = _real_perf()
     dur = now - _step_t0 if _step_t0 is not None else None
-    _emit({"ev": "step", "t": time.time(), "dur": dur, "n": _steps, "samples": _last_samples}, flush=True)
+    _emit({"ev": "step", "t": _real_time(), "dur": dur, "n": _steps, "samples": _last_samples}, flush=True)
 
 
 # -- collectives ----------------------------------------------------------------
+
+# Where S (nccl-tests' message size) is: the positional index of the tensor(s) that hold it.
+_SIZE_ARG = {"all_gather": 0, "all_gather_into_tensor": 0, "reduce_scatter": 1, "reduce_scatter_tensor": 1,
+             "all_to_all": 1, "all_to_all_single": 1, "gather": 0, "scatter": 0}
+_P2P = {"send": "dst", "recv": "src", "isend": "dst", "irecv": "src"}   # where the peer rank is
+_SIZE_KW = {0: ("tensor", "tensor_list", "output_tensor", "output", "output_tensor_list"),
+            1: ("input_tensor", "input", "input_list", "input_tensor_list")}
+
+
+_groups: dict = {}
+
+
+def _group(pg):
+    """(name, size, backend) of a process group (the default group when pg is None), cached."""
+    key = id(pg)
+    if key in _groups:
+        return _groups[key]
+    try:
+        import torch.distributed as dist
+
+        g = pg if pg is not None else dist.distributed_c10d._get_default_group()
+        name = getattr(g, "group_name", None) or dist.distributed_c10d._get_process_group_name(g)
+        out = (str(name), int(g.size()), str(dist.get_backend(g)))
+    except Exception:
+        return "?", None, None
+    _groups[key] = out
+    return out
+
+
+def _next_seq(name):
+    with _lock:
+        _seq[name] = n = _seq.get(name, 0) + 1
+    return n
+
+
+def _size_of(name, args, kwargs):
+    i = _SIZE_ARG.get(name, 0)
+    if len(args) > i:
+        return _nbytes(args[i])
+    for k in _SIZE_KW[i]:
+        if k in kwargs:
+            return _nbytes(kwargs[k])
+    return 0
+
 
 def _wrap_collective(name, fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if getattr(_tls, "in_hook", False):  # already timed as a DDP bucket
             return fn(*args, **kwargs)
-        t = time.time()
-        t0 = time.perf_counter()
+        g, gn, be = _group(kwargs.get("group"))
+        seq = _next_seq(g)
+        t = _real_time()
+        t0 = _real_perf()
         out = fn(*args, **kwargs)
-        dur = time.perf_counter() - t0
-        first = args[0] if args else (kwargs.get("tensor") if "tensor" in kwargs else kwargs.get("tensor_list"))
-        nbytes = _nbytes(first)
-        if name in ("all_gather", "reduce_scatter") and len(args) > 1:
-            nbytes = _nbytes(args[1])  # the input
-        _emit({"ev": "coll", "op": name, "bytes": nbytes, "t": t, "dur": dur,
-               "async": bool(kwargs.get("async_op")) or name in ("isend", "irecv"), "src": "api"})
+        dur = _real_perf() - t0
+        rec = {"ev": "coll", "op": name, "bytes": _size_of(name, args, kwargs), "t": t, "dur": dur,
+               "async": bool(kwargs.get("async_op")) or name in ("isend", "irecv"), "src": "api",
+               "g": g, "gn": gn, "seq": seq, "be": be}
+        if name in _P2P:
+            peer = args[1] if len(args) > 1 else kwargs.get(_P2P[name])
+            rec["peer"] = peer if isinstance(peer, int) else None
+        _emit(rec)
         return out
 
     wrapper.__testbed_probe__ = True
@@ -161,10 +229,12 @@ def _patch_collectives(torch) -> None:
 
 # -- DDP: the gradient all-reduce happens in C++; time it with a comm hook ------
 
-def _timed_hook(hook):
+def _timed_hook(hook, pg=None):
     def timed(state, bucket):
-        t = time.time()
-        t0 = time.perf_counter()
+        g, gn, be = _group(pg)
+        seq = _next_seq(g)
+        t = _real_time()
+        t0 = _real_perf()
         nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
         _tls.in_hook = True
         try:
@@ -173,8 +243,8 @@ def _timed_hook(hook):
             _tls.in_hook = False
 
         def done(f):
-            _emit({"ev": "coll", "op": "all_reduce", "bytes": nbytes, "t": t, "dur": time.perf_counter() - t0,
-                   "async": True, "src": "ddp"})
+            _emit({"ev": "coll", "op": "all_reduce", "bytes": nbytes, "t": t, "dur": _real_perf() - t0,
+                   "async": True, "src": "ddp", "g": g, "gn": gn, "seq": seq, "be": be})
             return f.value()
 
         return fut.then(done)
@@ -195,7 +265,7 @@ def _patch_ddp(torch) -> None:
     @functools.wraps(orig_register)
     def register_comm_hook(self, state, hook):
         self._testbed_user_hook = True
-        return orig_register(self, state, _timed_hook(hook))
+        return orig_register(self, state, _timed_hook(hook, getattr(self, "process_group", None)))
 
     @functools.wraps(orig_forward)
     def forward(self, *inputs, **kwargs):
@@ -206,7 +276,8 @@ def _patch_ddp(torch) -> None:
                 if getattr(self, "process_group", None) is not None and not getattr(self, "_testbed_builtin", False):
                     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-                    orig_register(self, self.process_group, _timed_hook(default_hooks.allreduce_hook))
+                    orig_register(self, self.process_group,
+                                  _timed_hook(default_hooks.allreduce_hook, self.process_group))
             except Exception as exc:  # e.g. a builtin hook was registered: keep going unmeasured
                 sys.stderr.write(f"testbed probe: DDP all-reduce not timed ({exc!r})\n")
         if inputs and hasattr(inputs[0], "shape") and len(inputs[0].shape) > 0:
@@ -270,12 +341,71 @@ class _TorchFinder:
         return spec
 
 
+# -- the emulated clock -----------------------------------------------------------
+
+# Callers from these packages keep real time (timeouts, heartbeats, schedulers).
+_REAL_TIME_CALLERS = ("torch.distributed", "torch.multiprocessing", "torch.utils.data", "multiprocessing",
+                      "concurrent", "asyncio", "threading", "queue", "subprocess", "selectors", "socket",
+                      "logging", "_testbed_probe", "sitecustomize")
+
+
+def _real_caller():
+    try:
+        mod = sys._getframe(2).f_globals.get("__name__") or ""
+    except ValueError:
+        return True
+    return mod.startswith(_REAL_TIME_CALLERS)
+
+
+def _install_clock(s: float) -> None:
+    """Make the time module run s times slower for the user's code (see the module text)."""
+    def slowed(real, ns=False):
+        a = real()
+
+        def emulated():
+            now = real()
+            if _real_caller():
+                return now
+            if ns:
+                return a + (now - a) * 1000 // int(s * 1000)
+            return a + (now - a) / s
+
+        emulated.__name__ = real.__name__
+        emulated.__doc__ = (real.__doc__ or "") + f"\n\n[testbed: emulated clock, {s:g} times slower]"
+        emulated.__testbed_probe__ = True
+        return emulated
+
+    def sleep(secs):
+        if _real_caller():
+            return _real_sleep(secs)
+        return _real_sleep(secs * s)
+
+    sleep.__doc__ = (time.sleep.__doc__ or "") + f"\n\n[testbed: emulated clock, sleeps {s:g} times longer]"
+    sleep.__testbed_probe__ = True
+    for fname, ns in (("time", False), ("perf_counter", False), ("monotonic", False),
+                      ("time_ns", True), ("perf_counter_ns", True), ("monotonic_ns", True)):
+        setattr(time, fname, slowed(getattr(time, fname), ns))
+    time.sleep = sleep
+    _clock.update({"emulated": True, "factor": s})
+
+
+def _dilation() -> float:
+    try:
+        s = float(os.environ.get("TESTBED_TIME_DILATION") or 1.0)
+    except ValueError:
+        return 1.0
+    return s if s > 1 and s == s and s != float("inf") else 1.0
+
+
 def install() -> None:
     global _installed
     if _installed:
         return
     _installed = True
     atexit.register(_close)
+    s = _dilation()
+    if s > 1 and os.environ.get("TESTBED_EMULATED_CLOCK", "1") != "0":
+        _install_clock(s)
     if "torch" in sys.modules:
         _patch_torch(sys.modules["torch"])
     else:

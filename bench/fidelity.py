@@ -1,0 +1,390 @@
+#!/usr/bin/env python3
+"""The fidelity matrix: every cell measured on the testbed and predicted by the reference model.
+
+Cells: collectives x sizes x ranks x topologies x dilation. For each (topology,
+ranks, dilation) a testbed comes up (names fd<hex>), testbed/jobs/collectives_bench.py
+runs across the chosen workers through `testbed run` (probe and emulated clock
+on, so the times it prints are the emulated cluster's), and the run is judged
+(testbed.report.verdict). A cell holds the measured time (the script's own,
+slowest rank, as nccl-tests report it), the model's prediction (with ECMP
+bounds), the error, and the cell's verdict: its collective's class in the run's
+verdict (probe instances against the model), with the run's CPU (ranks per core
+against the factor) and delay-line checks.
+
+    sudo .venv/bin/python bench/fidelity.py            # the full matrix (a benchmark: ~1 h here)
+    sudo .venv/bin/python bench/fidelity.py --quick    # the reduced one CI runs (< 3 min)
+    make fidelity                                       # the full one, writing docs/fidelity.md
+
+Writes bench/results/fidelity[-quick].json as it goes (a partial run keeps what
+it measured), then docs/fidelity.md (full matrix only, unless --doc) and the
+plots under docs/fidelity/: measured vs predicted (log axes), the error CDF, and
+the error per cell coloured by its verdict. Prints ratios against the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
+SIZES = ("1K", "64K", "1M", "16M", "64M")
+DILATIONS = ("none", "auto", "4")
+
+# name -> (YAML for a given rank count, how many workers it has, whether its links are slow)
+TOPOLOGIES: dict[str, dict[str, Any]] = {
+    "star": {"yaml": "generator: star\nparams: {{n: {n}}}\ntiers:\n  host: {{bandwidth: 10gbit, delay: 2us}}\n",
+             "ranks": (2, 4, 8, 16), "slow": False,
+             "about": "n workers on one switch, 10 Gbit/s, 2 us"},
+    "fat-tree": {"yaml": "generator: fat-tree\nparams: {{k: 4}}\n", "fixed_workers": 16,
+                 "ranks": (4, 8, 16), "slow": False,
+                 "about": "k=4 fat-tree (16 workers), every tier 10 Gbit/s, 2 us; ranks spread over the pods"},
+    "leaf-spine-4to1": {"yaml": "generator: leaf-spine\nparams: {{leaves: 4, spines: 2, hosts_per_leaf: 4, "
+                                "oversubscription: 4}}\ntiers:\n  host: {{bandwidth: 10gbit, delay: 2us}}\n",
+                        "fixed_workers": 16, "ranks": (4, 8, 16), "slow": False,
+                        "about": "4 leaves x 4 hosts, 2 spines, uplinks sized 4:1 (5 Gbit/s); ranks spread over "
+                                 "the leaves"},
+    "dumbbell": {"yaml": "generator: dumbbell\nparams: {{left: {half}, right: {half}}}\ntiers:\n"
+                         "  host: {{bandwidth: 10gbit, delay: 2us}}\n  core: {{bandwidth: 1gbit, delay: 2us}}\n",
+                 "ranks": (2, 4, 8, 16), "slow": True,
+                 "about": "n/2 + n/2 workers, 10 Gbit/s hosts, a 1 Gbit/s middle link"},
+    "wan": {"yaml": "generator: dumbbell\nparams: {{left: {half}, right: {half}}}\ntiers:\n"
+                    "  host: {{bandwidth: 10gbit, delay: 2us}}\n  core: {{bandwidth: 1gbit, delay: 5ms}}\n",
+            "ranks": (2, 4, 8, 16), "slow": True,
+            "about": "a dumbbell whose middle link is a 1 Gbit/s, 5 ms WAN link"},
+}
+
+QUICK = [  # (topology, ranks, dilation, ops, sizes): the reduced matrix CI runs
+    ("star", 4, "auto", ("all_reduce", "all_gather"), ("1M", "16M")),
+    ("dumbbell", 4, "auto", ("all_reduce",), ("16M",)),
+]
+
+
+@dataclass
+class Cell:
+    topology: str
+    ranks: int
+    dilation: str          # the setting
+    factor: float          # the factor it resolved to
+    op: str
+    bytes: int
+    measured_s: float      # emulated
+    model_s: float
+    lo_s: float
+    hi_s: float
+    error: float           # 0 inside [lo, hi]
+    verdict: str           # faithful | not faithful | unverified
+    why: str
+    bottleneck: str
+    run_dir: str
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if text[-1:] in "KMG" else text) * mult)
+
+
+def topology(kind: str, ranks: int, name: str):
+    from testbed.topology.loader import load_topology_text
+
+    spec = TOPOLOGIES[kind]
+    text = f"name: {name}\n" + spec["yaml"].format(n=ranks, half=max(1, ranks // 2))
+    return load_topology_text(text, f"<fidelity {kind}>")
+
+
+def chosen_workers(topo, ranks: int) -> list[str]:
+    """The first `ranks` workers, or spread evenly over a fixed-size topology (every pod, every leaf)."""
+    ws = topo.workers
+    if len(ws) == ranks:
+        return list(ws)
+    return [ws[i * len(ws) // ranks] for i in range(ranks)]
+
+
+def run_cell_group(kind: str, ranks: int, dilation: str, ops, sizes, runs_dir: Path,
+                   echo=None) -> list[Cell]:
+    """One testbed, one job: every (op, size) of it as cells."""
+    from testbed import lifecycle
+    from testbed.jobs import calibration
+    from testbed.jobs.run import cluster_from_state, run
+    from testbed.net import state
+    from testbed.report import report
+    from testbed.report.verdict import TOLERANCE
+    from testbed.topology.plan import plan_network
+    from testbed.topology.reference import predict
+
+    machine = calibration.get(progress=echo).constants()
+    name = f"fd{uuid.uuid4().hex[:6]}"
+    topo = topology(kind, ranks, name)
+    workers = chosen_workers(topo, ranks)
+    setting = None if dilation == "none" else dilation
+    lifecycle.up(topo, name, time_dilation=setting or "none", machine=machine)
+    try:
+        cluster = cluster_from_state(name)
+        out = state.directory(name) / "bench.json"
+        cmd = [sys.executable, "-m", "testbed.jobs.collectives_bench", "--ops", ",".join(ops),
+               "--sizes", ",".join(sizes), "--budget", "0.1", "--min-iters", "3", "--max-iters", "30",
+               "--json", str(out)]
+        res = run(cluster, cmd, workers=workers, echo=None, probe=True, machine=machine, base_dir=str(runs_dir),
+                  workdir=str(REPO), timeout=1800)
+        data = json.loads(out.read_text()) if res.rc == 0 and out.exists() else None
+        factor = cluster.time_dilation
+    finally:
+        if state.exists(name):
+            lifecycle.down(name)
+    if data is None:
+        raise RuntimeError(f"{kind} x{ranks} dilation {dilation}: the job failed ({res.rc}); logs in {res.run_dir}")
+    _text, analysis, _plots = report(res.run_dir, plots=False)
+    v = analysis["verdict"]
+    run_level = [c for c in v.checks if c.ok is False and c.name != "model"]
+    plan = plan_network(topo)
+    cells = []
+    for r in data["results"]:
+        op, nbytes = r["op"], int(r["bytes"])
+        who = workers[:2] if op == "send_recv" else workers
+        p = predict(topo, plan, op, nbytes, who, machine)
+        measured = float(r["time_s"])
+        err = p.error(measured)
+        row = next((c for c in v.classes if c.op == op and c.nbytes == nbytes), None)
+        if row is None:
+            status, why = "unverified", "the probe recorded no complete instance"
+        else:
+            fails = []
+            if abs(row.error) > TOLERANCE:
+                fails.append(f"{row.measured_s / row.model_s:.2f}x the model")
+            fails += [c.detail for c in run_level]
+            status = "not faithful" if fails else "faithful"
+            why = "; ".join(fails) if fails else f"{100 * row.error:+.1f}% (probe instances)"
+        cells.append(Cell(kind, ranks, dilation, factor, op, nbytes, measured, p.time_s, p.lo_s, p.hi_s, err,
+                          status, why, p.bottleneck, str(res.run_dir)))
+    return cells
+
+
+def plan_matrix(quick: bool) -> list[tuple[str, int, str, tuple, tuple]]:
+    if quick:
+        return list(QUICK)
+    out = []
+    for dilation in DILATIONS:
+        for kind, spec in TOPOLOGIES.items():
+            for ranks in spec["ranks"]:
+                sizes = tuple(s for s in SIZES if not (spec["slow"] and parse_size(s) > (16 << 20)))
+                out.append((kind, ranks, dilation, OPS, sizes))
+    return out
+
+
+def summarize(cells: list[Cell]) -> dict[str, Any]:
+    errs = [abs(c.error) for c in cells]
+    faithful = [c for c in cells if c.verdict == "faithful"]
+    ok_err = [abs(c.error) for c in faithful]
+    silent = [c for c in cells if abs(c.error) > 0.10 and c.verdict == "faithful"]
+    auto_target = [c for c in cells if c.dilation == "auto" and c.ranks <= 8 and c.bytes >= (1 << 20)]
+    return {
+        "cells": len(cells),
+        "median_abs_error": statistics.median(errs) if errs else None,
+        "faithful": len(faithful),
+        "faithful_max_abs_error": max(ok_err) if ok_err else None,
+        "faithful_median_abs_error": statistics.median(ok_err) if ok_err else None,
+        "off_but_called_faithful": len(silent),
+        "auto_le8_ge1MiB": len(auto_target),
+        "auto_le8_ge1MiB_faithful": sum(c.verdict == "faithful" for c in auto_target),
+    }
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:g} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def plots(cells: list[Cell], outdir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    outdir.mkdir(parents=True, exist_ok=True)
+    colour = {"faithful": "tab:green", "not faithful": "tab:red", "unverified": "tab:gray"}
+    made = []
+
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    for status, c in colour.items():
+        xs = [x.model_s * 1e3 for x in cells if x.verdict == status]
+        ys = [x.measured_s * 1e3 for x in cells if x.verdict == status]
+        if xs:
+            ax.scatter(xs, ys, s=12, c=c, label=f"{status} ({len(xs)})", alpha=0.75)
+    lo = min([x.model_s * 1e3 for x in cells] + [x.measured_s * 1e3 for x in cells])
+    hi = max([x.model_s * 1e3 for x in cells] + [x.measured_s * 1e3 for x in cells])
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+    ax.plot([lo, hi], [lo * 1.1, hi * 1.1], "k:", lw=0.6)
+    ax.plot([lo, hi], [lo * 0.9, hi * 0.9], "k:", lw=0.6)
+    ax.set(xscale="log", yscale="log", xlabel="model (ms, emulated cluster)", ylabel="measured (ms, emulated time)",
+           title="fidelity matrix: measured vs predicted (dotted: +-10%)")
+    ax.legend()
+    fig.tight_layout()
+    made.append(outdir / "scatter.png")
+    fig.savefig(made[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for label, sel in (("all cells", cells), ("faithful", [c for c in cells if c.verdict == "faithful"]),
+                       ("auto dilation", [c for c in cells if c.dilation == "auto"])):
+        e = sorted(abs(c.error) * 100 for c in sel)
+        if e:
+            ax.step(e, [(i + 1) / len(e) for i in range(len(e))], where="post", label=f"{label} ({len(e)})")
+    ax.axvline(10, color="k", ls=":", lw=0.8)
+    ax.set(xscale="symlog", xlabel="|measured - model| / model (%)", ylabel="share of cells", title="error CDF")
+    ax.legend()
+    fig.tight_layout()
+    made.append(outdir / "error_cdf.png")
+    fig.savefig(made[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    order = sorted(cells, key=lambda c: (c.dilation, c.topology, c.ranks, c.op, c.bytes))
+    ax.bar(range(len(order)), [100 * c.error for c in order], color=[colour[c.verdict] for c in order], width=1.0)
+    ax.axhline(10, color="k", ls=":", lw=0.8)
+    ax.axhline(-10, color="k", ls=":", lw=0.8)
+    ax.set_yscale("symlog", linthresh=10)
+    groups: dict[str, int] = {}
+    for i, c in enumerate(order):
+        groups.setdefault(c.dilation, i)
+    ax.set_xticks(list(groups.values()), [f"dilation {k}" for k in groups], ha="left")
+    ax.set(ylabel="error (%)", title="error per cell (green faithful, red not faithful, grey unverified)")
+    fig.tight_layout()
+    made.append(outdir / "error_per_cell.png")
+    fig.savefig(made[-1], dpi=110)
+    plt.close(fig)
+    return made
+
+
+def render_doc(cells: list[Cell], meta: dict[str, Any], made: list[Path]) -> str:
+    from testbed.report.verdict import TOLERANCE
+
+    s = summarize(cells)
+    lines = [
+        "# Fidelity: measured against the reference model",
+        "",
+        f"Made by `{meta['command']}` on {meta['date']} ({meta['machine']}), {meta['seconds'] / 60:.0f} min.",
+        "Every number below comes from that run; the raw cells are in `bench/results/fidelity.json`.",
+        "",
+        "Each cell: a testbed comes up, `testbed/jobs/collectives_bench.py` runs across the chosen workers",
+        "through `testbed run` (probe and emulated clock on), and the cell's time is the script's own",
+        "(slowest rank, back-to-back calls, as nccl-tests report it) in emulated time. The model is",
+        "`testbed/topology/reference.py` with this machine's calibrated constants:",
+        f"{meta['constants']}.",
+        "The cell's verdict is its collective's class in the run's verdict (probe instances against",
+        f"the model, {TOLERANCE:.0%} tolerance) with the run's CPU check (ranks per core against the",
+        "factor) and delay-line checks. Error is (measured - model) / model, 0 inside the model's ECMP bounds.",
+        "",
+        "## Summary",
+        "",
+        f"- cells: {s['cells']}; median |error| {100 * (s['median_abs_error'] or 0):.1f}%",
+        f"- called faithful: {s['faithful']}; their |error| median {_pct(s['faithful_median_abs_error'])}, "
+        f"max {_pct(s['faithful_max_abs_error'])}",
+        f"- off by more than 10% but called faithful: {s['off_but_called_faithful']}",
+        f"- auto dilation, <= 8 ranks, >= 1 MiB: {s['auto_le8_ge1MiB_faithful']} of {s['auto_le8_ge1MiB']} faithful",
+        "",
+    ]
+    for p in made:
+        lines.append(f"![{p.stem}](fidelity/{p.name})")
+    lines += ["", "## Topologies", ""]
+    for k, spec in TOPOLOGIES.items():
+        lines.append(f"- `{k}`: {spec['about']}")
+    lines += ["", "## Per topology, ranks and dilation (median |error| over the cells; faithful cells)", "",
+              "| topology | ranks | dilation | factor | cells | faithful | median abs error | worst cell |",
+              "|---|---|---|---|---|---|---|---|"]
+    groups: dict[tuple, list[Cell]] = {}
+    for c in cells:
+        groups.setdefault((c.topology, c.ranks, c.dilation), []).append(c)
+    for (t, r, d), cs in groups.items():
+        worst = max(cs, key=lambda c: abs(c.error))
+        lines.append(f"| {t} | {r} | {d} | {cs[0].factor:g} | {len(cs)} | {sum(c.verdict == 'faithful' for c in cs)} "
+                     f"| {100 * statistics.median(abs(c.error) for c in cs):.1f}% | {worst.op} {_size(worst.bytes)} "
+                     f"{100 * worst.error:+.0f}% |")
+    lines += ["", "## Every cell", "",
+              "| topology | ranks | dilation | collective | size | measured ms | model ms | error | verdict | why |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        model = f"{c.model_s * 1e3:.3g}" + (f" ({c.lo_s * 1e3:.3g}-{c.hi_s * 1e3:.3g})" if c.hi_s > c.lo_s * 1.001
+                                            else "")
+        lines.append(f"| {c.topology} | {c.ranks} | {c.dilation} ({c.factor:g}) | {c.op} | {_size(c.bytes)} | "
+                     f"{c.measured_s * 1e3:.3g} | {model} | {100 * c.error:+.1f}% | {c.verdict} | {c.why} |")
+    return "\n".join(lines) + "\n"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the reduced matrix CI runs")
+    ap.add_argument("--only", default=None, help="topology[:ranks[:dilation]] to run a slice")
+    ap.add_argument("--doc", action="store_true", help="write docs/fidelity.md even for --quick/--only")
+    ap.add_argument("--render", action="store_true", help="only render the doc from the results file")
+    args = ap.parse_args()
+    if os.geteuid() != 0 and not args.render:
+        print("fidelity needs root (namespaces, tc)", file=sys.stderr)
+        return 2
+    tag = "fidelity-quick" if args.quick else "fidelity"
+    results = REPO / "bench" / "results" / f"{tag}.json"
+    results.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    cells: list[Cell] = []
+    if args.render:
+        data = json.loads(results.read_text())
+        cells = [Cell(**c) for c in data["cells"]]
+        meta = data["meta"]
+    else:
+        from testbed.jobs import calibration
+
+        cal = calibration.get(progress=print)
+        matrix = plan_matrix(args.quick)
+        if args.only:
+            want = args.only.split(":")
+            matrix = [m for m in matrix if m[0] == want[0] and (len(want) < 2 or str(m[1]) == want[1])
+                      and (len(want) < 3 or m[2] == want[2])]
+        runs_dir = Path("/var/tmp/testbed-fidelity")
+        meta = {"command": "sudo .venv/bin/python bench/fidelity.py" + (" --quick" if args.quick else "")
+                + (f" --only {args.only}" if args.only else ""),
+                "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores, kernel {os.uname().release}",
+                "constants": cal.constants().describe(), "seconds": 0.0}
+        for i, (kind, ranks, dilation, ops, sizes) in enumerate(matrix, 1):
+            t1 = time.time()
+            got = run_cell_group(kind, ranks, dilation, ops, sizes, runs_dir, echo=print)
+            cells += got
+            meta["seconds"] = time.time() - t0
+            results.write_text(json.dumps({"meta": meta, "cells": [asdict(c) for c in cells]}, indent=1))
+            errs = [abs(c.error) for c in got]
+            print(f"[{i}/{len(matrix)}] {kind} x{ranks} dilation {dilation} (s={got[0].factor:g}): "
+                  f"{len(got)} cells, median |error| {100 * statistics.median(errs):.1f}%, "
+                  f"{sum(c.verdict == 'faithful' for c in got)} faithful ({time.time() - t1:.0f} s)", flush=True)
+    print(f"{'topology':>16} {'ranks':>5} {'dil':>5} {'collective':>14} {'size':>9} {'measured ms':>12} "
+          f"{'model ms':>10} {'ratio':>6} verdict")
+    for c in cells:
+        print(f"{c.topology:>16} {c.ranks:>5} {c.dilation:>5} {c.op:>14} {_size(c.bytes):>9} "
+              f"{c.measured_s * 1e3:>12.3f} {c.model_s * 1e3:>10.3f} {c.measured_s / c.model_s:>6.2f} {c.verdict}")
+    s = summarize(cells)
+    print(json.dumps(s, indent=1))
+    if (not args.quick and not args.only) or args.doc or args.render:
+        made = plots(cells, REPO / "docs" / "fidelity")
+        (REPO / "docs" / "fidelity.md").write_text(render_doc(cells, meta, made))
+        print("wrote docs/fidelity.md and", ", ".join(str(p.relative_to(REPO)) for p in made))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

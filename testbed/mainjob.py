@@ -1,0 +1,196 @@
+"""The main job (`make testbed TOPO=fat-tree`): up, train across every worker, report, judge.
+
+    python -m testbed.mainjob TOPO [--name NAME] [--steps N] [--batch-size B]
+
+1. This machine's constants (testbed.jobs.calibration; measured once per boot).
+2. The testbed, at calibrated `auto` dilation, unless one of that name is up.
+3. Compute per step on one dedicated rank: examples/train_ddp.py on the first
+   worker alone (world size 1, real clock), a few steps.
+4. The training: the same script on every worker (one gloo/nccl rank each),
+   an MLP with ~23 MiB of gradients in one DDP bucket, so each step is
+   compute, then one all_reduce; a progress bar fed by the probe.
+5. The report and the verdict, with the expected iteration time: compute per
+   step (3) plus the reference model's all_reduce of the gradients on this
+   topology (testbed.topology.reference).
+
+The testbed stays up (it says how to attach and how to tear down). Layer:
+above testbed.jobs and testbed.report, beside the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_STEPS = 20
+DEFAULT_BATCH = 32
+MODEL_ARGS = ["--model", "mlp", "--hidden", "1536", "--layers", "3", "--bucket-cap-mb", "64"]
+DEDICATED_STEPS = 8
+
+
+def _count_steps(probe_dir: Path) -> int:
+    f = probe_dir / "rank-0.jsonl"
+    try:
+        return f.read_bytes().count(b'"ev":"step"')
+    except OSError:
+        return 0
+
+
+def _raw_step_p50(run_dir: Path) -> float | None:
+    """Median real time between consecutive optimizer steps of rank 0 (the first step is warm-up)."""
+    from testbed.report.analyze import load_probe
+
+    recs = load_probe(run_dir).get("0") or []
+    ends = [r["t"] for r in recs if r.get("ev") == "step"]
+    gaps = [b - a for a, b in zip(ends[1:], ends[2:])]
+    return statistics.median(gaps) if gaps else None
+
+
+def dedicated_compute(cluster: Any, cmd: list[str], state: dict[str, Any]) -> float:
+    """Seconds per step of one rank alone on the first worker: the emulated cluster's compute."""
+    from testbed.jobs.run import run
+    from testbed.errors import TestbedError
+
+    res = run(cluster, cmd, workers=[cluster.workers[0]], echo=False, workdir=str(REPO), base_dir=str(REPO),
+              emulated_clock=False, monitor=False, timeout=600)
+    p50 = _raw_step_p50(res.run_dir) if res.rc == 0 else None
+    if p50 is None:
+        raise TestbedError(f"the dedicated compute run failed (status {res.rc}); logs in {res.run_dir}")
+    if (state.get("dilation") or {}).get("cap_cpu"):   # the worker ran at 1/s of a core: s times slower
+        p50 /= float(state.get("time_dilation") or 1.0)
+    return p50
+
+
+def main(topo: str, name: str | None = None, steps: int = DEFAULT_STEPS, batch: int = DEFAULT_BATCH) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from testbed import lifecycle
+    from testbed.jobs import calibration
+    from testbed.jobs.run import cluster_from_state, run
+    from testbed.net import state
+    from testbed.report import report
+    from testbed.topology.loader import load_topology
+    from testbed.topology.plan import plan_network
+    from testbed.topology.reference import predict
+
+    console = Console()
+    t0 = time.time()
+    machine = calibration.get(progress=lambda m: console.print(m, highlight=False)).constants()
+    topology = load_topology(topo)
+    name = name or topology.name
+    if state.exists(name):
+        console.print(f"testbed [bold]{name}[/] is up already: using it")
+    else:
+        console.print(f"bringing up [bold]{name}[/] ({len(topology.workers)} workers, "
+                      f"{len(topology.switches)} switches, {len(topology.links)} links) ...")
+        lifecycle.up(topology, name, time_dilation=topology.time_dilation or "auto", machine=machine)
+        console.print(f"up in {time.time() - t0:.1f} s")
+    st = lifecycle.load(name)
+    from testbed.cli.common import print_dilation
+
+    print_dilation(st)
+    cluster = cluster_from_state(name)
+    cmd = [sys.executable, str(REPO / "examples" / "train_ddp.py"), "--steps", str(steps), "--batch-size", str(batch),
+           "--log-every", str(max(1, steps // 4)), *MODEL_ARGS]
+
+    console.print(f"compute per step on one dedicated rank ({cluster.workers[0]} alone, {DEDICATED_STEPS} steps) ...")
+    dedicated = cmd[:]
+    dedicated[dedicated.index("--steps") + 1] = str(DEDICATED_STEPS)
+    compute_s = dedicated_compute(cluster, dedicated, st)
+    console.print(f"  {compute_s * 1e3:.1f} ms per step")
+
+    console.print(f"training on {len(cluster.workers)} ranks: {' '.join(cmd[1:])}")
+    rd_box: dict[str, Path] = {}
+    done = threading.Event()
+    with Progress(TextColumn("[bold]train_ddp"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+                  TimeElapsedColumn(), console=console, transient=False) as progress:
+        task = progress.add_task("steps", total=steps)
+
+        def poll() -> None:
+            while not done.wait(0.5):
+                if "rd" in rd_box:
+                    progress.update(task, completed=_count_steps(rd_box["rd"] / "probe"))
+
+        def echo(line: str) -> None:
+            if line.startswith(("[w0:r0]", "[testbed]")) and "socket.cpp" not in line:
+                progress.console.print(line, highlight=False, markup=False)
+
+        th = threading.Thread(target=poll, daemon=True)
+        th.start()
+        t_run = time.time()
+        try:
+            result = run(cluster, cmd, echo=echo, on_start=lambda rd: rd_box.__setitem__("rd", rd),
+                         workdir=str(REPO), base_dir=str(REPO), timeout=600, machine=machine)
+        finally:
+            done.set()
+            th.join(1)
+        progress.update(task, completed=_count_steps(result.run_dir / "probe"))
+    console.print(f"run finished with status {result.rc} in {time.time() - t_run:.1f} s")
+
+    expected = expected_iteration(result.run_dir, cluster, compute_s, machine, predict, plan_network)
+    text, analysis, plots = report(result.run_dir, expected_iteration_s=expected["iteration_s"] if expected else None)
+    console.print(text, highlight=False, markup=False)
+    if expected:
+        p50s = [r["iter_p50_s"] for r in analysis["ranks"] if r.get("iter_p50_s")]
+        it = statistics.median(p50s) if p50s else None
+        console.print(f"\nexpected iteration on the emulated cluster: {expected['iteration_s'] * 1e3:.1f} ms = compute "
+                      f"{compute_s * 1e3:.1f} ms (one dedicated rank) + all_reduce of "
+                      f"{expected['bytes'] / 2 ** 20:.1f} MiB on {len(cluster.workers)} ranks "
+                      f"{expected['comm_s'] * 1e3:.1f} ms (reference model)"
+                      + (f"; measured {it * 1e3:.1f} ms ({100 * (it / expected['iteration_s'] - 1):+.1f}%)" if it else ""),
+                      highlight=False)
+    for p in plots:
+        console.print(f"plot: {p}", highlight=False)
+    console.print(f"\nThe testbed [bold]{name}[/] is still up.\n"
+                  f"  attach to a worker:  testbed attach {cluster.workers[0]} --name {name}\n"
+                  f"  run something:       testbed run --name {name} -- python -m testbed.jobs.collectives_bench\n"
+                  f"  tear it down:        testbed down {name}   (or: make down)\n"
+                  f"total {time.time() - t0:.1f} s")
+    return result.rc
+
+
+def expected_iteration(run_dir: Path, cluster: Any, compute_s: float, machine: Any, predict: Any,
+                       plan_network: Any) -> dict[str, float] | None:
+    """Compute per step plus the model's time for the all_reduces DDP made in one step (its buckets)."""
+    from testbed.report.analyze import load_probe
+
+    recs = load_probe(run_dir).get("0") or []
+    steps = [r for r in recs if r.get("ev") == "step"]
+    if len(steps) < 3:
+        return None
+    t_a, t_b = steps[-2]["t"], steps[-1]["t"]   # the buckets of the last full step
+    buckets = [int(r["bytes"]) for r in recs if r.get("ev") == "coll" and r.get("src") == "ddp" and t_a < r["t"] < t_b]
+    if not buckets:
+        return None
+    plan = plan_network(cluster.topology)
+    comm = sum(predict(cluster.topology, plan, "all_reduce", b, cluster.workers, machine).time_s for b in buckets)
+    return {"iteration_s": compute_s + comm, "comm_s": comm, "bytes": float(sum(buckets))}
+
+
+def cli(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m testbed.mainjob", description=__doc__.splitlines()[0])
+    ap.add_argument("topo", nargs="?", default="fat-tree")
+    ap.add_argument("--name", default=None)
+    ap.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    ap.add_argument("--batch-size", type=int, default=DEFAULT_BATCH)
+    args = ap.parse_args(argv)
+    from testbed.errors import TestbedError
+
+    try:
+        return main(args.topo, args.name, args.steps, args.batch_size)
+    except TestbedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,451 @@
+"""The reference model: how long a collective takes on the emulated cluster. Pure.
+
+What a run is judged against (`testbed report`'s verdict, `make fidelity`, the
+main job). Given a topology (its links' nominal profiles), its routing plan,
+the ranks (the worker of each rank, in rank order), a collective, a message
+size and the backend, it predicts the time the emulated cluster needs.
+
+An algorithm is a list of phases; a phase is a set of concurrent flows
+(rank -> rank, bytes), repeated `count` times. One phase takes
+
+    alpha x messages + the slowest flow's (path delay + bytes x per-byte time)
+
+- alpha: the software cost of one message (a send and the matching receive,
+  wake-ups included), calibrated on this machine with two ranks on their own
+  cores (`MachineConstants`).
+- path delay: the sum of the nominal delays of the link directions on the
+  flow's path (what the topology file asks for, not what the emulation adds).
+- per-byte time: a smooth maximum (a 6-norm, fitted on this machine between
+  1 and 10 Gbit/s) of the flow's network time per byte and its host time per
+  byte. Network: the flow's max-min fair share of every directed link on its
+  path, at the link's TCP goodput (payload per frame: (mtu - 52) / (mtu + 14)).
+  Host: beta, the calibrated cost per byte of one rank with its own core,
+  times the number of flows the rank sends at once.
+
+So an oversubscribed core or a dumbbell's bottleneck is modelled, not only
+the host link. ECMP: each (sender, receiver) pair is one TCP connection
+(gloo and NCCL's socket transport keep one per peer) that the kernel hashes
+onto one of the equal-cost paths. Where that choice matters, every placement
+is evaluated (or a seeded sample of them when there are too many): `lo_s` and
+`hi_s` bound the prediction, `time_s` is the median placement, what a random
+hash gives most often.
+
+Algorithms (what the backends do, from their sources):
+  gloo  all_reduce: ring, reduce-scatter then all-gather, rank r sends to r-1,
+        2(n-1) steps of S/n. all_gather: ring to r+1, n-1 steps of S/n (S is
+        the gathered size). reduce_scatter: gloo runs a full all_reduce of the
+        input S. broadcast: binomial tree; each rank sends the whole S to all
+        its children at once as soon as it holds it.
+        all_to_all: every rank posts its n-1 sends of S/n at once. barrier:
+        dissemination, ceil(log2 n) rounds of empty messages. send_recv: one
+        flow of S.
+  nccl  ring for all_reduce (2(n-1) steps of S/n, to r+1), all_gather and
+        reduce_scatter (n-1 steps of S/n); broadcast a pipelined ring; the rest
+        as gloo. NCCL's tree, NVLS and CollNet algorithms are not modelled.
+Message sizes follow nccl-tests: all_gather's S is the output, reduce_scatter's
+the input, all_to_all's one rank's whole buffer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Sequence
+
+from testbed.topology.model import Topology
+from testbed.topology.plan import NetworkPlan
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv", "barrier")
+BACKENDS = ("gloo", "nccl")
+SMOOTH_P = 6.0             # the smooth maximum's norm (see the module text)
+EXHAUSTIVE_PLACEMENTS = 512  # evaluate every ECMP placement up to this many
+SAMPLED_PLACEMENTS = 96      # otherwise a seeded sample of this many,
+GREEDY_MAX_PAIRS = 64        # plus a greedy best and worst placement when this few connections choose
+TCP_IP_HEADERS = 52        # IPv4 20 + TCP 20 + timestamps 12
+ETH_HEADER = 14
+
+
+class ModelError(ValueError):
+    """The model cannot answer (an unknown collective, a rank without a path)."""
+
+
+@dataclass(frozen=True)
+class MachineConstants:
+    """What this machine's software costs, measured (testbed.jobs.calibration).
+
+    alpha_s and beta_s_per_byte are all_reduce's; `ops` holds each collective's own pair where
+    it was measured (an all_gather copies more than it reduces, a send does neither), and
+    `for_op` falls back to all_reduce's for the others.
+    """
+
+    alpha_s: float                 # software cost of one message, seconds
+    beta_s_per_byte: float         # host cost per byte one rank sends, s/B (0: the host is never the limit)
+    source: str = "uncalibrated"   # where the numbers come from, printed with every prediction
+    ops: tuple[tuple[str, float, float], ...] = ()   # (collective, alpha_s, beta_s_per_byte)
+
+    def for_op(self, op: str) -> tuple[float, float]:
+        for name, a, b in self.ops:
+            if name == op:
+                return a, b
+        return self.alpha_s, self.beta_s_per_byte
+
+    def describe(self) -> str:
+        rate = "unbounded" if self.beta_s_per_byte <= 0 else f"{8 / self.beta_s_per_byte / 1e9:.2f} Gbit/s"
+        more = f", {len(self.ops)} collectives measured" if self.ops else ""
+        return f"all_reduce: alpha {self.alpha_s * 1e6:.0f} us/message, host {rate} per rank{more} ({self.source})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte, "source": self.source,
+                "ops": {name: {"alpha_s": a, "beta_s_per_byte": b} for name, a, b in self.ops}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "MachineConstants":
+        ops = tuple((str(k), float(v["alpha_s"]), float(v["beta_s_per_byte"]))
+                    for k, v in (data.get("ops") or {}).items())
+        return cls(alpha_s=float(data["alpha_s"]), beta_s_per_byte=float(data["beta_s_per_byte"]),
+                   source=str(data.get("source", "uncalibrated")), ops=ops)
+
+
+# A network-only model (no software cost, no host limit): what the links alone allow.
+NETWORK_ONLY = MachineConstants(alpha_s=0.0, beta_s_per_byte=0.0, source="links only")
+
+
+@dataclass(frozen=True)
+class Flow:
+    src: int          # rank
+    dst: int          # rank
+    nbytes: float
+
+
+@dataclass(frozen=True)
+class Phase:
+    flows: tuple[Flow, ...]
+    count: int = 1         # how many times the phase repeats (ring steps)
+    messages: int = 1      # messages a rank sends in the phase (alpha is paid per message)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    op: str
+    nbytes: int
+    ranks: int
+    backend: str
+    time_s: float            # the median ECMP placement
+    lo_s: float              # the best placement
+    hi_s: float              # the worst placement
+    latency_s: float         # alpha and path delays (in time_s)
+    bandwidth_s: float       # bytes over shares (in time_s)
+    bottleneck: str          # what limits the slowest flow of the heaviest phase
+    placements: str          # "single path", "all N placements", "N sampled of M"
+    constants: MachineConstants
+
+    @property
+    def bounded(self) -> bool:
+        return self.hi_s > self.lo_s * (1 + 1e-9)
+
+    def error(self, measured_s: float) -> float:
+        """Relative error of a measurement against the model: 0 inside [lo, hi], else from the nearer bound."""
+        if measured_s < self.lo_s:
+            return measured_s / self.lo_s - 1 if self.lo_s > 0 else 0.0
+        if measured_s > self.hi_s:
+            return measured_s / self.hi_s - 1 if self.hi_s > 0 else math.inf
+        return 0.0
+
+    def describe(self) -> str:
+        span = f" (ECMP bounds {self.lo_s * 1e3:.3g}-{self.hi_s * 1e3:.3g} ms)" if self.bounded else ""
+        return (f"{self.op} {_size(self.nbytes)} on {self.ranks} ranks ({self.backend}): {self.time_s * 1e3:.3g} ms"
+                f"{span}; latency {self.latency_s * 1e3:.3g} ms, bandwidth {self.bandwidth_s * 1e3:.3g} ms, "
+                f"limited by {self.bottleneck}; {self.constants.describe()}")
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["constants"] = self.constants.to_json()
+        return d
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw = algbw x this: what each rank's link carries relative to S/t."""
+    if n <= 1:
+        return 1.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+# -- algorithms --------------------------------------------------------------------------------------------
+
+
+def phases(op: str, nbytes: float, n: int, backend: str = "gloo", root: int = 0) -> list[Phase]:
+    """The phases the backend's algorithm runs for one collective of `nbytes` on `n` ranks."""
+    if op not in COLLECTIVES:
+        raise ModelError(f"unknown collective {op!r}; known: {', '.join(COLLECTIVES)}")
+    if backend not in BACKENDS:
+        raise ModelError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    if n < 1:
+        raise ModelError("a collective needs at least one rank")
+    if op == "send_recv":
+        if n < 2:
+            raise ModelError("send_recv needs two ranks")
+        return [Phase((Flow(0, 1, nbytes),))]
+    if n == 1:
+        return []
+    S = float(nbytes)
+
+    def ring(step: int, chunk: float, count: int) -> Phase:
+        return Phase(tuple(Flow(r, (r + step) % n, chunk) for r in range(n)), count=count)
+
+    if op == "barrier":
+        rounds = math.ceil(math.log2(n))
+        return [Phase(tuple(Flow(r, (r + (1 << i)) % n, 0.0) for r in range(n))) for i in range(rounds)]
+    if op == "all_to_all":
+        flows = tuple(Flow(r, (r + i) % n, S / n) for r in range(n) for i in range(1, n))
+        return [Phase(flows, messages=n - 1)]
+    if backend == "gloo":
+        if op in ("all_reduce", "reduce_scatter"):
+            return [ring(-1, S / n, 2 * (n - 1))]
+        if op == "all_gather":
+            return [ring(+1, S / n, n - 1)]
+        if op == "broadcast":
+            return _binomial_broadcast(S, n, root)
+    else:  # nccl
+        if op == "all_reduce":
+            return [ring(+1, S / n, 2 * (n - 1))]
+        if op in ("all_gather", "reduce_scatter"):
+            return [ring(+1, S / n, n - 1)]
+        if op == "broadcast":  # pipelined chain root -> root+1 -> ...: the data once, the latency n-1 times
+            chain = tuple(Flow((root + i) % n, (root + i + 1) % n, S) for i in range(n - 1))
+            return [Phase(chain), Phase(tuple(Flow(f.src, f.dst, 0.0) for f in chain[:1]), count=n - 2)] \
+                if n > 2 else [Phase(chain)]
+    raise ModelError(f"{op} is not modelled for {backend}")
+
+
+def _binomial_broadcast(S: float, n: int, root: int) -> list[Phase]:
+    """gloo's broadcast: a binomial tree over virtual ranks v = (rank - root) mod n, where every
+    rank posts all its sends (to v + 2^j, j above v's highest bit) at once as soon as it holds
+    the data. Phase k: the ranks that received in phase k-1 send to all their children."""
+    def children(v: int) -> list[int]:
+        j = v.bit_length()   # the root (0) sends to 1, 2, 4, ...; v sends to v + 2^j for 2^j > v
+        out = []
+        while v + (1 << j) < n:
+            out.append(v + (1 << j))
+            j += 1
+        return out
+
+    phases_, senders = [], [0]
+    while senders:
+        flows = [Flow((v + root) % n, (c + root) % n, S) for v in senders for c in children(v)]
+        if not flows:
+            break
+        phases_.append(Phase(tuple(flows), messages=max(len(children(v)) for v in senders)))
+        senders = [c for v in senders for c in children(v)]
+    return phases_
+
+
+# -- the network: directed links, paths, shares ------------------------------------------------------------
+
+
+def goodput(mtu: int) -> float:
+    """TCP payload per byte on the wire (IPv4, timestamps, Ethernet header as HTB counts it)."""
+    return (mtu - TCP_IP_HEADERS) / (mtu + ETH_HEADER)
+
+
+@dataclass
+class _Net:
+    capacity: dict[tuple[str, str], float]   # directed link -> payload bytes/s (inf: unshaped)
+    delay: dict[tuple[str, str], float]      # directed link -> seconds
+    choices: dict[tuple[str, str], list[tuple[tuple[str, str], ...]]] = field(default_factory=dict)
+
+    def options(self, plan: NetworkPlan, a: str, b: str) -> list[tuple[tuple[str, str], ...]]:
+        """The ECMP choices of worker a -> worker b, each as the directed links it crosses."""
+        key = (a, b)
+        if key not in self.choices:
+            if a == b:
+                self.choices[key] = [()]
+            else:
+                paths = plan.paths(a, b)
+                if not paths:
+                    raise ModelError(f"no route from {a} to {b}")
+                self.choices[key] = [tuple(zip(p, p[1:])) for p in paths]
+        return self.choices[key]
+
+
+def _net(topo: Topology) -> _Net:
+    cap: dict[tuple[str, str], float] = {}
+    delay: dict[tuple[str, str], float] = {}
+    for link in topo.links:
+        for u, v, prof in ((link.a, link.b, link.ab), (link.b, link.a, link.ba)):
+            bw = prof.bandwidth_bps
+            cap[(u, v)] = math.inf if bw is None else bw / 8 * goodput(prof.mtu)
+            delay[(u, v)] = prof.delay_s
+    return _Net(cap, delay)
+
+
+def max_min_rates(paths: Sequence[Sequence[Any]], capacity: dict[Any, float]) -> list[float]:
+    """Max-min fair rates of flows over shared resources (progressive filling).
+
+    paths[i]: the resources flow i crosses; capacity: resource -> units/s (inf: no limit).
+    A flow that crosses no limited resource gets inf.
+    """
+    rates = [math.inf] * len(paths)
+    users: dict[Any, list[int]] = {}
+    for i, p in enumerate(paths):
+        for res in set(p):
+            if capacity.get(res, math.inf) != math.inf:
+                users.setdefault(res, []).append(i)
+    left = {res: capacity[res] for res in users}
+    active = {res: len(fl) for res, fl in users.items()}
+    frozen = [False] * len(paths)
+    while active:
+        res = min(active, key=lambda r: left[r] / active[r])
+        share = left[res] / active[res]
+        for i in users[res]:
+            if frozen[i]:
+                continue
+            frozen[i] = True
+            rates[i] = share
+            for other in set(paths[i]):
+                if other in active:
+                    left[other] -= share
+                    active[other] -= 1
+                    if active[other] == 0:
+                        del active[other]
+        active.pop(res, None)
+    return rates
+
+
+def _smooth_max(x: float, y: float) -> float:
+    if x == 0 or y == 0:
+        return max(x, y)
+    return (x ** SMOOTH_P + y ** SMOOTH_P) ** (1 / SMOOTH_P)
+
+
+def _link_name(link: tuple[str, str]) -> str:
+    return f"{link[0]}->{link[1]}"
+
+
+def _phase_time(phase: Phase, routes: Sequence[tuple[tuple[str, str], ...]], net: _Net, alpha: float, beta: float
+                ) -> tuple[float, float, float, str]:
+    """(time, latency part, bandwidth part, bottleneck) of one repetition of a phase."""
+    flows = phase.flows
+    net_rates = max_min_rates(routes, net.capacity)
+    sending: dict[int, int] = {}
+    for f in flows:
+        sending[f.src] = sending.get(f.src, 0) + 1
+    slowest, lat_of, bw_of, why = -1.0, 0.0, 0.0, "nothing (no data)"
+    for f, route, rate in zip(flows, routes, net_rates):
+        per_net = 0.0 if rate == math.inf else 1.0 / rate
+        per_host = beta * sending[f.src]
+        per_byte = _smooth_max(per_net, per_host)
+        delay = sum(net.delay[l] for l in route)
+        t = delay + f.nbytes * per_byte
+        if t > slowest:
+            slowest, lat_of, bw_of = t, delay, f.nbytes * per_byte
+            if f.nbytes == 0:
+                why = "latency (empty messages)"
+            elif per_host >= per_net:
+                why = f"host (rank {f.src}: {sending[f.src]} flow(s) at {8 / per_host / 1e9:.3g} Gbit/s)"
+            else:
+                tight = min((l for l in route if net.capacity[l] != math.inf),
+                            key=lambda l: net.capacity[l], default=None)
+                why = f"link share {8 * rate / 1e9:.3g} Gbit/s" + (f" (on {_link_name(tight)})" if tight else "")
+    software = alpha * phase.messages
+    return software + slowest, software + lat_of, bw_of, why
+
+
+def predict(topo: Topology, plan: NetworkPlan, op: str, nbytes: int, rank_workers: Sequence[str],
+            constants: MachineConstants, backend: str = "gloo", root: int = 0, seed: int = 0) -> Prediction:
+    """The emulated cluster's time for one collective (see the module text)."""
+    n = len(rank_workers)
+    for w in rank_workers:
+        if w not in topo.nodes or not topo.nodes[w].is_worker:
+            raise ModelError(f"rank on {w!r}, which is not a worker of {topo.name}")
+    ph = phases(op, nbytes, n, backend, root)
+    alpha, beta = constants.for_op(op)
+    net = _net(topo)
+    pairs = sorted({(rank_workers[f.src], rank_workers[f.dst]) for p in ph for f in p.flows})
+    options = {pair: net.options(plan, *pair) for pair in pairs}
+    free = [pair for pair in pairs if len(options[pair]) > 1]
+    total = math.prod(len(options[p]) for p in free) if free else 1
+
+    cache: dict[tuple, tuple[float, float, float, str]] = {}
+
+    def evaluate(choice: dict[tuple[str, str], int]) -> tuple[float, float, float, str]:
+        key = tuple(choice.get(p, 0) for p in free)
+        if key not in cache:
+            t_all = lat = bw = 0.0
+            worst_phase = (-1.0, "nothing")
+            for p in ph:
+                routes = [options[(rank_workers[f.src], rank_workers[f.dst])]
+                          [choice.get((rank_workers[f.src], rank_workers[f.dst]), 0)] for f in p.flows]
+                t, l_, b, why = _phase_time(p, routes, net, alpha, beta)
+                t_all += t * p.count
+                lat += l_ * p.count
+                bw += b * p.count
+                if b * p.count > worst_phase[0]:
+                    worst_phase = (b * p.count, why)
+            cache[key] = (t_all, lat, bw, worst_phase[1])
+        return cache[key]
+
+    if total <= EXHAUSTIVE_PLACEMENTS:
+        choices = [dict(zip(free, combo)) for combo in itertools.product(*(range(len(options[p])) for p in free))]
+        how = "single path" if total == 1 else f"all {total} ECMP placements"
+    else:
+        rng = random.Random(seed)
+        choices = [{p: rng.randrange(len(options[p])) for p in free} for _ in range(SAMPLED_PLACEMENTS)]
+        if len(free) <= GREEDY_MAX_PAIRS:
+            choices += _greedy(free, options, evaluate)
+        how = f"{len(choices)} ECMP placements sampled of {_big(total)}"
+    results = sorted((evaluate(ch) for ch in choices), key=lambda r: r[0])
+    mid = results[(len(results) - 1) // 2]
+    return Prediction(op=op, nbytes=int(nbytes), ranks=n, backend=backend, time_s=mid[0], lo_s=results[0][0],
+                      hi_s=results[-1][0], latency_s=mid[1], bandwidth_s=mid[2], bottleneck=mid[3], placements=how,
+                      constants=constants)
+
+
+def _greedy(free: list, options: dict, evaluate) -> list[dict]:
+    """Two placements built one connection at a time: each choice the best (resp. worst) so far."""
+    out = []
+    for pick in (min, max):
+        choice: dict = {}
+        for pair in free:
+            choice[pair] = pick(range(len(options[pair])), key=lambda i: evaluate({**choice, pair: i})[0])
+        out.append(choice)
+    return out
+
+
+def _big(x: int) -> str:
+    return str(x) if x < 10**6 else f"~10^{int(math.log10(x))}"
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:g} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def cost_terms(op: str, nbytes: float, n: int = 2, backend: str = "gloo") -> tuple[float, float]:
+    """(messages, bytes) a collective costs on n ranks when only software and host limit it:
+    time = messages x alpha + bytes x beta. What the calibration divides its measurements by."""
+    messages = nbytes_total = 0.0
+    for p in phases(op, nbytes, n, backend):
+        messages += p.count * p.messages
+        nbytes_total += p.count * max((f.nbytes for f in p.flows), default=0.0)
+    return messages, nbytes_total
+
+
+def rank_layout(workers: Iterable[str], nproc_per_node: int = 1) -> list[str]:
+    """The worker of each rank when `testbed run` starts nproc_per_node ranks per worker, in order."""
+    return [w for w in workers for _ in range(max(1, nproc_per_node))]
+
+
+def ring_time(n: int, nbytes: float, bandwidth_bps: float, alpha_s: float = 0.0) -> float:
+    """The textbook ring all_reduce: 2(n-1) alpha + 2(n-1)/n S/B (B in bit/s, the link's raw rate)."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * alpha_s + 2 * (n - 1) / n * nbytes / (bandwidth_bps / 8)

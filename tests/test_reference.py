@@ -1,0 +1,136 @@
+"""The reference model against closed forms (testbed.topology.reference). Pure, no root."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from testbed.topology.loader import load_topology_text
+from testbed.topology.plan import plan_network
+from testbed.topology.reference import (
+    COLLECTIVES, NETWORK_ONLY, MachineConstants, ModelError, bus_factor, goodput, max_min_rates, phases, predict,
+    ring_time,
+)
+
+G = goodput(1500)   # 1448 / 1514
+
+
+def topo(text: str):
+    t = load_topology_text(text, "<test>")
+    return t, plan_network(t)
+
+
+def star(n: int, bw: str = "10gbit", delay: str = "0s"):
+    return topo(f"name: s\ngenerator: star\nparams: {{n: {n}}}\ntiers:\n  host: {{bandwidth: {bw}, delay: {delay}}}\n")
+
+
+def test_goodput_is_the_tcp_payload_share():
+    assert G == pytest.approx(1448 / 1514)
+    assert goodput(9000) == pytest.approx(8948 / 9014)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(2, 12), size=st.integers(1024, 1 << 28), gbit=st.sampled_from([1, 5, 10, 40]))
+def test_ring_all_reduce_on_a_star_is_the_closed_form(n, size, gbit):
+    t, plan = star(n, f"{gbit}gbit")
+    p = predict(t, plan, "all_reduce", size, t.workers, NETWORK_ONLY)
+    assert p.time_s == pytest.approx(ring_time(n, size, gbit * 1e9 * G), rel=1e-9)
+    assert p.lo_s == p.hi_s == p.time_s and p.placements == "single path"
+
+
+def test_alpha_and_delay_make_the_latency_term():
+    t, plan = star(4, "10gbit", "5us")
+    c = MachineConstants(alpha_s=100e-6, beta_s_per_byte=0.0)
+    p = predict(t, plan, "all_reduce", 0, t.workers, c)
+    # 2(n-1) steps, each alpha + two hops of 5 us
+    assert p.time_s == pytest.approx(6 * (100e-6 + 10e-6))
+    assert p.latency_s == pytest.approx(p.time_s) and p.bandwidth_s == 0
+
+
+def test_host_cost_limits_a_fast_link_smoothly():
+    t, plan = star(2, "100gbit")
+    beta = 1.28e-9
+    c = MachineConstants(alpha_s=0.0, beta_s_per_byte=beta)
+    p = predict(t, plan, "all_reduce", 64 << 20, t.workers, c)
+    per_net = 1 / (100e9 / 8 * G)
+    assert p.time_s == pytest.approx((64 << 20) * (per_net ** 6 + beta ** 6) ** (1 / 6))
+    assert "host" in p.bottleneck
+    # an unshaped link: the host alone
+    t, plan = topo("name: u\ngenerator: star\nparams: {n: 2}\ntiers:\n  host: {bandwidth: null, delay: 0s}\n")
+    assert predict(t, plan, "all_reduce", 1 << 20, t.workers, c).time_s == pytest.approx((1 << 20) * beta)
+
+
+def test_leaf_spine_four_to_one_oversubscribed():
+    # 4 leaves x 4 hosts, 2 spines; uplinks sized for 4:1: 4 x 10G / (2 x 4) = 5G each.
+    t, plan = topo("name: ls\ngenerator: leaf-spine\nparams: {leaves: 4, spines: 2, hosts_per_leaf: 4, "
+                   "oversubscription: 4}\ntiers:\n  host: {bandwidth: 10gbit, delay: 0s}\n"
+                   "  leaf-spine: {delay: 0s}\n")
+    S = 64 << 20
+    ring = predict(t, plan, "all_reduce", S, t.workers, NETWORK_ONLY)
+    # the ring crosses each leaf's uplinks once per direction: one flow on a 5G uplink
+    assert ring.time_s == pytest.approx(ring_time(16, S, 5e9 * G), rel=1e-9)
+    assert "leaf" in ring.bottleneck and "spine" in ring.bottleneck
+    a2a = predict(t, plan, "all_to_all", S, t.workers, NETWORK_ONLY)
+    # each leaf sends 4 hosts x 12 remote peers = 48 flows of S/16 over two 5G uplinks
+    balanced = (S / 16) / (2 * 5e9 / 8 * G / 48)
+    assert a2a.lo_s >= balanced * (1 - 1e-9)
+    assert a2a.lo_s == pytest.approx(balanced, rel=0.35)
+    assert a2a.hi_s > a2a.lo_s            # ECMP hashing matters here: both bounds are given
+    assert a2a.hi_s <= 2 * balanced * (1 + 1e-9)   # at worst everything on one uplink
+    assert "sampled" in a2a.placements
+
+
+def test_dumbbell_bottleneck():
+    t, plan = topo("name: d\ngenerator: dumbbell\nparams: {left: 2, right: 2}\ntiers:\n"
+                   "  host: {bandwidth: 10gbit, delay: 0s}\n  core: {bandwidth: 1gbit, delay: 1ms}\n")
+    S = 16 << 20
+    p = predict(t, plan, "all_reduce", S, t.workers, NETWORK_ONLY)
+    # one ring flow crosses the core in each direction: it runs at 1G
+    assert p.bandwidth_s == pytest.approx(6 * (S / 4) / (1e9 / 8 * G))
+    assert p.latency_s == pytest.approx(6 * (1e-3 + 0))   # the one ring hop across the core, each step
+    assert "s0->s1" in p.bottleneck or "s1->s0" in p.bottleneck
+    # two flows across the core in the same direction share it
+    x = predict(t, plan, "send_recv", S, ["w0", "w2"], NETWORK_ONLY)
+    assert x.bandwidth_s == pytest.approx(S / (1e9 / 8 * G))
+
+
+def test_fat_tree_ring_does_not_depend_on_hashing():
+    t, plan = topo("name: ft\ngenerator: fat-tree\nparams: {k: 4}\ntiers:\n  host: {bandwidth: 10gbit, delay: 0s}\n"
+                   "  edge-agg: {bandwidth: 10gbit, delay: 0s}\n  agg-core: {bandwidth: 10gbit, delay: 0s}\n")
+    p = predict(t, plan, "all_reduce", 16 << 20, t.workers, NETWORK_ONLY)
+    assert p.lo_s == pytest.approx(p.hi_s)
+    assert p.time_s == pytest.approx(ring_time(16, 16 << 20, 10e9 * G))
+
+
+def test_every_collective_has_phases_and_a_positive_time():
+    t, plan = star(8)
+    c = MachineConstants(alpha_s=50e-6, beta_s_per_byte=1e-9)
+    for op in COLLECTIVES:
+        p = predict(t, plan, op, 1 << 20, t.workers, c)
+        assert p.time_s > 0 and p.lo_s <= p.time_s <= p.hi_s, op
+    assert len(phases("broadcast", 1, 8)) == 3 and len(phases("barrier", 1, 5)) == 3
+    assert phases("all_reduce", 1, 1) == []
+    with pytest.raises(ModelError):
+        phases("all_shuffle", 1, 4)
+
+
+def test_bus_factors_are_nccl_tests():
+    assert bus_factor("all_reduce", 8) == pytest.approx(14 / 8)
+    assert bus_factor("all_gather", 8) == pytest.approx(7 / 8)
+    assert bus_factor("broadcast", 8) == 1
+
+
+def test_max_min_fairness():
+    # two flows share A (cap 10); the second also crosses B (cap 2): it gets 2, the first the rest
+    assert max_min_rates([["A"], ["A", "B"]], {"A": 10.0, "B": 2.0}) == [8.0, 2.0]
+    assert max_min_rates([[], ["A"]], {"A": 4.0}) == [math.inf, 4.0]
+    assert max_min_rates([["A"], ["A"], ["A"]], {"A": 3.0}) == [1.0, 1.0, 1.0]
+
+
+def test_error_is_zero_inside_the_bounds():
+    t, plan = star(2)
+    p = predict(t, plan, "all_reduce", 1 << 20, t.workers, NETWORK_ONLY)
+    assert p.error(p.time_s) == 0
+    assert p.error(p.time_s * 1.2) == pytest.approx(0.2)
+    assert p.error(p.time_s * 0.5) == pytest.approx(-0.5)
