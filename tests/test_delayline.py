@@ -150,6 +150,11 @@ def test_asymmetric_and_update(make_pair):
     assert 0.025 * 0.98 <= med <= 0.025 * 1.1 + BASELINE
     st = delayline.stats(p.link)
     assert st["ab"]["delay_s"] == 0.020 and st["ab"]["frames"] > 0 and st["ba"]["frames"] > 0
+    # how late held frames left (the verdict reads it): every frame counted, p99 well under the delay
+    for d in ("ab", "ba"):
+        hist = st[d]["late_hist_us_log2"]
+        assert sum(hist) == st[d]["frames"]
+        assert delayline.lateness_percentile(hist, 99) < 0.002
 
 
 def test_jitter_keeps_order_and_spreads(make_pair):

@@ -36,3 +36,81 @@ def test_auto_factor(ranks, gpus, cpus, s):
 
 def test_undilate():
     assert undilate(8.0, 4) == 2.0
+
+
+# -- choosing the factor ------------------------------------------------------------------------------------
+
+from testbed.topology.dilation import Choice, choose, dilate_topology  # noqa: E402
+from testbed.topology.loader import load_topology, load_topology_text  # noqa: E402
+from testbed.topology.plan import plan_network  # noqa: E402
+from testbed.topology.reference import MachineConstants  # noqa: E402
+
+HOST_BOUND = MachineConstants(alpha_s=300e-6, beta_s_per_byte=1.2e-9)    # 6.7 Gbit/s per rank
+
+
+def _ft():
+    t = load_topology("fat-tree")
+    return t, plan_network(t)
+
+
+def test_auto_counts_ranks_per_core_and_the_traffic():
+    t, plan = _ft()
+    c = choose("auto", t, plan, n_gpus=0, n_cpus=2, constants=HOST_BOUND)
+    # 16 host-bound ranks keep 16 cores busy moving bytes: 8 per core, as compute needs
+    assert c.factor == pytest.approx(8.0) and c.compute == 8.0 and c.network == pytest.approx(8.0, rel=0.02)
+    assert c.setting == "auto" and not c.cap_cpu
+    assert any("share 2 CPU core" in r for r in c.reasons) and any("network needs" in r for r in c.reasons)
+
+
+def test_auto_without_calibration_says_so():
+    t, plan = _ft()
+    c = choose("auto", t, plan, n_gpus=0, n_cpus=2)
+    assert c.factor == 8.0 and c.network is None
+    assert any("not calibrated" in r for r in c.reasons)
+
+
+def test_slow_links_need_no_network_dilation():
+    t = load_topology_text("name: s\ngenerator: star\nparams: {n: 4}\ntiers:\n  host: {bandwidth: 100mbit}\n", "<t>")
+    c = choose("auto", t, plan_network(t), n_gpus=0, n_cpus=2, constants=HOST_BOUND)
+    assert c.network == 1.0 and c.factor == 2.0
+
+
+def test_more_cores_need_more_traffic():
+    t, plan = _ft()
+    c = choose("auto", t, plan, n_gpus=0, n_cpus=64, constants=HOST_BOUND)
+    assert c.factor == 1.0
+
+
+def test_fixed_none_and_bad_settings():
+    t, plan = _ft()
+    assert choose(None, t, plan, 0, 2).factor == 1.0
+    none = choose("none", t, plan, 0, 2)
+    assert none.factor == 1.0 and none.setting == "none" and any("compute needs" in r for r in none.reasons)
+    fixed = choose("16", t, plan, 0, 2)
+    assert fixed.factor == 16.0 and fixed.cap_cpu and any("capped" in r for r in fixed.reasons)
+    assert not choose(8, t, plan, 0, 2).cap_cpu
+    for bad in ("fast", 0.5, float("nan")):
+        with pytest.raises(ValueError):
+            choose(bad, t, plan, 0, 2)
+    assert Choice.from_json(fixed.to_json()) == fixed
+
+
+def test_dilate_topology_caps_cpus_only_when_asked():
+    t, _ = _ft()
+    assert all(t.nodes[w].cpus == 1 for w in t.workers)
+    d = dilate_topology(t, 4)
+    assert all(d.nodes[w].cpus == 1 for w in t.workers)
+    assert d.links[0].ab.bandwidth_bps == t.links[0].ab.bandwidth_bps // 4
+    capped = dilate_topology(t, 4, cap_cpu=True)
+    assert all(capped.nodes[w].cpus == 0.25 for w in t.workers)
+    assert all(capped.nodes[s].cpus is None for s in t.switches)
+
+
+def test_cfs_period_keeps_the_quota_legal_and_short():
+    from testbed.runtime.cgroups import cfs
+
+    assert cfs(1.0) == (10_000, 10_000)
+    assert cfs(2.5) == (25_000, 10_000)
+    assert cfs(0.125) == (1_250, 10_000)            # a dilated worker: waits at most 10 ms
+    quota, period = cfs(0.05)
+    assert quota >= 1_000 and quota / period == pytest.approx(0.05, rel=0.01)

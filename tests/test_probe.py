@@ -89,3 +89,82 @@ def test_no_probe_dir_means_no_patching(tmp_path):
              probe_dir=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
+
+
+# -- the emulated clock ----------------------------------------------------------------------------------
+
+CLOCK_CODE = """
+import json, time
+import _testbed_probe as probe
+t0, w0, m0, n0 = time.perf_counter(), time.time(), time.monotonic(), time.perf_counter_ns()
+r0 = probe._real_perf()
+time.sleep({sleep})
+out = {{"perf": time.perf_counter() - t0, "time": time.time() - w0, "mono": time.monotonic() - m0,
+       "ns": (time.perf_counter_ns() - n0) / 1e9, "real": probe._real_perf() - r0}}
+print(json.dumps(out))
+"""
+
+
+def test_emulated_clock_runs_s_times_slower(tmp_path):
+    # sleep 1 s of emulated time at s=4: ~4 s of wall time, every clock says ~1 s
+    r = _run(tmp_path, CLOCK_CODE.format(sleep=1.0), env_extra={"TESTBED_TIME_DILATION": "4"})
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert 3.9 <= out["real"] <= 4.6, out
+    for k in ("perf", "time", "mono", "ns"):
+        assert out[k] == pytest.approx(out["real"] / 4, rel=0.02), (k, out)
+
+
+def test_no_dilation_or_opt_out_keeps_real_time(tmp_path):
+    for extra in ({"TESTBED_TIME_DILATION": "1"}, {"TESTBED_TIME_DILATION": "4", "TESTBED_EMULATED_CLOCK": "0"}):
+        r = _run(tmp_path, CLOCK_CODE.format(sleep=0.3), env_extra=extra)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert 0.29 <= out["real"] <= 0.6 and out["perf"] == pytest.approx(out["real"], rel=0.02), (extra, out)
+
+
+TIMEOUT_CODE = """
+import json, time, datetime, random, sys, types
+import torch.distributed as dist
+# torch's own timeouts: a store lookup that can never succeed gives up after its real timeout
+store = dist.TCPStore("127.0.0.1", random.randint(40000, 50000), 1, True, timeout=datetime.timedelta(seconds=1))
+t0 = time.perf_counter()
+import _testbed_probe as probe
+r0 = probe._real_perf()
+try:
+    store.get("never-set")
+except Exception:
+    pass
+waited_real = probe._real_perf() - r0
+# the Python parts of torch.distributed read real time too
+mod = types.ModuleType("torch.distributed.fake_testbed_check")
+exec("import time\\ndef now():\\n    return time.monotonic()", mod.__dict__)
+a, ra = mod.now(), probe._real_mono()
+print(json.dumps({"waited_real": waited_real, "torch_sees_real": abs(a - ra) < 0.05,
+                  "user_sees": time.monotonic(), "real": probe._real_mono()}))
+"""
+
+
+def test_torch_timeouts_stay_real(tmp_path):
+    r = _run(tmp_path, TIMEOUT_CODE, env_extra={"TESTBED_TIME_DILATION": "4"})
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert 0.8 <= out["waited_real"] <= 2.5, out           # 1 s real, not 4 s
+    assert out["torch_sees_real"], out
+    assert out["user_sees"] < out["real"], out              # the user's clock lags behind
+
+
+def test_probe_records_real_time_and_the_clock(tmp_path):
+    import random
+
+    code = STEPS_CODE.format(port=random.randint(30000, 40000), steps=3)
+    r = _run(tmp_path, code, env_extra={"RANK": "0", "WORLD_SIZE": "1", "TESTBED_TIME_DILATION": "8"})
+    assert r.returncode == 0, r.stderr
+    rr = _records(tmp_path)["rank-0.jsonl"]
+    assert rr[0]["clock"] == {"emulated": True, "factor": 8.0}
+    import time
+
+    assert abs(rr[0]["t"] - time.time()) < 120                # wall time, not an emulated one
+    colls = [x for x in rr if x["ev"] == "coll"]
+    assert all(c["g"] and c["gn"] == 1 and c["be"] == "gloo" for c in colls)
+    assert [c["seq"] for c in colls] == list(range(1, len(colls) + 1))

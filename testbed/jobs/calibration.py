@@ -114,10 +114,10 @@ def _torch_version() -> str:
         return "none"
 
 
-def _positive(data: dict[str, Any], key: str, upper: float) -> float:
+def _positive(data: dict[str, Any], key: str, upper: float, where: str = "") -> float:
     v = data.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v < upper:
-        raise ValueError(f"{key}: {v!r} is not a number in (0, {upper:g})")
+        raise ValueError(f"{where}{key}: {v!r} is not a number in (0, {upper:g})")
     return float(v)
 
 
@@ -134,8 +134,12 @@ def parse(data: Any) -> Calibration:
     ops_in = data.get("ops")
     if not isinstance(ops_in, dict) or set(ops_in) - set(OPS):
         raise ValueError(f"ops: not a mapping of {', '.join(OPS)}")
-    ops = {op: {"alpha_s": _positive(v, "alpha_s", 1.0), "beta_s_per_byte": _positive(v, "beta_s_per_byte", 1e-3)}
-           for op, v in ops_in.items() if isinstance(v, dict)}
+    ops = {}
+    for op, v in ops_in.items():
+        if not isinstance(v, dict):
+            raise ValueError(f"ops.{op}: not a mapping")
+        ops[op] = {"alpha_s": _positive(v, "alpha_s", 1.0, f"ops.{op}."),
+                   "beta_s_per_byte": _positive(v, "beta_s_per_byte", 1e-3, f"ops.{op}.")}
     return Calibration(
         alpha_s=_positive(data, "alpha_s", 1.0), beta_s_per_byte=_positive(data, "beta_s_per_byte", 1e-3),
         ops=ops, cores=c, measured_at=_positive(data, "measured_at", 1e11), boot_id=str(data.get("boot_id", "")),

@@ -60,10 +60,12 @@ def make_call(op: str, nbytes: int, rank: int, n: int, device):
         return lambda: dist.broadcast(t, 0)
     if op == "all_gather":
         inp, out = torch.ones(per, device=device), torch.empty(whole, device=device)
-        return lambda: dist.all_gather_into_tensor(out, inp)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # renamed in torch 2.13
+        return lambda: gather(out, inp)
     if op == "reduce_scatter":
         inp, out = torch.ones(whole, device=device), torch.empty(per, device=device)
-        return lambda: dist.reduce_scatter_tensor(out, inp)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(out, inp)
     if op == "all_to_all":
         inp, out = torch.ones(whole, device=device), torch.empty(whole, device=device)
         return lambda: dist.all_to_all_single(out, inp)

@@ -283,12 +283,13 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         grace: float = DEFAULT_GRACE_S, base_dir: str | os.PathLike | None = None,
         workdir: str | None = None, echo: Callable[[str], None] | None | bool = True,
         on_start: Callable[[Path], None] | None = None, machine: Any = None,
-        monitor: bool = True, emulated_clock: bool = True) -> RunResult:
+        monitor: bool = True, emulated_clock: bool = True, stop: threading.Event | None = None) -> RunResult:
     """Run CMD across the cluster; return the exit status and the run directory.
 
     machine: the calibrated MachineConstants, recorded for the verdict (testbed.report.verdict);
     monitor: sample CPUs, qdiscs and delay lines while the ranks run (monitor.json);
-    emulated_clock: under dilation the probe slows the ranks' clocks by the factor."""
+    emulated_clock: under dilation the probe slows the ranks' clocks by the factor;
+    stop: when set (from another thread), the ranks are stopped as on a timeout (exit 143)."""
     cmd = list(cmd)
     if not cmd:
         raise RunError("nothing to run: give a command after --")
@@ -397,7 +398,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         "time_dilation": {"factor": float(cluster.time_dilation), "source": cluster.dilation_source,
                           "setting": cluster.dilation.get("setting"), "reasons": cluster.dilation.get("reasons")},
         "emulated_clock": bool(probe and emulated_clock and cluster.time_dilation > 1),
-        "machine": machine.to_json() if machine is not None else None, "gpus": cluster.gpus,
+        "machine": machine.to_json() if machine is not None else None, "gpus": cluster.gpus, "cores": _cores(),
         "started": time.time(),
     }
     rundir.write_json(rd / "summary.json", {**summary, "status": "running"})
@@ -413,10 +414,9 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     mon = None
     if monitor:
         from testbed.jobs.monitor import Monitor
-        from testbed.lifecycle import cores
 
         try:
-            mon = Monitor(cluster.netns_of, cluster.delay_lines, cores()).start()
+            mon = Monitor(cluster.netns_of, cluster.delay_lines, _cores()).start()
         except Exception as exc:   # evidence missing is reported by the verdict, the run goes on
             if echo is not None:
                 echo(f"[testbed] monitor not started ({exc}); the verdict will lack CPU and link samples")
@@ -461,6 +461,10 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                     reason, rc, stop_at = "timeout", 124, now
                     if echo is not None:
                         echo(f"[testbed] timeout after {timeout:g}s: stopping all ranks")
+                if stop is not None and stop_at is None and stop.is_set():
+                    reason, rc, stop_at = "stopped", 143, now
+                    if echo is not None:
+                        echo("[testbed] asked to stop: stopping all ranks")
                 if stop_at is not None and now >= stop_at:
                     if killed_at is None:
                         _signal_all(ranks, run_id, signal.SIGTERM)
@@ -521,6 +525,12 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         summary["links"] = counters.link_bytes(topo, before, after)
     rundir.write_json(rd / "summary.json", summary)
     return RunResult(rc, rd, summary)
+
+
+def _cores() -> int:
+    from testbed.lifecycle import cores
+
+    return cores()
 
 
 def _shared_dir(cluster: Cluster, run_id: str) -> Path:

@@ -45,7 +45,7 @@ def render(a: dict[str, Any]) -> str:
     v = a.get("verdict")
     if v is not None:
         if v.classes:
-            lines += ["", "collectives against the reference model (emulated time, median instance)",
+            lines += ["", "collectives against the reference model (emulated time, mean instance)",
                       f"{'collective':>15} {'size':>10} {'count':>6} {'measured ms':>12} {'model ms':>10} "
                       f"{'error':>7} {'share':>6}  limited by"]
             for c in v.classes:

@@ -6,8 +6,8 @@ Evidence (a run directory, see testbed.jobs.rundir):
    instance across the ranks (same process group, same sequence number); its
    time is from the last rank's arrival to the last rank's completion (real
    clock, divided by the dilation factor), so waiting for a late rank is not
-   counted. Instances of one (collective, size) form a class whose median is
-   compared with the reference model (testbed.topology.reference) for those
+   counted. Instances of one (collective, size) form a class whose mean (what
+   a loop of them takes per call, stalls included) is compared with the reference model (testbed.topology.reference) for those
    ranks on that topology, with the machine constants the run recorded. A
    class off by more than TOLERANCE that holds at least MATERIAL of the
    measured communication time fails the run; so does the total.
@@ -41,7 +41,8 @@ MATERIAL = 0.10    # a class with this share of the measured communication time 
 LATE_US_MIN = 50   # delay-line lateness below this is noise, whatever the delay
 
 _MODEL_OP = {"all_reduce": "all_reduce", "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
-             "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+             "all_gather_single": "all_gather", "reduce_scatter": "reduce_scatter",
+             "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
              "broadcast": "broadcast", "all_to_all": "all_to_all", "all_to_all_single": "all_to_all",
              "barrier": "barrier"}
 
@@ -59,7 +60,7 @@ class ClassRow:
     op: str
     nbytes: int
     count: int
-    measured_s: float      # median instance, emulated time
+    measured_s: float      # mean instance, emulated time
     model_s: float
     lo_s: float
     hi_s: float
@@ -182,8 +183,8 @@ def model_classes(run: Path, probe: dict[str, list[dict[str, Any]]], summary: di
                         backend=backend)
         except ModelError:
             continue
-        med = statistics.median(times)
-        rows.append(ClassRow(op, nbytes, len(xs), med, p.time_s, p.lo_s, p.hi_s, p.error(med),
+        mean = statistics.fmean(times)   # what a loop of them takes per call, stalls included
+        rows.append(ClassRow(op, nbytes, len(xs), mean, p.time_s, p.lo_s, p.hi_s, p.error(mean),
                              sum(times) / total if total > 0 else 0.0, p.bottleneck,
                              (min(i["start"] for i in xs), max(i["end"] for i in xs))))
     return rows, constants.describe(), None if rows else "no recorded collective is modelled"
@@ -201,14 +202,16 @@ def _size(n: int) -> str:
 
 
 def cpu_check(monitor: dict[str, Any], s: float, window: tuple[float, float] | None, ranks: int,
-              devices: int) -> Check | None:
+              devices: int | None) -> Check:
     """Ranks per compute device against the factor; the CPU samples say how busy the machine was.
 
     A rank that shares its device with r - 1 others computes r times slower, so the factor must
     be at least ranks / devices (DieCast's rule). Runnable tasks per core are reported: gloo runs
     more than one thread per rank, and the calibration's own two ranks kept ~1.5 per core
     runnable on two cores, so they are evidence to read, not a threshold."""
-    need = max(1.0, ranks / max(1, devices))
+    if not devices:
+        return Check("cpu", None, "how many cores or GPUs the ranks shared was not recorded")
+    need = max(1.0, ranks / devices)
     samples = [c for c in monitor.get("cpu") or [] if window is None or window[0] <= c["t"] <= window[1]]
     cores = int(monitor.get("cores") or 1)
     detail = f"{ranks} ranks on {devices} compute device(s) need dilation >= {need:.3g}, the run had {s:g}"
@@ -352,10 +355,11 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
     return Verdict(status, reasons, fixes, checks, rows, constants)
 
 
-def _devices(summary: dict[str, Any], monitor: dict[str, Any]) -> int:
-    """What the ranks time-share: the GPUs the testbed handed out, else the CPU cores."""
+def _devices(summary: dict[str, Any], monitor: dict[str, Any]) -> int | None:
+    """What the ranks time-share: the GPUs the testbed handed out, else the CPU cores (None: unknown)."""
     gpus = int((summary.get("gpus") or 0))
-    return gpus if gpus > 0 else int(monitor.get("cores") or summary.get("cores") or 1)
+    cores = monitor.get("cores") or summary.get("cores")
+    return gpus if gpus > 0 else (int(cores) if cores else None)
 
 
 def _active_window(probe: dict[str, list[dict[str, Any]]]) -> tuple[float, float] | None:

@@ -49,11 +49,13 @@ _last_samples = None
 _step_t0 = None
 _installed = False
 _seq: dict = {}
+_pending: list = []   # DDP bucket records waiting to be written (list.append/pop are atomic under the GIL)
 _clock = {"emulated": False, "factor": 1.0}
 
 COLLECTIVES = (
-    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
-    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter",
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+    "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all",
+    "all_to_all_single", "gather", "scatter",
     "barrier", "send", "recv", "isend", "irecv", "broadcast_object_list",
 )
 
@@ -101,6 +103,7 @@ def _emit(obj: dict, flush: bool = False) -> None:
 
 def _close() -> None:
     global _file
+    _flush_pending()
     with _lock:
         if _file is not None:
             try:
@@ -136,13 +139,21 @@ def _step_post(opt, args, kwargs):
     _steps += 1
     now = _real_perf()
     dur = now - _step_t0 if _step_t0 is not None else None
+    _flush_pending()
     _emit({"ev": "step", "t": _real_time(), "dur": dur, "n": _steps, "samples": _last_samples}, flush=True)
+
+
+def _flush_pending() -> None:
+    """Write the DDP buckets' records their completion callbacks left (see _timed_hook)."""
+    while _pending:
+        _emit(_pending.pop(0))
 
 
 # -- collectives ----------------------------------------------------------------
 
 # Where S (nccl-tests' message size) is: the positional index of the tensor(s) that hold it.
-_SIZE_ARG = {"all_gather": 0, "all_gather_into_tensor": 0, "reduce_scatter": 1, "reduce_scatter_tensor": 1,
+_SIZE_ARG = {"all_gather": 0, "all_gather_into_tensor": 0, "all_gather_single": 0, "reduce_scatter": 1,
+             "reduce_scatter_tensor": 1, "reduce_scatter_single": 1,
              "all_to_all": 1, "all_to_all_single": 1, "gather": 0, "scatter": 0}
 _P2P = {"send": "dst", "recv": "src", "isend": "dst", "irecv": "src"}   # where the peer rank is
 _SIZE_KW = {0: ("tensor", "tensor_list", "output_tensor", "output", "output_tensor_list"),
@@ -188,13 +199,17 @@ def _size_of(name, args, kwargs):
 def _wrap_collective(name, fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if getattr(_tls, "in_hook", False):  # already timed as a DDP bucket
+        if getattr(_tls, "inside", False):  # timed already: a DDP bucket, or a collective calling another
             return fn(*args, **kwargs)
         g, gn, be = _group(kwargs.get("group"))
         seq = _next_seq(g)
         t = _real_time()
         t0 = _real_perf()
-        out = fn(*args, **kwargs)
+        _tls.inside = True
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            _tls.inside = False
         dur = _real_perf() - t0
         rec = {"ev": "coll", "op": name, "bytes": _size_of(name, args, kwargs), "t": t, "dur": dur,
                "async": bool(kwargs.get("async_op")) or name in ("isend", "irecv"), "src": "api",
@@ -236,18 +251,18 @@ def _timed_hook(hook, pg=None):
         t = _real_time()
         t0 = _real_perf()
         nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
-        _tls.in_hook = True
+        _tls.inside = True
         try:
             fut = hook(state, bucket)
         finally:
-            _tls.in_hook = False
+            _tls.inside = False
 
-        def done(f):
-            _emit({"ev": "coll", "op": "all_reduce", "bytes": nbytes, "t": t, "dur": _real_perf() - t0,
-                   "async": True, "src": "ddp", "g": g, "gn": gn, "seq": seq, "be": be})
-            return f.value()
+        def done(_f):   # on the backend's thread: note the time only; the record is written later
+            _pending.append({"ev": "coll", "op": "all_reduce", "bytes": nbytes, "t": t, "dur": _real_perf() - t0,
+                             "async": True, "src": "ddp", "g": g, "gn": gn, "seq": seq, "be": be})
 
-        return fut.then(done)
+        fut.add_done_callback(done)
+        return fut
 
     return timed
 

@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""What the probe (with the emulated clock) costs the main job: the same training with and without it.
+
+Brings up the k=4 fat-tree at calibrated `auto` dilation, then runs the main job's training
+(examples/train_ddp.py, 16 ranks, the MLP with ~23 MiB of gradients) --repeat times with the
+probe and as many without (alternating, so that drift hits both alike). The figure compared is
+the script's own "done: N steps in X s" of rank 0, in real seconds (with the probe the script's
+clock is emulated: X times the factor). Prints the medians and the overhead.
+
+    sudo .venv/bin/python bench/probe_overhead.py [--repeat 3] [--steps 20]
+
+Target (issue: fidelity): under 2% of step time. Writes bench/results/probe_overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+DONE = re.compile(r"done: (\d+) steps in ([0-9.]+)s")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("needs root (namespaces, tc)", file=sys.stderr)
+        return 2
+    from testbed import lifecycle
+    from testbed.jobs import calibration
+    from testbed.jobs.run import cluster_from_state, run
+    from testbed.mainjob import MODEL_ARGS
+    from testbed.net import state
+    from testbed.topology.loader import load_topology
+
+    machine = calibration.get(progress=print).constants()
+    name = f"po{uuid.uuid4().hex[:5]}"
+    lifecycle.up(load_topology("fat-tree"), name, time_dilation="auto", machine=machine)
+    times: dict[str, list[float]] = {"probe": [], "no probe": []}
+    try:
+        cl = cluster_from_state(name)
+        s = cl.time_dilation
+        cmd = [sys.executable, str(REPO / "examples" / "train_ddp.py"), "--steps", str(args.steps),
+               "--batch-size", "32", "--log-every", str(args.steps), *MODEL_ARGS]
+        for i in range(args.repeat):
+            for probe in (True, False):
+                lines: list[str] = []
+                res = run(cl, cmd, echo=lines.append, probe=probe, machine=machine, monitor=False,
+                          base_dir="/var/tmp/testbed-bench", workdir=str(REPO))
+                m = next((DONE.search(l) for l in lines if l.startswith("[w0:r0]") and DONE.search(l)), None)
+                if res.rc != 0 or m is None:
+                    raise SystemExit(f"the training failed ({res.rc}); logs in {res.run_dir}")
+                seconds = float(m.group(2)) * (s if probe else 1.0)   # real seconds either way
+                per_step = seconds / int(m.group(1))
+                times["probe" if probe else "no probe"].append(per_step)
+                print(f"run {i + 1} {'with' if probe else 'without'} the probe: {per_step * 1e3:.1f} ms per step "
+                      "(real time)", flush=True)
+    finally:
+        if state.exists(name):
+            lifecycle.down(name)
+    on, off = statistics.median(times["probe"]), statistics.median(times["no probe"])
+    overhead = on / off - 1
+    print(f"median per step: {on * 1e3:.1f} ms with the probe, {off * 1e3:.1f} ms without: overhead "
+          f"{100 * overhead:+.2f}% (target under 2%: {'met' if overhead < 0.02 else 'MISSED'}); "
+          f"spread without: {100 * (max(times['no probe']) / min(times['no probe']) - 1):.1f}%")
+    (REPO / "bench" / "results").mkdir(parents=True, exist_ok=True)
+    (REPO / "bench" / "results" / "probe_overhead.json").write_text(json.dumps(
+        {"factor": s, "steps": args.steps, "per_step_s": times, "overhead": overhead}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
