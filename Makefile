@@ -12,14 +12,15 @@ PY      = $(VENV)/bin/python
 TESTBED = $(VENV)/bin/testbed
 PYTEST_ARGS ?=
 
-.PHONY: help deps venv testbed down test test-kernel bench image doctor clean
+.PHONY: help deps venv testbed down test test-kernel bench fidelity image doctor clean
 
 help:
 	@echo "make testbed TOPO=fat-tree   bring up a topology and run the main training job"
 	@echo "make down                    tear down every testbed"
 	@echo "make test                    run the test suite (root tests need root)"
 	@echo "make test-kernel             run the netem tests under a stock kernel (virtme-ng)"
-	@echo "make bench                   benchmarks (up/down speed vs Mininet, ring model)"
+	@echo "make bench                   benchmarks (up/down speed vs Mininet)"
+	@echo "make fidelity                the fidelity matrix: measured vs the reference model (~1 h; docs/fidelity.md)"
 	@echo "make image                   build the Docker worker image (offline-capable)"
 	@echo "make doctor                  what this machine's kernel can do"
 	@echo "make deps                    apt packages the tests use (iperf3, ping, nftables, ...)"
@@ -55,7 +56,10 @@ test-kernel: venv
 
 bench: venv
 	$(PY) bench/bench_up.py
-	$(PY) bench/bench_ring_model.py
+
+# FIDELITY_ARGS=--quick: the reduced matrix CI runs (under a minute)
+fidelity: venv
+	$(PY) bench/fidelity.py $(FIDELITY_ARGS)
 
 image: venv
 	PYTHON=$(PY) bash images/worker/build.sh $(IMAGE_ARGS)

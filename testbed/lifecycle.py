@@ -170,13 +170,15 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 def up(topo: Topology, name: str | None = None, *, progress: Progress | None = None,
        runtime: str | None = None, caps: Any = None, allow_gpu_sharing: bool = False,
-       time_dilation: float | str | None = None, machine: Any = None) -> dict[str, Any]:
+       time_dilation: float | str | None = None, machine: Any = None, ranks: int | None = None
+       ) -> dict[str, Any]:
     """Build testbed `name` (default: the topology's name) from a validated topology. All or nothing.
 
     time_dilation (a factor >= 1, "auto", "none" or None for the topology's own setting): links
     are built at bandwidth/s and delay*s; the state keeps the topology's nominal profiles, s and
     why it was chosen. machine: the calibrated MachineConstants "auto" accounts the traffic with
-    (testbed.jobs.calibration); without them "auto" counts ranks per core only.
+    (testbed.jobs.calibration); without them "auto" counts ranks per core only. ranks: how many
+    ranks the jobs will run (what "auto" divides the cores by; default one per worker).
     """
     from testbed.runtime import gpu
     from testbed.runtime.env import worker_env
@@ -203,7 +205,8 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     gplan = gpu.plan_topology(topo, allow_sharing=allow_gpu_sharing)  # refuses too few GPUs, before anything
     setting = time_dilation if time_dilation is not None else topo.time_dilation
     try:
-        dilation = choose_dilation(setting, topo, plan, n_gpus=len(gplan.used), n_cpus=cores(), constants=machine)
+        dilation = choose_dilation(setting, topo, plan, n_gpus=len(gplan.used), n_cpus=cores(), constants=machine,
+                                   ranks=ranks)
     except ValueError as exc:
         raise TestbedError(f"--time-dilation: {exc}") from None
     factor = dilation.factor
@@ -212,7 +215,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     t0 = time.perf_counter()
     caps = check_capabilities(topo, caps)
     timings["capabilities"] = time.perf_counter() - t0
-    from testbed.net.shaping import floor_of
+    from testbed.net.shaping import delay_threshold, floor_of
 
     floor = floor_of(caps)
     kind = _runtime_kind(topo, runtime)
@@ -243,7 +246,8 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         "plan": plan.to_json(),
         "capabilities": caps.to_json() if hasattr(caps, "to_json") else None,
         "latency_floor_s": floor,
-        "no_delay_element": no_delay_element(topo, floor),
+        "no_delay_element": no_delay_element(topo, caps),
+        "delay_threshold_s": delay_threshold(caps),
         "runtime": {"kind": kind, "workers": {w: {"netns": names.netns(name, w)} for w in topo.workers}},
         "links": _link_records(topo, plan),
         "resources": {

@@ -43,9 +43,11 @@ def test_alpha_and_delay_make_the_latency_term():
     t, plan = star(4, "10gbit", "5us")
     c = MachineConstants(alpha_s=100e-6, beta_s_per_byte=0.0)
     p = predict(t, plan, "all_reduce", 0, t.workers, c)
-    # 2(n-1) steps, each alpha + two hops of 5 us
-    assert p.time_s == pytest.approx(6 * (100e-6 + 10e-6))
+    # 2(n-1) steps, each alpha + a round trip over two hops of 5 us (gloo: ready notice, then data)
+    assert p.time_s == pytest.approx(6 * (100e-6 + 2 * 10e-6))
     assert p.latency_s == pytest.approx(p.time_s) and p.bandwidth_s == 0
+    nccl = predict(t, plan, "all_reduce", 0, t.workers, c, backend="nccl")
+    assert nccl.time_s == pytest.approx(6 * (100e-6 + 10e-6))   # NCCL's receivers post ahead: one way
 
 
 def test_host_cost_limits_a_fast_link_smoothly():
@@ -88,7 +90,7 @@ def test_dumbbell_bottleneck():
     p = predict(t, plan, "all_reduce", S, t.workers, NETWORK_ONLY)
     # one ring flow crosses the core in each direction: it runs at 1G
     assert p.bandwidth_s == pytest.approx(6 * (S / 4) / (1e9 / 8 * G))
-    assert p.latency_s == pytest.approx(6 * (1e-3 + 0))   # the one ring hop across the core, each step
+    assert p.latency_s == pytest.approx(6 * 2 * 1e-3)   # a round trip across the core, each step
     assert "s0->s1" in p.bottleneck or "s1->s0" in p.bottleneck
     # two flows across the core in the same direction share it
     x = predict(t, plan, "send_recv", S, ["w0", "w2"], NETWORK_ONLY)

@@ -148,6 +148,10 @@ def test_mechanisms_and_floor(netem):
     assert not shaping.needs_delay_line(tiny, c)
     assert shaping.needs_delay_line(p, c) == (not netem)
     assert not shaping.needs_delay_line(LinkProfile(bandwidth_bps=10**9), c)
+    # 50 us: netem holds it; the delay line would add ~100 us of its own, so it gets no element there
+    mid = LinkProfile(delay_s=50e-6)
+    assert shaping.has_delay(mid, c) == netem and shaping.below_floor(mid, c) == (not netem)
+    assert shaping.delay_threshold(c) == pytest.approx(20e-6 if netem else 120e-6)
 
 
 def test_check_supported_lists_every_problem_before_creating_anything():

@@ -22,7 +22,7 @@ def _write_run(d: Path, times: list[float], s: float = 1.0, nbytes: int = 16 << 
     (d / "probe").mkdir(parents=True)
     topo = load_topology_text(STAR2, "<t>")
     (d / "topology.json").write_text(json.dumps(topo.to_json()))
-    (d / "summary.json").write_text(json.dumps({"world_size": 2, "time_dilation": {"factor": s},
+    (d / "summary.json").write_text(json.dumps({"world_size": 2, "time_dilation": {"factor": s, "cap_cpu": s > 1},
                                                 "machine": MACHINE.to_json(), "duration_s": 10}))
     for rank in (0, 1):
         recs = [{"ev": "start", "t": 0.0, "rank": rank, "world_size": 2, "worker": f"w{rank}"}]
@@ -82,6 +82,15 @@ def test_nothing_to_compare_is_unverified_never_faithful(tmp_path):
     assert judge(d).status == "unverified"
 
 
+def test_over_dilation_without_the_cap_is_flagged(tmp_path):
+    d = _write_run(tmp_path, [_model()] * 3, s=8, monitor={"cores": 2, "cpu": []})
+    summary = json.loads((d / "summary.json").read_text())
+    summary["time_dilation"]["cap_cpu"] = False
+    (d / "summary.json").write_text(json.dumps(summary))
+    cpu = next(c for c in judge(d).checks if c.name == "cpu")
+    assert cpu.ok is None and "over-dilated" in cpu.detail and "--ranks 2" in cpu.detail
+
+
 def test_delay_line_lateness_fails_the_run(tmp_path):
     m = _model()
     late = [0] * 24
@@ -93,7 +102,7 @@ def test_delay_line_lateness_fails_the_run(tmp_path):
     v = judge(_write_run(tmp_path, [m] * 3, s=2, monitor={"cores": 2, "cpu": [],
                                                           "delay_lines": {"first": first, "last": last}}))
     assert v.status == "not faithful"
-    assert any("late by 4096 us p99" in r for r in v.reasons), v.reasons
+    assert any("3072 us late on average, 4096 us p99" in r for r in v.reasons), v.reasons
     assert any("dropped 3 frame" in r for r in v.reasons), v.reasons
 
 

@@ -45,7 +45,7 @@ def register(app: typer.Typer) -> None:
             k, v = kv.split("=", 1)
             extra[k] = v
         cluster = cluster_from_state(resolve_name(name))
-        machine = calibration.get(progress=lambda m: err_console.print(m, highlight=False)).constants()
+        machine = calibration.constants_or_none(progress=lambda m: err_console.print(m, highlight=False))
         result = run(cluster, cmd, workers=workers, nproc_per_node=nproc_per_node, master=master, port=port,
                      timeout=timeout, env=extra, probe=not no_probe, grace=grace, machine=machine,
                      emulated_clock=not real_clock)

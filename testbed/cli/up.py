@@ -97,8 +97,11 @@ def _summary(st: dict[str, Any], seconds: float) -> None:
     if nd:
         shown = ", ".join(f"{d['from']}->{d['to']} ({format_time(d['delay_s'])})" for d in nd[:6])
         more = f" and {len(nd) - 6} more" if len(nd) > 6 else ""
-        console.print(f"[yellow]{len(nd)} link direction(s) got no delay element[/] (delay at or below the "
-                      f"floor): {shown}{more}")
+        limit = st.get("delay_threshold_s") or floor or 0.0
+        console.print(f"[yellow]{len(nd)} link direction(s) got no delay element[/] (delay at or below "
+                      f"{format_time(limit)}: an unshaped hop already takes the floor"
+                      + ("" if (st.get("capabilities") or {}).get("netem") else
+                         ", and a delay line would add ~100 us of its own") + f"): {shown}{more}")
     w0 = topo.workers[0]
     w1 = topo.workers[-1]
     peer = addr.get(w1, ["? ?"])[0].split()[1].split("/")[0]
@@ -116,8 +119,7 @@ def machine_constants(setting: Any) -> Any:
         return None
     from testbed.jobs import calibration
 
-    cal = calibration.get(progress=lambda m: err_console.print(m, highlight=False))
-    return cal.constants()
+    return calibration.constants_or_none(progress=lambda m: err_console.print(m, highlight=False))
 
 
 def up_cmd(
@@ -133,6 +135,9 @@ def up_cmd(
              "'auto' (the default unless the topology says otherwise): the smallest s at which the run is "
              "network-bound, from ranks per core (or GPU) and this machine's calibrated forwarding cost; "
              "a number; or 'none' for real time."),
+    ranks: Optional[int] = typer.Option(None, "--ranks", min=1,
+                                        help="How many ranks your jobs will run, for `auto` (default: one per "
+                                             "worker); a run with another count is judged against it."),
     allow_gpu_sharing: bool = typer.Option(False, "--allow-gpu-sharing",
                                            help="Let several workers share a GPU when there are too few."),
 ) -> None:
@@ -152,7 +157,7 @@ def up_cmd(
     progress = _DelayedProgress()
     try:
         st = lifecycle.up(topo, name, progress=progress, runtime=runtime, time_dilation=setting,
-                          allow_gpu_sharing=allow_gpu_sharing, machine=machine)
+                          allow_gpu_sharing=allow_gpu_sharing, machine=machine, ranks=ranks)
     finally:
         progress.stop()
     _summary(st, time.perf_counter() - t0)

@@ -34,7 +34,7 @@ import os
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -155,7 +155,12 @@ def cached() -> Calibration | None:
         return None
     if cal.boot_id != _boot_id() or cal.torch != _torch_version() or cal.cores != _cores():
         return None
-    return cal
+    try:   # the constants follow from the measurements and the model's cost terms of today's code
+        ops = derive(list(cal.rows))
+    except (CalibrationError, KeyError, TypeError, ValueError):
+        return cal if not cal.rows else None
+    return replace(cal, ops=ops, alpha_s=ops["all_reduce"]["alpha_s"],
+                   beta_s_per_byte=ops["all_reduce"]["beta_s_per_byte"])
 
 
 def _save(cal: Calibration) -> None:
@@ -262,4 +267,19 @@ def get(refresh: bool = False, progress: Callable[[str], None] | None = None) ->
             return cal
     if os.geteuid() != 0:
         raise CalibrationError("calibrating needs root (it brings up a small testbed): run it with sudo")
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise CalibrationError(f"calibrating needs torch in this Python ({sys.executable}); install it "
+                               "(make venv) to get the reference model, `auto` dilation's traffic term and verdicts")
     return measure(progress)
+
+
+def constants_or_none(progress: Callable[[str], None] | None = None) -> MachineConstants | None:
+    """This boot's constants, measuring them if needed; None (said through progress) when that fails."""
+    try:
+        return get(progress=progress).constants()
+    except CalibrationError as exc:
+        if progress:
+            progress(f"no calibrated constants: {exc}")
+        return None

@@ -396,7 +396,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         "world_size": world, "master": master, "master_addr": master_addr, "master_port": port,
         "workdir": workdir, "probe": probe, "env": dict(env or {}), "grace_s": grace, "timeout_s": timeout,
         "time_dilation": {"factor": float(cluster.time_dilation), "source": cluster.dilation_source,
-                          "setting": cluster.dilation.get("setting"), "reasons": cluster.dilation.get("reasons")},
+                          "setting": cluster.dilation.get("setting"), "reasons": cluster.dilation.get("reasons"),
+                          "cap_cpu": bool(cluster.dilation.get("cap_cpu"))},
         "emulated_clock": bool(probe and emulated_clock and cluster.time_dilation > 1),
         "machine": machine.to_json() if machine is not None else None, "gpus": cluster.gpus, "cores": _cores(),
         "started": time.time(),
@@ -502,7 +503,11 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         for f in logs.values():
             f.close()
         if mon is not None:
-            rundir.write_json(rd / "monitor.json", mon.stop())
+            try:
+                rundir.write_json(rd / "monitor.json", mon.stop())
+            except Exception as exc:   # like a monitor that did not start: the verdict says what it lacks
+                if echo is not None:
+                    echo(f"[testbed] monitor samples lost ({exc})")
         _collect_probe(rd, shared)
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)

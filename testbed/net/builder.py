@@ -78,14 +78,12 @@ def _plain(cidr: str) -> str:
     return cidr.split("/")[0]
 
 
-def no_delay_element(topo: Topology, floor_s: float | None) -> list[dict[str, Any]]:
-    """Link directions that ask for a delay at or below the latency floor (they get no delay element)."""
+def no_delay_element(topo: Topology, caps: Any) -> list[dict[str, Any]]:
+    """Link directions that ask for a delay at or below shaping.delay_threshold (no delay element)."""
     out = []
-    if not floor_s:
-        return out
     for i, link in enumerate(topo.links):
         for src, dst, prof in ((link.a, link.b, link.ab), (link.b, link.a, link.ba)):
-            if 0 < prof.delay_s + prof.jitter_s <= floor_s:
+            if shaping.below_floor(prof, caps):
                 out.append({"link": i, "from": src, "to": dst, "delay_s": prof.delay_s})
     return out
 

@@ -18,8 +18,9 @@ What gets installed on the egress of an interface for one LinkProfile:
                    reorders them.
                    without netem: nothing here; the link is a userspace delay
                    line (testbed.net.delayline) and this module shapes its TAPs.
-                   Delay+jitter at or below the measured latency floor gets no
-                   delay element at all (see `below_floor`).
+                   Delay+jitter at or below the measured latency floor (without
+                   netem: the floor plus the delay line's own ~100 us) gets no
+                   delay element at all (see `delay_threshold`).
     loss           with netem: netem's loss. Without: clsact + a cls_bpf
                    direct-action filter on egress (bpf_get_prandom_u32 ->
                    TC_ACT_STOLEN with probability `loss`), hand-assembled below.
@@ -87,20 +88,35 @@ DEFAULT_QUEUE = 1000
 DEFAULT_FLOOR_S = 20e-6
 
 
+# What one pass through the userspace delay line adds on top of the delay it holds a frame for
+# (TAP read, the helper's wake-up, TAP write), measured here: ping over two 50 us, 200 us and
+# 1 ms delay-line links gave RTTs 400-470 us above 4x the delay, i.e. ~100-120 us per pass.
+DELAY_LINE_OVERHEAD_S = 100e-6
+
+
 def floor_of(caps: Any) -> float:
     f = getattr(caps, "latency_floor_s", None)
     return float(f) if f else DEFAULT_FLOOR_S
 
 
+def delay_threshold(caps: Any) -> float:
+    """Delay+jitter at or below this gets no delay element: the unshaped hop already costs the
+    floor, and without netem the delay line would add its own ~100 us on top of what it holds,
+    further from the asked-for delay than no element at all (time dilation multiplies small
+    datacenter delays into this range)."""
+    floor = floor_of(caps)
+    return floor if getattr(caps, "netem", False) else floor + DELAY_LINE_OVERHEAD_S
+
+
 def has_delay(profile: LinkProfile, caps: Any) -> bool:
-    """The profile asks for delay/jitter above the latency floor (it gets a delay element)."""
-    return profile.delay_s + profile.jitter_s > floor_of(caps)
+    """The profile asks for delay/jitter above the threshold (it gets a delay element)."""
+    return profile.delay_s + profile.jitter_s > delay_threshold(caps)
 
 
 def below_floor(profile: LinkProfile, caps: Any) -> bool:
-    """Delay/jitter asked for, but at or below the latency floor: no delay element (tell the user)."""
+    """Delay/jitter asked for, but at or below the threshold: no delay element (tell the user)."""
     total = profile.delay_s + profile.jitter_s
-    return 0 < total <= floor_of(caps)
+    return 0 < total <= delay_threshold(caps)
 
 
 def needs_delay_line(profile: LinkProfile, caps: Any) -> bool:

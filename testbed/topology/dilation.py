@@ -16,7 +16,7 @@ from typing import Any
 
 from testbed.topology.model import LinkProfile, Topology
 from testbed.topology.plan import NetworkPlan
-from testbed.topology.reference import MachineConstants, predict, rank_layout
+from testbed.topology.reference import MachineConstants, predict
 
 
 def dilate(profile: LinkProfile, s: float) -> LinkProfile:
@@ -106,24 +106,37 @@ class Choice:
                    tuple(str(r) for r in data.get("reasons") or ()))
 
 
+def spread(workers: list[str], ranks: int) -> list[str]:
+    """Where `ranks` ranks go: one per worker spread evenly over them (every pod, every leaf) while
+    there are fewer ranks than workers, else round-robin (several per worker)."""
+    n = len(workers)
+    if ranks <= n:
+        return [workers[i * n // ranks] for i in range(ranks)]
+    return [workers[i % n] for i in range(ranks)]
+
+
 def _round_up(x: float) -> float:
     return math.ceil(x * 10 - 1e-9) / 10
 
 
 def choose(setting: float | str | None, topo: Topology, plan: NetworkPlan, n_gpus: int, n_cpus: int,
-           constants: MachineConstants | None = None, nproc_per_node: int = 1) -> Choice:
+           constants: MachineConstants | None = None, ranks: int | None = None) -> Choice:
     """The factor for a `time_dilation` setting (None, a number, "none" or "auto"), with its reasons.
 
     auto: the smallest factor at which the run is network-bound rather than CPU-bound: the larger
     of what compute needs (ranks per GPU, or per core) and what the traffic needs (network_factor),
-    rounded up to a tenth. Without calibrated constants only compute is accounted for.
+    rounded up to a tenth. Without calibrated constants only compute is accounted for. ranks: how
+    many ranks the jobs will run, spread over the workers (default: one on every worker).
     """
-    ranks = rank_layout(topo.workers, nproc_per_node)
+    workers = topo.workers
+    if ranks is not None and ranks < 1:
+        raise ValueError(f"ranks must be >= 1 (got {ranks})")
+    rank_workers = list(workers) if ranks is None else spread(workers, ranks)
     devices = f"{n_gpus} GPU(s)" if n_gpus else f"{n_cpus} CPU core(s)"
-    compute = auto_factor(len(ranks), n_gpus, n_cpus)
-    why_compute = f"{len(ranks)} ranks (one per worker) share {devices}: compute needs s >= {compute:.3g}"
-    if nproc_per_node != 1:
-        why_compute = why_compute.replace("one per worker", f"{nproc_per_node} per worker")
+    compute = auto_factor(len(rank_workers), n_gpus, n_cpus)
+    how = "one per worker" if ranks is None else f"as asked, over {len(set(rank_workers))} worker(s)"
+    why_compute = f"{len(rank_workers)} ranks ({how}) share {devices}: compute needs s >= {compute:.3g}"
+    ranks = rank_workers
     if setting is None or (isinstance(setting, str) and setting.strip().lower() in ("none", "off")):
         why = [why_compute] if compute > 1 else []
         return Choice(1.0, "none", compute, None, tuple(["no dilation (real time)", *why]))

@@ -8,19 +8,22 @@ size and the backend, it predicts the time the emulated cluster needs.
 An algorithm is a list of phases; a phase is a set of concurrent flows
 (rank -> rank, bytes), repeated `count` times. One phase takes
 
-    alpha x messages + the slowest flow's (path delay + bytes x per-byte time)
+    alpha x messages + the slowest flow's (trips x path delay + time to move its bytes)
 
 - alpha: the software cost of one message (a send and the matching receive,
   wake-ups included), calibrated on this machine with two ranks on their own
   cores (`MachineConstants`).
 - path delay: the sum of the nominal delays of the link directions on the
-  flow's path (what the topology file asks for, not what the emulation adds).
-- per-byte time: a smooth maximum (a 6-norm, fitted on this machine between
-  1 and 10 Gbit/s) of the flow's network time per byte and its host time per
-  byte. Network: the flow's max-min fair share of every directed link on its
-  path, at the link's TCP goodput (payload per frame: (mtu - 52) / (mtu + 14)).
-  Host: beta, the calibrated cost per byte of one rank with its own core,
-  times the number of flows the rank sends at once.
+  flow's path (what the topology file asks for, not what the emulation adds),
+  paid twice for gloo (its receiver first tells the sender it is ready: a
+  round trip per message), once for NCCL (PATH_TRIPS).
+- moving the bytes: a smooth maximum (a 6-norm, fitted on this machine
+  between 1 and 10 Gbit/s) of the flow's network time and its host time.
+  Network: the flow's bytes over its max-min fair share of every directed link
+  on its path, at the link's TCP goodput (payload per frame: (mtu - 52) /
+  (mtu + 14)). Host: beta, the calibrated cost per byte of one rank with its
+  own core, times the flows the rank sends at once, charged on the bytes it
+  sends (all_gather: on its whole output, which gloo copies whatever n is).
 
 So an oversubscribed core or a dumbbell's bottleneck is modelled, not only
 the host link. ECMP: each (sender, receiver) pair is one TCP connection
@@ -34,8 +37,7 @@ Algorithms (what the backends do, from their sources):
   gloo  all_reduce: ring, reduce-scatter then all-gather, rank r sends to r-1,
         2(n-1) steps of S/n. all_gather: ring to r+1, n-1 steps of S/n (S is
         the gathered size). reduce_scatter: gloo runs a full all_reduce of the
-        input S. broadcast: binomial tree; each rank sends the whole S to all
-        its children at once as soon as it holds it.
+        input S. broadcast: binomial tree, ceil(log2 n) rounds of the whole S.
         all_to_all: every rank posts its n-1 sends of S/n at once. barrier:
         dissemination, ceil(log2 n) rounds of empty messages. send_recv: one
         flow of S.
@@ -57,6 +59,11 @@ from typing import Any, Iterable, Sequence
 from testbed.topology.model import Topology
 from testbed.topology.plan import NetworkPlan
 
+# How many times a message's path delay is paid: gloo's TCP transport sends data only once the
+# receiver has said it posted the buffer (a notice, then the data: one round trip; measured here
+# over a 5 ms link, every gloo collective step and send took ~10 ms); NCCL's receivers post
+# ahead (one way).
+PATH_TRIPS = {"gloo": 2, "nccl": 1}
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv", "barrier")
 BACKENDS = ("gloo", "nccl")
 SMOOTH_P = 6.0             # the smooth maximum's norm (see the module text)
@@ -116,7 +123,12 @@ NETWORK_ONLY = MachineConstants(alpha_s=0.0, beta_s_per_byte=0.0, source="links 
 class Flow:
     src: int          # rank
     dst: int          # rank
-    nbytes: float
+    nbytes: float     # on the wire
+    host_bytes: float | None = None   # what the sender's host cost is charged on (None: nbytes)
+
+    @property
+    def host(self) -> float:
+        return self.nbytes if self.host_bytes is None else self.host_bytes
 
 
 @dataclass(frozen=True)
@@ -207,8 +219,8 @@ def phases(op: str, nbytes: float, n: int, backend: str = "gloo", root: int = 0)
     if backend == "gloo":
         if op in ("all_reduce", "reduce_scatter"):
             return [ring(-1, S / n, 2 * (n - 1))]
-        if op == "all_gather":
-            return [ring(+1, S / n, n - 1)]
+        if op == "all_gather":   # host work: copies of the whole output, whatever n (measured here)
+            return [Phase(tuple(Flow(r, (r + 1) % n, S / n, S / (n - 1)) for r in range(n)), count=n - 1)]
         if op == "broadcast":
             return _binomial_broadcast(S, n, root)
     else:  # nccl
@@ -224,25 +236,15 @@ def phases(op: str, nbytes: float, n: int, backend: str = "gloo", root: int = 0)
 
 
 def _binomial_broadcast(S: float, n: int, root: int) -> list[Phase]:
-    """gloo's broadcast: a binomial tree over virtual ranks v = (rank - root) mod n, where every
-    rank posts all its sends (to v + 2^j, j above v's highest bit) at once as soon as it holds
-    the data. Phase k: the ranks that received in phase k-1 send to all their children."""
-    def children(v: int) -> list[int]:
-        j = v.bit_length()   # the root (0) sends to 1, 2, 4, ...; v sends to v + 2^j for 2^j > v
-        out = []
-        while v + (1 << j) < n:
-            out.append(v + (1 << j))
-            j += 1
-        return out
-
-    phases_, senders = [], [0]
-    while senders:
-        flows = [Flow((v + root) % n, (c + root) % n, S) for v in senders for c in children(v)]
-        if not flows:
-            break
-        phases_.append(Phase(tuple(flows), messages=max(len(children(v)) for v in senders)))
-        senders = [c for v in senders for c in children(v)]
-    return phases_
+    """gloo's broadcast: a binomial tree over virtual ranks v = (rank - root) mod n. In round i
+    every v < 2^i that holds the data sends the whole S to v + 2^i. gloo posts a rank's sends
+    at once, but one I/O thread writes them in order, and measured here the tree takes about
+    ceil(log2 n) rounds of S (concurrent sends sharing the root's link were 1.6x too slow)."""
+    out = []
+    for i in range(math.ceil(math.log2(n))):
+        flows = tuple(Flow((v + root) % n, (v + (1 << i) + root) % n, S) for v in range(1 << i) if v + (1 << i) < n)
+        out.append(Phase(flows))
+    return out
 
 
 # -- the network: directed links, paths, shares ------------------------------------------------------------
@@ -327,9 +329,10 @@ def _link_name(link: tuple[str, str]) -> str:
     return f"{link[0]}->{link[1]}"
 
 
-def _phase_time(phase: Phase, routes: Sequence[tuple[tuple[str, str], ...]], net: _Net, alpha: float, beta: float
-                ) -> tuple[float, float, float, str]:
-    """(time, latency part, bandwidth part, bottleneck) of one repetition of a phase."""
+def _phase_time(phase: Phase, routes: Sequence[tuple[tuple[str, str], ...]], net: _Net, alpha: float, beta: float,
+                trips: int) -> tuple[float, float, float, str]:
+    """(time, latency part, bandwidth part, bottleneck) of one repetition of a phase; a message
+    crosses its path `trips` times before its data is in (gloo: 2, see PATH_TRIPS)."""
     flows = phase.flows
     net_rates = max_min_rates(routes, net.capacity)
     sending: dict[int, int] = {}
@@ -337,17 +340,18 @@ def _phase_time(phase: Phase, routes: Sequence[tuple[tuple[str, str], ...]], net
         sending[f.src] = sending.get(f.src, 0) + 1
     slowest, lat_of, bw_of, why = -1.0, 0.0, 0.0, "nothing (no data)"
     for f, route, rate in zip(flows, routes, net_rates):
-        per_net = 0.0 if rate == math.inf else 1.0 / rate
-        per_host = beta * sending[f.src]
-        per_byte = _smooth_max(per_net, per_host)
-        delay = sum(net.delay[l] for l in route)
-        t = delay + f.nbytes * per_byte
+        t_net = 0.0 if rate == math.inf else f.nbytes / rate
+        t_host = f.host * beta * sending[f.src]
+        moving = _smooth_max(t_net, t_host)
+        delay = trips * sum(net.delay[l] for l in route)
+        t = delay + moving
         if t > slowest:
-            slowest, lat_of, bw_of = t, delay, f.nbytes * per_byte
+            slowest, lat_of, bw_of = t, delay, moving
             if f.nbytes == 0:
                 why = "latency (empty messages)"
-            elif per_host >= per_net:
-                why = f"host (rank {f.src}: {sending[f.src]} flow(s) at {8 / per_host / 1e9:.3g} Gbit/s)"
+            elif t_host >= t_net:
+                why = (f"host (rank {f.src}: {sending[f.src]} flow(s) at "
+                       f"{8 / (beta * sending[f.src]) / 1e9:.3g} Gbit/s of host work)")
             else:
                 tight = min((l for l in route if net.capacity[l] != math.inf),
                             key=lambda l: net.capacity[l], default=None)
@@ -381,7 +385,7 @@ def predict(topo: Topology, plan: NetworkPlan, op: str, nbytes: int, rank_worker
             for p in ph:
                 routes = [options[(rank_workers[f.src], rank_workers[f.dst])]
                           [choice.get((rank_workers[f.src], rank_workers[f.dst]), 0)] for f in p.flows]
-                t, l_, b, why = _phase_time(p, routes, net, alpha, beta)
+                t, l_, b, why = _phase_time(p, routes, net, alpha, beta, PATH_TRIPS[backend])
                 t_all += t * p.count
                 lat += l_ * p.count
                 bw += b * p.count
@@ -435,13 +439,8 @@ def cost_terms(op: str, nbytes: float, n: int = 2, backend: str = "gloo") -> tup
     messages = nbytes_total = 0.0
     for p in phases(op, nbytes, n, backend):
         messages += p.count * p.messages
-        nbytes_total += p.count * max((f.nbytes for f in p.flows), default=0.0)
+        nbytes_total += p.count * max((f.host for f in p.flows), default=0.0)
     return messages, nbytes_total
-
-
-def rank_layout(workers: Iterable[str], nproc_per_node: int = 1) -> list[str]:
-    """The worker of each rank when `testbed run` starts nproc_per_node ranks per worker, in order."""
-    return [w for w in workers for _ in range(max(1, nproc_per_node))]
 
 
 def ring_time(n: int, nbytes: float, bandwidth_bps: float, alpha_s: float = 0.0) -> float:
