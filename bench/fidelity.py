@@ -370,6 +370,16 @@ WHAT_IT_MISSES = """## What the emulation and the model do not capture (why cell
   the run: ranks wait for cores, not for the network.
 - ECMP: where hashing can put two flows on one link, the model gives bounds (lo-hi) and the
   error is 0 inside them.
+- Two timings of one thing. A cell's time is the benchmark's own (a loop of back-to-back calls,
+  the slowest rank), the verdict's is each call from the last rank's arrival to the last
+  completion. Back-to-back calls overlap a little, and under ~100 us the loop's Python overhead
+  alone is 20-30%: where the two differ across the 10% line a cell is "off but called
+  faithful" (the count is above).
+- Delay lines: the userspace helper adds ~100 us per pass (a delay that small gets no element)
+  and, on a crowded CPU, sends frames late; it runs at real-time priority and the verdict fails
+  a run whose frames left late by more than 10% of the delay on average.
+- Compute (the main job, not in this matrix): 16 ranks sharing 2 cores compute ~20% slower per
+  rank than 8x one dedicated rank (memory bandwidth, caches), which dilation cannot divide away.
 """
 
 
