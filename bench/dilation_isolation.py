@@ -64,7 +64,6 @@ def main() -> int:
     from testbed import lifecycle
     from testbed.jobs import calibration
     from testbed.jobs.run import cluster_from_state, run
-    from testbed.net import state
     from testbed.topology.loader import load_topology, load_topology_text
 
     machine = calibration.get(progress=print).constants()
@@ -74,22 +73,17 @@ def main() -> int:
     name = f"di{uuid.uuid4().hex[:5]}"
     star = load_topology_text(f"name: {name}\ngenerator: star\nparams: {{n: 2}}\ntiers:\n"
                               "  host: {bandwidth: 10gbit, delay: 2us}\n", "<bench>")
-    lifecycle.up(star, name, time_dilation="auto", machine=machine)
-    try:
+    with lifecycle.running(star, name, time_dilation="auto", machine=machine):
         cl = cluster_from_state(name)
         res = run(cl, _train(args.steps), echo=False, machine=machine, base_dir=str(base), workdir=str(REPO))
         out["reference"] = {"factor": cl.time_dilation, "rc": res.rc, "run_dir": str(res.run_dir)}
         out["reference"]["p50_s"], out["reference"]["verdict"] = _p50(res.run_dir)
-    finally:
-        if state.exists(name):
-            lifecycle.down(name)
     print(f"reference: 2 ranks alone, s={out['reference']['factor']:g}: iteration p50 "
           f"{out['reference']['p50_s'] * 1e3:.1f} ms ({out['reference']['verdict']})", flush=True)
 
     name = f"di{uuid.uuid4().hex[:5]}"
     ft = load_topology("fat-tree")
-    lifecycle.up(ft, name, time_dilation="auto", machine=machine)
-    try:
+    with lifecycle.running(ft, name, time_dilation="auto", machine=machine):
         cl = cluster_from_state(name)
         stop_b = threading.Event()
         box: dict = {}
@@ -113,9 +107,6 @@ def main() -> int:
         out["dilated"] = {"factor": cl.time_dilation, "rc": res.rc, "run_dir": str(res.run_dir),
                           "other_job_steps": _steps_done(box["b_dir"])}
         out["dilated"]["p50_s"], out["dilated"]["verdict"] = _p50(res.run_dir)
-    finally:
-        if state.exists(name):
-            lifecycle.down(name)
     ratio = out["dilated"]["p50_s"] / out["reference"]["p50_s"]
     out["ratio"] = ratio
     print(f"dilated: the same 2 ranks beside 14 others, s={out['dilated']['factor']:g}: iteration p50 "

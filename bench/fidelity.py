@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -37,6 +36,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from testbed.topology.units import format_size, parse_size  # noqa: E402
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 SIZES = ("1K", "64K", "1M", "16M", "64M")
@@ -65,8 +66,9 @@ TOPOLOGIES: dict[str, dict[str, Any]] = {
             "about": "a dumbbell whose middle link is a 1 Gbit/s, 5 ms WAN link"},
 }
 
-QUICK = [  # (topology, ranks, dilation, ops, sizes): the reduced matrix CI runs
-    ("star", 4, "auto", ("all_reduce", "all_gather"), ("1M", "16M")),
+QUICK = [  # (topology, ranks, dilation, ops, sizes): the reduced matrix CI runs (bandwidth-bound cells:
+    # latency-bound ones swing by tens of percent between runs here, see docs/fidelity.md)
+    ("star", 4, "auto", ("all_reduce", "all_gather"), ("16M", "64M")),
     ("dumbbell", 4, "auto", ("all_reduce",), ("16M",)),
 ]
 
@@ -88,12 +90,6 @@ class Cell:
     why: str
     bottleneck: str
     run_dir: str
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if text[-1:] in "KMG" else text) * mult)
 
 
 def topology(kind: str, ranks: int, name: str):
@@ -123,8 +119,7 @@ def run_cell_group(kind: str, ranks: int, dilation: str, ops, sizes, runs_dir: P
     topo = topology(kind, ranks, name)
     workers = chosen_workers(topo, ranks)
     setting = None if dilation == "none" else dilation
-    lifecycle.up(topo, name, time_dilation=setting or "none", machine=machine, ranks=ranks)
-    try:
+    with lifecycle.running(topo, name, time_dilation=setting or "none", machine=machine, ranks=ranks):
         cluster = cluster_from_state(name)
         out = state.directory(name) / "bench.json"
         cmd = [sys.executable, "-m", "testbed.jobs.collectives_bench", "--ops", ",".join(ops),
@@ -134,9 +129,6 @@ def run_cell_group(kind: str, ranks: int, dilation: str, ops, sizes, runs_dir: P
                   workdir=str(REPO), timeout=1800)
         data = json.loads(out.read_text()) if res.rc == 0 and out.exists() else None
         factor = cluster.time_dilation
-    finally:
-        if state.exists(name):
-            lifecycle.down(name)
     if data is None:
         raise RuntimeError(f"{kind} x{ranks} dilation {dilation}: the job failed ({res.rc}); logs in {res.run_dir}")
     measured = [(r["op"], int(r["bytes"]), float(r["time_s"])) for r in data["results"]]
@@ -210,14 +202,6 @@ def summarize(cells: list[Cell]) -> dict[str, Any]:
         "auto_le8_ge1MiB": len(auto_target),
         "auto_le8_ge1MiB_faithful": sum(c.verdict == "faithful" for c in auto_target),
     }
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:g} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def plots(cells: list[Cell], outdir: Path) -> list[Path]:
@@ -318,7 +302,7 @@ def render_doc(cells: list[Cell], meta: dict[str, Any], made: list[Path]) -> str
     lines += ["", "## By collective and size, calibrated auto dilation (median error over topologies and ranks)", ""]
     auto = [c for c in cells if c.dilation == "auto"]
     sizes = sorted({c.bytes for c in auto})
-    lines += ["| collective | " + " | ".join(_size(b) for b in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
+    lines += ["| collective | " + " | ".join(format_size(b) for b in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
     for op in OPS:
         row = []
         for b in sizes:
@@ -339,7 +323,7 @@ def render_doc(cells: list[Cell], meta: dict[str, Any], made: list[Path]) -> str
     for (t, r, d), cs in groups.items():
         worst = max(cs, key=lambda c: abs(c.error))
         lines.append(f"| {t} | {r} | {d} | {cs[0].factor:g} | {len(cs)} | {sum(c.verdict == 'faithful' for c in cs)} "
-                     f"| {100 * statistics.median(abs(c.error) for c in cs):.1f}% | {worst.op} {_size(worst.bytes)} "
+                     f"| {100 * statistics.median(abs(c.error) for c in cs):.1f}% | {worst.op} {format_size(worst.bytes)} "
                      f"{100 * worst.error:+.0f}% |")
     lines += ["", "## Every cell", "",
               "| topology | ranks | dilation | collective | size | measured ms | model ms | error | verdict | why |",
@@ -347,7 +331,7 @@ def render_doc(cells: list[Cell], meta: dict[str, Any], made: list[Path]) -> str
     for c in cells:
         model = f"{c.model_s * 1e3:.3g}" + (f" ({c.lo_s * 1e3:.3g}-{c.hi_s * 1e3:.3g})" if c.hi_s > c.lo_s * 1.001
                                             else "")
-        lines.append(f"| {c.topology} | {c.ranks} | {c.dilation} ({c.factor:g}) | {c.op} | {_size(c.bytes)} | "
+        lines.append(f"| {c.topology} | {c.ranks} | {c.dilation} ({c.factor:g}) | {c.op} | {format_size(c.bytes)} | "
                      f"{c.measured_s * 1e3:.3g} | {model} | {100 * c.error:+.1f}% | {c.verdict} | {c.why} |")
     return "\n".join(lines) + "\n"
 
@@ -493,7 +477,7 @@ def main() -> int:
     print(f"{'topology':>16} {'ranks':>5} {'dil':>5} {'collective':>14} {'size':>9} {'measured ms':>12} "
           f"{'model ms':>10} {'ratio':>6} verdict")
     for c in cells:
-        print(f"{c.topology:>16} {c.ranks:>5} {c.dilation:>5} {c.op:>14} {_size(c.bytes):>9} "
+        print(f"{c.topology:>16} {c.ranks:>5} {c.dilation:>5} {c.op:>14} {format_size(c.bytes):>9} "
               f"{c.measured_s * 1e3:>12.3f} {c.model_s * 1e3:>10.3f} {c.measured_s / c.model_s:>6.2f} {c.verdict}")
     s = summarize(cells)
     print(json.dumps(s, indent=1))

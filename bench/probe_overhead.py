@@ -41,14 +41,12 @@ def main() -> int:
     from testbed.jobs import calibration
     from testbed.jobs.run import cluster_from_state, run
     from testbed.mainjob import MODEL_ARGS
-    from testbed.net import state
     from testbed.topology.loader import load_topology
 
     machine = calibration.get(progress=print).constants()
     name = f"po{uuid.uuid4().hex[:5]}"
-    lifecycle.up(load_topology("fat-tree"), name, time_dilation="auto", machine=machine)
     times: dict[str, list[float]] = {"probe": [], "no probe": []}
-    try:
+    with lifecycle.running(load_topology("fat-tree"), name, time_dilation="auto", machine=machine):
         cl = cluster_from_state(name)
         s = cl.time_dilation
         cmd = [sys.executable, str(REPO / "examples" / "train_ddp.py"), "--steps", str(args.steps),
@@ -66,9 +64,6 @@ def main() -> int:
                 times["probe" if probe else "no probe"].append(per_step)
                 print(f"run {i + 1} {'with' if probe else 'without'} the probe: {per_step * 1e3:.1f} ms per step "
                       "(real time)", flush=True)
-    finally:
-        if state.exists(name):
-            lifecycle.down(name)
     on, off = statistics.median(times["probe"]), statistics.median(times["no probe"])
     overhead = on / off - 1
     print(f"median per step: {on * 1e3:.1f} ms with the probe, {off * 1e3:.1f} ms without: overhead "

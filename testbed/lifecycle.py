@@ -3,6 +3,7 @@
 The functions every CLI verb (and tests, jobs, faults) call:
 
     up(topo, name=None, *, progress=None, runtime=None) -> state dict
+    running(topo, name=None, **kw)     a `with` block with the testbed up, down afterwards
     down(name) -> None                 down_all() -> [names]
     cleanup() -> [(name, what was removed)]
     status(name) -> the `status --json` document
@@ -29,9 +30,9 @@ from __future__ import annotations
 import os
 import signal
 import time
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from datetime import datetime, timezone
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from testbed.errors import CapabilityError, StateError, TestbedError
 from testbed.net import names, netns, state
@@ -338,6 +339,18 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     finally:
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGHUP, old_hup)
+
+
+@contextmanager
+def running(topo: Topology, name: str | None = None, **kw: Any) -> Iterator[dict[str, Any]]:
+    """A testbed that is up for the `with` block and down after it, whatever happens in it (the
+    calibration, benchmarks, scripts). Yields its state; keyword arguments go to `up`."""
+    st = up(topo, name, **kw)
+    try:
+        yield st
+    finally:
+        if state.exists(st["name"]):
+            down(st["name"])
 
 
 # -- down / cleanup ----------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ def test_derive_refuses_nonsense():
 def _doc(**over):
     ops = {op: {"alpha_s": 3e-4, "beta_s_per_byte": 1.2e-9} for op in calibration.OPS}
     doc = {"alpha_s": 3e-4, "beta_s_per_byte": 1.2e-9, "ops": ops, "cores": calibration._cores(),
-           "measured_at": 1.7e9, "boot_id": calibration._boot_id(), "torch": calibration._torch_version(),
+           "measured_at": 1.7e9, "boot_id": calibration.boot_id(), "torch": calibration._torch_version(),
            "busy_before": 0.05, "seconds": 10.0, "rows": []}
     doc.update(over)
     return doc

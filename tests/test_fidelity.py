@@ -1,8 +1,9 @@
 """The reduced fidelity matrix (bench/fidelity.py --quick): real testbeds, real gloo ranks, the model.
 
-Loose bounds, as the issue asks of CI: every cell gets a verdict; no cell off the model by more than
-10% is called faithful; the all_reduce cells of 1 MiB and more (what DDP sends) land within 25% of
-the model (docs/fidelity.md has the full matrix and the real numbers)."""
+Loose bounds, as the issue asks of CI, on bandwidth-bound cells (16 MiB and more): every cell gets a
+verdict; no cell off the model by more than 10% is called faithful; the all_reduce cells (what DDP
+sends) land within 25% of the model. docs/fidelity.md has the full matrix and the real numbers,
+latency-bound cells included."""
 
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ def test_reduced_fidelity_matrix(root, state_dir, tmp_path):
         assert c.measured_s > 0 and c.model_s > 0, c
         if abs(c.error) > 0.10:
             assert c.verdict != "faithful", c          # no silent error
-    big = [c for c in cells if c.op == "all_reduce" and c.bytes >= 1 << 20]
+    big = [c for c in cells if c.op == "all_reduce"]
     assert big and all(abs(c.error) <= 0.25 for c in big), [(c.topology, c.bytes, c.error) for c in big]
     s = fidelity.summarize(cells)
     assert s["off_but_called_faithful"] == 0

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from testbed.errors import TestbedError
+from testbed.net.capabilities import boot_id
 from testbed.topology.reference import MachineConstants
 
 DEFAULT_FILE = "/run/testbed/.calibration.json"
@@ -98,13 +99,6 @@ def cache_file() -> Path:
     return Path(os.environ.get("TESTBED_CALIBRATION_FILE") or DEFAULT_FILE)
 
 
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return "unknown"
-
-
 def _torch_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -153,7 +147,7 @@ def cached() -> Calibration | None:
         cal = parse(json.loads(cache_file().read_text()))
     except (OSError, ValueError, TypeError):
         return None
-    if cal.boot_id != _boot_id() or cal.torch != _torch_version() or cal.cores != _cores():
+    if cal.boot_id != boot_id() or cal.torch != _torch_version() or cal.cores != _cores():
         return None
     try:   # the constants follow from the measurements and the model's cost terms of today's code
         ops = derive(list(cal.rows))
@@ -231,9 +225,8 @@ def measure(progress: Callable[[str], None] | None = None) -> Calibration:
     topo = load_topology_text(f"name: {name}\ngenerator: star\nparams: {{n: 2}}\ntiers:\n"
                               "  host: {bandwidth: null, delay: 0s}\n", "<calibration>")
     if progress:
-        progress(f"calibrating this machine (once per boot): two gloo ranks on a 2-worker star ...")
-    lifecycle.up(topo, name, runtime="netns", time_dilation=1)
-    try:
+        progress("calibrating this machine (once per boot): two gloo ranks on a 2-worker star ...")
+    with lifecycle.running(topo, name, runtime="netns", time_dilation=1):
         out = state.directory(name) / "calibration.json"
         cmd = [sys.executable, "-m", "testbed.jobs.collectives_bench", "--ops", ",".join(OPS),
                "--sizes", ",".join(str(x) for x in (SMALL, *LARGE)), "--budget", "0.15", "--min-iters", "3",
@@ -244,13 +237,10 @@ def measure(progress: Callable[[str], None] | None = None) -> Calibration:
             logs = "\n".join((p.read_text()[-600:] for p in (res.run_dir / "logs").glob("*.log")))
             raise CalibrationError(f"the calibration job failed with status {res.rc}:\n{logs}")
         data = json.loads(out.read_text())
-    finally:
-        if state.exists(name):
-            lifecycle.down(name)
     ops = derive(data["results"])
     cal = Calibration(alpha_s=ops["all_reduce"]["alpha_s"], beta_s_per_byte=ops["all_reduce"]["beta_s_per_byte"],
                       ops=ops, cores=_cores(), measured_at=time.time(),
-                      boot_id=_boot_id(), torch=_torch_version(), busy_before=busy, seconds=time.time() - t0,
+                      boot_id=boot_id(), torch=_torch_version(), busy_before=busy, seconds=time.time() - t0,
                       rows=tuple(data["results"]))
     try:
         _save(cal)

@@ -126,7 +126,8 @@ def probe(measure_floor: bool = True, refresh: bool = False) -> Capabilities:
         return _CACHE
 
 
-def _boot_id() -> str:
+def boot_id() -> str:
+    """This boot's id: what per-boot caches (capabilities, calibration) are keyed on."""
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -142,7 +143,7 @@ def _cache_path() -> Path:
 def _load_boot_cache() -> Capabilities | None:
     try:
         data = json.loads(_cache_path().read_text())
-        if data.get("boot_id") != _boot_id() or data.get("kernel") != os.uname().release \
+        if data.get("boot_id") != boot_id() or data.get("kernel") != os.uname().release \
                 or os.geteuid() != 0 or data.get("latency_floor_s") is None:
             return None
         data.pop("boot_id", None)
@@ -156,7 +157,7 @@ def _save_boot_cache(caps: Capabilities) -> None:
         p = _cache_path()
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(f".capabilities.json.{os.getpid()}")
-        tmp.write_text(json.dumps({**caps.to_json(), "boot_id": _boot_id()}))
+        tmp.write_text(json.dumps({**caps.to_json(), "boot_id": boot_id()}))
         os.replace(tmp, p)
     except OSError:
         pass  # a cache we cannot write only costs time

@@ -4,17 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from testbed.topology.units import format_size
+
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.1f}"
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def render(a: dict[str, Any]) -> str:
@@ -41,7 +35,7 @@ def render(a: dict[str, Any]) -> str:
     lines += ["", f"link utilisation {what}",
               f"{'tier':>12} {'links':>6} {'bytes':>12} {'peak util %':>12}"]
     for tier, t in a["tiers"].items():
-        lines.append(f"{tier:>12} {t['links']:>6} {_bytes(t['bytes']):>12} {100 * t['max_util']:>12.2f}")
+        lines.append(f"{tier:>12} {t['links']:>6} {format_size(t['bytes']):>12} {100 * t['max_util']:>12.2f}")
     v = a.get("verdict")
     if v is not None:
         if v.classes:
@@ -49,7 +43,7 @@ def render(a: dict[str, Any]) -> str:
                       f"{'collective':>15} {'size':>10} {'count':>6} {'measured ms':>12} {'model ms':>10} "
                       f"{'error':>7} {'share':>6}  limited by"]
             for c in v.classes:
-                lines.append(f"{c.op:>15} {_bytes(c.nbytes):>10} {c.count:>6} {c.measured_s * 1e3:>12.3f} "
+                lines.append(f"{c.op:>15} {format_size(c.nbytes):>10} {c.count:>6} {c.measured_s * 1e3:>12.3f} "
                              f"{c.model_s * 1e3:>10.3f} {100 * c.error:>+6.1f}% {100 * c.share:>5.0f}%  "
                              f"{c.bottleneck}")
             if v.constants:

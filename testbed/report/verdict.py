@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed.jobs import rundir
+from testbed.topology.units import format_size
 
 TOLERANCE = 0.10   # |measured - model| / model beyond this is "off"
 MATERIAL = 0.10    # a class with this share of the measured communication time decides the verdict
@@ -192,14 +193,6 @@ def model_classes(run: Path, probe: dict[str, list[dict[str, Any]]], summary: di
     return rows, constants.describe(), None if rows else "no recorded collective is modelled"
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1024
-    return str(n)
-
-
 # -- the CPU, delay-line and queue checks ------------------------------------------------------------------
 
 
@@ -309,7 +302,7 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
         verified = True
         for r in rows:
             off = abs(r.error) > TOLERANCE
-            what = (f"{r.op} {_size(r.nbytes)} (x{r.count}): {r.measured_s * 1e3:.3g} ms, "
+            what = (f"{r.op} {format_size(r.nbytes)} (x{r.count}): {r.measured_s * 1e3:.3g} ms, "
                     f"{r.measured_s / r.model_s:.2f}x the model's {r.model_s * 1e3:.3g} ms")
             if off and r.share >= MATERIAL:
                 checks.append(Check("model", False, what, None))

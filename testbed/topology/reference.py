@@ -54,10 +54,11 @@ import itertools
 import math
 import random
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from testbed.topology.model import Topology
 from testbed.topology.plan import NetworkPlan
+from testbed.topology.units import format_size
 
 # How many times a message's path delay is paid: gloo's TCP transport sends data only once the
 # receiver has said it posted the buffer (a notice, then the data: one round trip; measured here
@@ -167,7 +168,7 @@ class Prediction:
 
     def describe(self) -> str:
         span = f" (ECMP bounds {self.lo_s * 1e3:.3g}-{self.hi_s * 1e3:.3g} ms)" if self.bounded else ""
-        return (f"{self.op} {_size(self.nbytes)} on {self.ranks} ranks ({self.backend}): {self.time_s * 1e3:.3g} ms"
+        return (f"{self.op} {format_size(self.nbytes)} on {self.ranks} ranks ({self.backend}): {self.time_s * 1e3:.3g} ms"
                 f"{span}; latency {self.latency_s * 1e3:.3g} ms, bandwidth {self.bandwidth_s * 1e3:.3g} ms, "
                 f"limited by {self.bottleneck}; {self.constants.describe()}")
 
@@ -361,8 +362,13 @@ def _phase_time(phase: Phase, routes: Sequence[tuple[tuple[str, str], ...]], net
 
 
 def predict(topo: Topology, plan: NetworkPlan, op: str, nbytes: int, rank_workers: Sequence[str],
-            constants: MachineConstants, backend: str = "gloo", root: int = 0, seed: int = 0) -> Prediction:
-    """The emulated cluster's time for one collective (see the module text)."""
+            constants: MachineConstants, backend: str = "gloo", root: int = 0, seed: int = 0,
+            placements: int | None = None) -> Prediction:
+    """The emulated cluster's time for one collective (see the module text).
+
+    placements: evaluate at most this many ECMP placements (default: every one up to
+    EXHAUSTIVE_PLACEMENTS, else a sample of SAMPLED_PLACEMENTS and two greedy ones); 1 is a
+    quick estimate from the first path of every connection."""
     n = len(rank_workers)
     for w in rank_workers:
         if w not in topo.nodes or not topo.nodes[w].is_worker:
@@ -394,7 +400,11 @@ def predict(topo: Topology, plan: NetworkPlan, op: str, nbytes: int, rank_worker
             cache[key] = (t_all, lat, bw, worst_phase[1])
         return cache[key]
 
-    if total <= EXHAUSTIVE_PLACEMENTS:
+    if placements is not None and total > placements:
+        rng = random.Random(seed)
+        choices = [{}] + [{p: rng.randrange(len(options[p])) for p in free} for _ in range(placements - 1)]
+        how = f"{len(choices)} ECMP placement(s) of {_big(total)}"
+    elif total <= EXHAUSTIVE_PLACEMENTS:
         choices = [dict(zip(free, combo)) for combo in itertools.product(*(range(len(options[p])) for p in free))]
         how = "single path" if total == 1 else f"all {total} ECMP placements"
     else:
@@ -423,14 +433,6 @@ def _greedy(free: list, options: dict, evaluate) -> list[dict]:
 
 def _big(x: int) -> str:
     return str(x) if x < 10**6 else f"~10^{int(math.log10(x))}"
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:g} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def cost_terms(op: str, nbytes: float, n: int = 2, backend: str = "gloo") -> tuple[float, float]:

@@ -28,7 +28,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 __all__ = ["parse_bandwidth", "parse_time", "parse_loss", "parse_size",
-           "format_bandwidth", "format_time", "BANDWIDTH_UNITS", "TIME_UNITS", "SIZE_UNITS"]
+           "format_bandwidth", "format_time", "format_size", "BANDWIDTH_UNITS", "TIME_UNITS", "SIZE_UNITS"]
 
 BANDWIDTH_UNITS: dict[str, int] = {
     "": 1, "bit": 1, "bps": 1,
@@ -150,3 +150,13 @@ def format_time(seconds: float) -> str:
         if abs(seconds) >= scale * (1 - 1e-12):
             return _num(seconds / scale) + unit
     return _num(seconds / 1e-9) + "ns"
+
+
+def format_size(nbytes: float) -> str:
+    """1024 -> '1 KiB', 16777216 -> '16 MiB', 1.5 * 2**20 -> '1.5 MiB', 8 -> '8 B' (binary units)."""
+    n = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} TiB"
