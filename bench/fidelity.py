@@ -356,9 +356,11 @@ WHAT_IT_MISSES = """## What the emulation and the model do not capture (why cell
   error is 0 inside them.
 - Two timings of one thing. A cell's time is the benchmark's own (a loop of back-to-back calls,
   the slowest rank), the verdict's is each call from the last rank's arrival to the last
-  completion. Back-to-back calls overlap a little, and under ~100 us the loop's Python overhead
-  alone is 20-30%: where the two differ across the 10% line a cell is "off but called
-  faithful" (the count is above).
+  completion. The loop also pays the gaps between calls: Python (20-30% of a call under
+  ~100 us) and, under time-sharing, a rank waiting for a core before it issues the next call
+  (the verdict cannot tell that wait from the job's own work between calls). Where the two
+  timings fall on either side of the 10% line a cell is "off but called faithful" (the count
+  is above).
 - Delay lines: the userspace helper adds ~100 us per pass (a delay that small gets no element)
   and, on a crowded CPU, sends frames late; it runs at real-time priority and the verdict fails
   a run whose frames left late by more than 10% of the delay on average.
