@@ -20,9 +20,15 @@ SIGTERM rolls back everything and removes the state. If the process dies
 harder than that (kill -9), `cleanup` finds the state of a "building" testbed
 whose process is gone and removes what it lists.
 
-Ownership: lo in every namespace carries the alias "testbed:NAME:STATE_ROOT",
-so namespaces whose state file is gone are still recognised as ours (and only
-those of this state root: tests running side by side never touch each other).
+Trust: the state is loaded through testbed.store, which accepts only what
+testbed writes (this testbed's namespace names, cgroups under testbed/NAME/,
+files under its directory, processes named by PID and start time), and every
+mutation holds the testbed's lock. Teardown never forgets: what could not be
+removed stays in the state (`leftovers`), `down` fails naming it, `cleanup`
+retries. Ownership: lo in every namespace carries the alias
+"testbed:NAME:STATE_ROOT", so namespaces without a trusted state are still
+recognised as ours (and only those of this state root: tests running side by
+side never touch each other); `cleanup` removes only what it can prove.
 """
 
 from __future__ import annotations
@@ -30,12 +36,14 @@ from __future__ import annotations
 import os
 import signal
 import time
-from contextlib import contextmanager, suppress
+import threading
+from contextlib import ExitStack, contextmanager, suppress
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, Sequence
 
+from testbed import paths, procs, store
 from testbed.errors import CapabilityError, StateError, TestbedError
-from testbed.net import names, netns, state
+from testbed.net import names, netns
 from testbed.topology.model import LinkProfile, Topology
 
 Progress = Callable[[str, int, int], None]
@@ -45,33 +53,21 @@ BUILDING, UP, REMOVING = "building", "up", "removing"
 
 # -- small helpers ---------------------------------------------------------------------------------------
 
+class TeardownError(TestbedError):
+    """Something a testbed made could not be removed; it stays recorded for `cleanup` to retry."""
+
+    exit_code = 1
+
+
 def owner_label(name: str) -> str:
-    return f"testbed:{name}:{state.root()}"
+    return f"testbed:{name}:{paths.root()}"
 
 
-def _proc_start(pid: int) -> float | None:
-    try:
-        import psutil
-
-        return psutil.Process(pid).create_time()
-    except Exception:
-        return None
-
-
-def _alive(pid: int | None, start: float | None) -> bool:
-    if not pid:
+def _alive(pid: Any, start: Any) -> bool:
+    """The process (pid, start ticks since boot) still runs: the wall clock plays no part."""
+    if isinstance(pid, bool) or not isinstance(pid, int) or isinstance(start, bool) or not isinstance(start, int):
         return False
-    t = _proc_start(pid)
-    if t is None:
-        return False
-    try:
-        import psutil
-
-        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-            return False
-    except Exception:
-        return False
-    return start is None or abs(t - start) < 1.0
+    return procs.alive(procs.ProcRef(pid, start))
 
 
 def cores() -> int:
@@ -115,7 +111,7 @@ def runtime_for(st: dict[str, Any]):
 
 
 def load(name: str) -> dict[str, Any]:
-    return state.load(name)
+    return store.load(name)
 
 
 def node_netns(st: dict[str, Any], node: str) -> str:
@@ -195,7 +191,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
                            "(at most 40, starting with a letter or digit)")
     topo.validate()
     plan = plan_network(topo)
-    if state.exists(name):
+    if store.exists(name):
         raise StateError(f"a testbed named {name!r} is already up: bring it down first "
                          f"(testbed down {name}) or choose another --name")
     all_ns = [names.netns(name, n) for n in topo.nodes]
@@ -223,22 +219,23 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     rt = make_runtime(kind, name)
     _checkpoint("checked")
 
-    # Claim the name atomically: a concurrent `up` with the same name fails here.
-    state.directory(name).mkdir(parents=True, exist_ok=True)
+    # Claim the name atomically (a concurrent `up` with the same name fails here), then hold the
+    # testbed's lock for the whole build: `down`, faults and `cleanup` wait or say who holds it.
+    store.claim(name)
+    held = ExitStack()
     try:
-        fd = os.open(state.path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        os.close(fd)
-    except FileExistsError:
-        raise StateError(f"a testbed named {name!r} is already up (or being brought up)") from None
-
+        held.enter_context(store.lock(name, what="testbed up"))
+    except BaseException:
+        store.remove(name)
+        raise
     pid = os.getpid()
     st: dict[str, Any] = {
         "name": name,
         "status": BUILDING,
         "pid": pid,
-        "pid_start": _proc_start(pid),
+        "pid_start": procs.start_ticks(pid),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "state_root": str(state.root()),
+        "state_root": str(paths.root()),
         "owner": owner_label(name),
         "topology": nominal.to_json(),
         "time_dilation": factor,
@@ -258,18 +255,21 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         },
         "timings": timings,
     }
-    state.save(name, st)
 
     def record(kind_: str, item: Any) -> None:
         if kind_ == "delay_line":
             st["resources"]["delay_lines"].append(item)
-            state.save(name, st)
+            store.save(name, st)
 
-    old_term = signal.signal(signal.SIGTERM, _raise_terminated)
-    old_hup = signal.signal(signal.SIGHUP, _raise_terminated)
+    # SIGTERM and SIGHUP roll back like Ctrl-C; signals can only be handled in the main thread,
+    # so a caller in another thread keeps its own handling.
+    main = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
+    old_hup = signal.signal(signal.SIGHUP, _raise_terminated) if main else None
     builder = Builder(name, topo, plan, caps, record=record, owner_label=owner_label(name), progress=progress)
     pending = None
     try:
+        store.save(name, st)
         t0 = time.perf_counter()
         workers = [topo.nodes[w] for w in topo.workers]
         if progress:
@@ -285,9 +285,9 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         hosts = plan.hosts()
         mps = None
         if gplan.mps:
-            mps = gpu.start_mps(state.directory(name))
+            mps = gpu.start_mps(paths.directory(name))
             st["gpu"]["mps_daemon"] = mps
-            state.save(name, st)
+            store.save(name, st)
         batch = []
         for node in workers:
             ifs = [p.ifname for p in plan.ports(node.name)]
@@ -299,7 +299,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         pending = rt.begin_start_many(batch)
         for (node, ns, _env, _hosts), rec in zip(batch, pending.records):
             st["runtime"]["workers"][node.name] = {"netns": ns, **rec}
-        state.save(name, st)
+        store.save(name, st)
         t_launch = time.perf_counter() - t0
         builder.create_switch_namespaces()
         _checkpoint("switches")
@@ -313,7 +313,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         recs, pending = pending.finish(), None
         for (node, ns, _env, _hosts), rec in zip(batch, recs):
             st["runtime"]["workers"][node.name] = {"netns": ns, **(rec or {})}
-        state.save(name, st)
+        store.save(name, st)
         if progress:
             progress("workers", len(workers), len(workers))
         t0 -= t_launch  # launching + waiting; the inits' own start-up overlapped the fabric
@@ -323,22 +323,26 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         timings["total"] = time.perf_counter() - t_start
         st["status"] = UP
         st["timings"] = timings
-        state.save(name, st)
+        store.save(name, st)
         return st
     except BaseException:
-        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop the rollback
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if main:   # a second Ctrl-C or TERM must not stop the rollback
+            old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             if pending is not None:
                 with suppress(Exception):
                     pending.abort()
-            _remove(st)
+            _remove(st)   # what it cannot remove stays recorded for `cleanup`
         finally:
-            signal.signal(signal.SIGINT, old_int)
+            if main:
+                signal.signal(signal.SIGINT, old_int)
         raise
     finally:
-        signal.signal(signal.SIGTERM, old_term)
-        signal.signal(signal.SIGHUP, old_hup)
+        if main:
+            signal.signal(signal.SIGTERM, old_term)
+            signal.signal(signal.SIGHUP, old_hup)
+        held.close()
 
 
 @contextmanager
@@ -349,64 +353,105 @@ def running(topo: Topology, name: str | None = None, **kw: Any) -> Iterator[dict
     try:
         yield st
     finally:
-        if state.exists(st["name"]):
+        if store.exists(st["name"]):
             down(st["name"])
 
 
 # -- down / cleanup ----------------------------------------------------------------------------------------
 
-def _remove(st: dict[str, Any]) -> None:
-    """Remove everything a state (complete or half-built) lists, then the state itself. Idempotent."""
+def _remove(st: dict[str, Any], refused: list[str] | None = None) -> list[str]:
+    """Remove everything a validated state (complete or half-built) lists. Idempotent.
+
+    Every step runs even when an earlier one failed; what could not be removed is returned and
+    stays recorded in the state (status "removing", `leftovers`) for `cleanup` to retry. With
+    nothing left, the state goes too. Entries a second proof says are not ours (a PID whose pid
+    file or namespace disagrees) are not acted on and go to `refused`, to be reported."""
     from testbed.net.builder import delete_namespaces, kill_processes_in, teardown
 
     name = st["name"]
+    left: list[str] = []
+    refused = refused if refused is not None else []
     res = st.get("resources", {})
     workers = st.get("runtime", {}).get("workers", {})
-    try:
-        rt = runtime_for(st)
-    except Exception:
-        rt = None
-    if rt is not None and workers:
+    if workers:
         try:
+            rt = runtime_for(st)
             rt.remove_many(list(workers.items()))
-        except Exception:  # one failure must not keep the others alive
-            for node, rec in workers.items():
-                with suppress(Exception):
-                    rt.remove(node, rec)
-    for rec in ((st.get("faults") or {}).get("nodes") or {}).values():
-        if isinstance(rec, dict) and rec.get("cgroup"):  # a straggler group `node slow` made itself
+        except Exception:   # each worker on its own, so one failure keeps no other alive
+            left += _each(lambda item: runtime_for(st).remove(*item), workers.items(),
+                          lambda item: f"worker {item[0]}")
+    for node, rec in ((st.get("faults") or {}).get("nodes") or {}).items():
+        if rec.get("cgroup"):   # a straggler group `node slow` made itself
             from testbed.runtime import cgroups
 
-            with suppress(Exception):
-                cgroups.remove(rec["cgroup"], kill=True)
+            left += _each(lambda paths_: cgroups.remove(paths_, kill=True), [rec["cgroup"]],
+                          lambda _p: f"cgroup of node {node} (node slow)")
     mps = (st.get("gpu") or {}).get("mps_daemon")
     if mps:
         from testbed.runtime import gpu
 
-        with suppress(Exception):
+        try:
             gpu.stop_mps(mps)
-    teardown(list(res.get("switch_netns", [])), list(res.get("delay_lines", [])), str(state.directory(name)))
+        except gpu.NotOurs as exc:
+            refused.append(str(exc))
+        except Exception as exc:
+            left.append(f"MPS daemon (pid {mps['pid']}): {exc}")
+    try:
+        left += teardown(list(res.get("switch_netns", [])), list(res.get("delay_lines", [])),
+                         str(paths.directory(name)), refused)
+    except Exception as exc:
+        left.append(f"switch namespaces and delay lines: {exc}")
     rest = [n for n in res.get("worker_netns", []) + res.get("switch_netns", []) if netns.exists(n)]
     if rest:
         kill_processes_in(rest)
         delete_namespaces(rest)
-    state.remove(name)
+        left += [f"namespace {n}" for n in rest if netns.exists(n)]
+    if left:
+        st["status"] = REMOVING
+        st["leftovers"] = [{"what": w, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+                           for w in left]
+        with suppress(StateError):
+            store.save(name, st)
+    else:
+        store.remove(name)
+    return left
 
 
-def down(name: str) -> None:
-    st = state.load(name)
-    if st.get("status") == BUILDING and _alive(st.get("pid"), st.get("pid_start")) and st.get("pid") != os.getpid():
-        raise StateError(f"testbed {name!r} is still being brought up (pid {st.get('pid')}); "
-                         "wait for it, or interrupt that `testbed up`")
-    st["status"] = REMOVING
-    with suppress(Exception):
-        state.save(name, st)
-    _remove(st)
+def _each(fn: Callable[[Any], Any], items: Any, what: Callable[[Any], str]) -> list[str]:
+    """fn(item) for every item; the failures as 'what: error' (never stops at the first)."""
+    out = []
+    for item in items:
+        try:
+            fn(item)
+        except Exception as exc:
+            out.append(f"{what(item)}: {exc}")
+    return out
+
+
+def down(name: str) -> list[str]:
+    """Remove testbed `name`; TeardownError (after removing all it could) names what is left.
+    Returns the state's entries that were not acted on (not ours by a second proof), to report."""
+    with store.lock(name, what="testbed down"):
+        st = store.load(name)
+        if st.get("status") == BUILDING and _alive(st.get("pid"), st.get("pid_start")) \
+                and st.get("pid") != os.getpid():
+            raise StateError(f"testbed {name!r} is still being brought up (pid {st.get('pid')}); "
+                             "wait for it, or interrupt that `testbed up`")
+        st["status"] = REMOVING
+        store.save(name, st)
+        refused: list[str] = []
+        left = _remove(st, refused)
+    if left:
+        raise TeardownError(f"testbed {name!r} is down, but {len(left)} thing(s) could not be removed: "
+                            + "; ".join(left[:5]) + (" ..." if len(left) > 5 else "")
+                            + ". They stay recorded: `testbed cleanup` tries again"
+                            + (f" (not acted on, not ours: {'; '.join(refused)})" if refused else ""))
+    return refused
 
 
 def down_all() -> list[str]:
     done = []
-    for name in state.list_names():
+    for name in store.list_names():
         try:
             down(name)
             done.append(name)
@@ -439,60 +484,61 @@ def health(st: dict[str, Any]) -> list[str]:
         if not netns.exists(ns):
             missing.append(f"namespace {ns}")
     for rec in res.get("delay_lines", []):
-        if not _alive(rec.get("pid"), rec.get("start_time")):
+        if not _alive(rec.get("pid"), rec.get("start")):
             missing.append(f"delay line of link {rec.get('link')} (pid {rec.get('pid')})")
     return missing
 
 
+def _inits_alive(st: dict[str, Any]) -> bool:
+    """Any of the workers' init processes still runs (checked by PID and start time)."""
+    return any(_alive(rec.get("pid"), rec.get("starttime"))
+               for rec in (st.get("runtime") or {}).get("workers", {}).values())
+
+
 def cleanup() -> list[tuple[str, str]]:
-    """Remove leftovers of testbeds whose CLI died; leave healthy and in-progress testbeds alone."""
+    """Remove what dead testbeds left; leave healthy, in-progress and running ones alone.
+
+    A testbed whose state is valid is removed when its `up` died, when it was being removed, or
+    when it says it is up but none of its workers' inits runs any more (a testbed with live
+    inits is kept, even with parts missing: `testbed down` is for that). A state that is not
+    valid is not acted on: only namespaces labelled ours and labelled containers go."""
     from testbed.net.builder import delete_namespaces, kill_processes_in
 
     removed: list[tuple[str, str]] = []
     keep: set[str] = set()
-    base = state.root()
-    dirs = sorted(p.name for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+    base = paths.check_root()
+    dirs = sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")) \
+        if base.is_dir() else []
     for name in dirs:
+        if not names.valid_testbed_name(name):
+            continue
         try:
-            st = state.load(name)
-        except StateError:
-            st = None
-        if st is None:
-            if state.path(name).exists() and state.path(name).stat().st_size == 0:
-                # claimed by an `up` that has not written its first state yet, or died right then
-                if time.time() - state.path(name).stat().st_mtime < 10:
-                    keep.add(name)
-                    continue
-            state.remove(name)
-            removed.append((name, "state directory without a valid state"))
-            continue
-        status = st.get("status")
-        if status == BUILDING and _alive(st.get("pid"), st.get("pid_start")):
+            with store.lock(name, timeout=2.0, what="testbed cleanup"):
+                outcome = _cleanup_one(name)
+        except StateError as exc:   # busy: an up, down or fault holds it
             keep.add(name)
+            removed.append((name, f"kept: {exc}"))
             continue
-        if status == UP:
-            missing = health(st)
-            if not missing:
-                keep.add(name)
-                continue
-            what = f"half-gone ({len(missing)} missing, e.g. {missing[0]})"
+        if outcome is None:
+            keep.add(name)
         else:
-            what = f"left {status} by a process that is gone (pid {st.get('pid')})"
-        _remove(st)
-        removed.append((name, what))
-    # Namespaces with our label and no state (or a state we just removed).
-    prefix = names.PREFIX
-    for ns in netns.list_names(prefix):
+            removed.append((name, outcome))
+    # Namespaces with our label and no state (or a state we just removed, or one we do not trust).
+    for ns in netns.list_names(names.PREFIX):
         label = _read_owner(ns)
         if not label or not label.startswith("testbed:"):
             continue
         _, _, rest = label.partition(":")
         tb, _, root = rest.partition(":")
-        if root != str(base) or tb in keep:
+        if root != str(base) or tb in keep or store.exists(tb) and _trusted(tb):
             continue
         kill_processes_in([ns])
         delete_namespaces([ns])
-        removed.append((tb, f"namespace {ns} (labelled ours, no state)"))
+        removed.append((tb, f"namespace {ns} (labelled ours, no trusted state)"))
+    for name in dirs:   # what an untrusted state's testbed left that we can prove ours, then the state
+        if name not in keep and store.exists(name) and not _trusted(name):
+            removed += _remove_provable(name)
+            store.remove(name)
     removed += _cleanup_containers(keep, base)
     from testbed.net.capabilities import sweep_stale_probes
 
@@ -500,8 +546,69 @@ def cleanup() -> list[tuple[str, str]]:
     return removed
 
 
+def _remove_provable(name: str) -> list[tuple[str, str]]:
+    """Without a trusted state: the delay-line helpers its pid files name (written by us when they
+    started, PID and start time) and its cgroups (testbed/NAME/ is ours by name, made 0755 by root)."""
+    from testbed.net import delayline
+    from testbed.runtime import cgroups
+
+    out = []
+    d = paths.directory(name)
+    if d.is_dir() and not d.is_symlink():
+        n = delayline.stop_all(d)
+        if n:
+            out.append((name, f"{n} delay-line helper(s) named by their pid files"))
+    for group in cgroups.groups_of(name):
+        try:
+            cgroups.remove(group, kill=True)
+            out.append((name, f"cgroup {group[0]}"))
+        except OSError as exc:
+            out.append((name, f"cgroup {group[0]} could not be removed: {exc}"))
+    return out
+
+
+def _trusted(name: str) -> bool:
+    try:
+        store.load(name)
+        return True
+    except StateError:
+        return False
+
+
+def _cleanup_one(name: str) -> str | None:
+    """Under the testbed's lock: what was done to it, or None to keep it."""
+    sf = paths.state_file(name)
+    try:
+        st = store.load(name)
+    except StateError as exc:
+        if sf.exists() and sf.stat().st_size == 0 and time.time() - sf.stat().st_mtime < 10:
+            return None   # claimed by an `up` that has not written its first state yet
+        if not sf.exists():
+            store.remove(name)
+            return "state directory without a state"
+        return f"state not trusted, only what is labelled ours is removed ({exc})"
+    status = st.get("status")
+    if status == BUILDING and _alive(st.get("pid"), st.get("pid_start")):
+        return None
+    if status == UP:
+        workers = (st.get("runtime") or {}).get("workers", {}).values()
+        if _inits_alive(st):
+            return None   # running: kept even with parts missing (`testbed down` removes it)
+        if not any(rec.get("pid") for rec in workers) and not health(st):
+            return None   # no inits to go by (the bare runtime), and nothing missing
+        what = "up, but none of its workers runs any more"
+    elif status == REMOVING and st.get("leftovers"):
+        what = f"retried {len(st['leftovers'])} leftover(s)"
+    else:
+        what = f"left {status} by a process that is gone (pid {st.get('pid')})"
+    refused: list[str] = []
+    left = _remove(st, refused)
+    return (what + (f"; still left: {'; '.join(left[:3])}" if left else "")
+            + (f"; not acted on, not ours: {'; '.join(refused)}" if refused else ""))
+
+
 def _cleanup_containers(keep: set[str], base: Any) -> list[tuple[str, str]]:
-    """Docker containers labelled ours (this state root) whose testbed has no state."""
+    """Docker containers labelled ours (this state root) whose testbed has no trusted state."""
     try:
         from testbed.runtime import docker as dk
 
@@ -511,7 +618,7 @@ def _cleanup_containers(keep: set[str], base: Any) -> list[tuple[str, str]]:
         for c in dk.list_containers():
             tb = c.labels.get("testbed.name")
             root = c.labels.get("testbed.state_root")
-            if tb and tb not in keep and root in (None, str(base)) and not state.exists(tb):
+            if tb and tb not in keep and root in (None, str(base)) and not (store.exists(tb) and _trusted(tb)):
                 out += [(tb, f"container {n} (labelled ours, no state)") for n in dk.cleanup_by_label(tb)]
         return out
     except Exception:
@@ -521,18 +628,19 @@ def _cleanup_containers(keep: set[str], base: Any) -> list[tuple[str, str]]:
 # -- status ------------------------------------------------------------------------------------------------
 
 def set_link_state(name: str, index: int, link_state: str) -> None:
-    st = state.load(name)
-    st["links"][index]["state"] = link_state
-    state.save(name, st)
+    with store.lock(name, what="link state"):
+        st = store.load(name)
+        st["links"][index]["state"] = link_state
+        store.save(name, st)
 
 
 def list_testbeds() -> list[dict[str, Any]]:
     out = []
-    for name in state.list_names():
+    for name in store.list_names():
         try:
-            st = state.load(name)
+            st = store.load(name)
         except StateError:
-            out.append({"name": name, "status": "corrupt"})
+            out.append({"name": name, "status": "untrusted state (testbed cleanup)"})
             continue
         topo = st.get("topology", {})
         nodes = topo.get("nodes", [])
@@ -540,7 +648,9 @@ def list_testbeds() -> list[dict[str, Any]]:
         if status_ == BUILDING and not _alive(st.get("pid"), st.get("pid_start")):
             status_ = "dead (run testbed cleanup)"
         elif status_ == UP and health(st):
-            status_ = "degraded (run testbed cleanup)"
+            status_ = "degraded: parts missing (testbed status; testbed down)"
+        elif status_ == REMOVING and st.get("leftovers"):
+            status_ = f"removing: {len(st['leftovers'])} leftover(s) (testbed cleanup)"
         out.append({
             "name": name, "status": status_, "topology": topo.get("name"),
             "workers": sum(1 for n in nodes if n["kind"] == "worker"),
@@ -553,7 +663,7 @@ def list_testbeds() -> list[dict[str, Any]]:
 
 def status(name: str) -> dict[str, Any]:
     """The `testbed status --json` document."""
-    st = state.load(name)
+    st = store.load(name)
     topo = Topology.from_json(st["topology"])
     plan = st.get("plan", {})
     addrs: dict[str, list[str]] = {n: [] for n in topo.nodes}

@@ -74,7 +74,7 @@ def main(topo: str, name: str | None = None, steps: int = DEFAULT_STEPS, batch: 
     from testbed import lifecycle
     from testbed.jobs import calibration
     from testbed.jobs.run import cluster_from_state, run
-    from testbed.net import state
+    from testbed import store
     from testbed.report import report
     from testbed.topology.loader import load_topology
     from testbed.topology.plan import plan_network
@@ -85,7 +85,7 @@ def main(topo: str, name: str | None = None, steps: int = DEFAULT_STEPS, batch: 
     machine = calibration.get(progress=lambda m: console.print(m, highlight=False)).constants()
     topology = load_topology(topo)
     name = name or topology.name
-    if state.exists(name):
+    if store.exists(name):
         console.print(f"testbed [bold]{name}[/] is up already: using it")
     else:
         console.print(f"bringing up [bold]{name}[/] ({len(topology.workers)} workers, "

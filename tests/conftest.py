@@ -23,7 +23,7 @@ def _can_netns() -> bool:
     try:
         from testbed.net import netns
 
-        name = f"tb-probe-{uuid.uuid4().hex[:8]}"
+        name = f"tbprobe-test-{uuid.uuid4().hex[:8]}"
         netns.create(name)
         netns.delete(name)
         return True
@@ -60,7 +60,7 @@ def tb_name() -> str:
 def testbed(root, state_dir) -> Iterator[Callable[..., dict]]:
     """up(topology, name=None, **kw) -> state; everything brought up is brought down afterwards."""
     from testbed import lifecycle
-    from testbed.net import state
+    from testbed import store
 
     names: list[str] = []
 
@@ -71,7 +71,7 @@ def testbed(root, state_dir) -> Iterator[Callable[..., dict]]:
 
     yield up
     for name in names:
-        if state.exists(name):
+        if store.exists(name):
             try:
                 lifecycle.down(name)
             except Exception:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 from typer.testing import CliRunner
@@ -16,7 +15,7 @@ IS_ROOT = os.geteuid() == 0
 
 def _our_probe_namespaces() -> list[str]:
     names = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
-    return [n for n in names if n.startswith(f"tb-probe-{os.getpid()}")]
+    return [n for n in names if n.startswith(f"tbprobe-{os.getpid()}")]
 
 
 def test_rows_and_json_shape():
@@ -39,8 +38,6 @@ def test_probe_real_kernel_and_cleanup():
     assert caps.latency_floor_s is not None and 0 < caps.latency_floor_s < 0.002
     assert not _our_probe_namespaces()
     assert capmod.probe() is caps  # cached
-    tc = subprocess.run(["tc", "qdisc", "help"], capture_output=True)
-    assert tc is not None
     if not caps.netem:
         assert "netem" in caps.notes
 

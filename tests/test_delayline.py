@@ -192,4 +192,10 @@ def test_stop_removes_taps_and_files(make_pair):
     assert not os.path.exists(f"/proc/{link.pid}") or open(f"/proc/{link.pid}/stat").read().split()[2] == "Z"
     assert not p.ipr_a.link_lookup(ifname="eth0")
     assert not os.path.exists(link.pid_file) and not os.path.exists(link.control)
-    assert not delayline.stop(link.pid)  # not ours any more: nothing is killed
+    # a PID that now names another process (here: this test's own, with another start time) is
+    # never signalled: stopping it is a no-op, and we are still here to check
+    from testbed import procs
+
+    me = os.getpid()
+    assert delayline.stop(procs.ProcRef(me, procs.start_ticks(me) + 1))
+    assert procs.alive(procs.ref(me))

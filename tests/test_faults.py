@@ -218,12 +218,12 @@ def test_link_set_bandwidth_iperf(star):
 
 def test_link_set_honours_dilation(star):
     from testbed.faults import control
-    from testbed.net import state
+    from testbed import store
 
     name, topo = star
-    st = state.load(name)
+    st = store.load(name)
     st["time_dilation"] = {"factor": 2.0, "source": "test"}
-    state.save(name, st)
+    store.save(name, st)
     try:
         control.link_set(name, "w0", "s0", {"bandwidth_bps": 100_000_000})
         # the emulated link says 100mbit; the kernel runs it at 100mbit / 2
@@ -231,9 +231,9 @@ def test_link_set_honours_dilation(star):
         assert _iperf(name, topo, "w0", "w1") == pytest.approx(50e6 * 0.95, rel=0.05)
         control.link_reset(name, "w0", "s0")
     finally:
-        st = state.load(name)
+        st = store.load(name)
         st.pop("time_dilation", None)
-        state.save(name, st)
+        store.save(name, st)
 
 
 def test_partition_and_heal(star):
@@ -273,6 +273,7 @@ def test_node_crash_and_slow(star):
         time.sleep(1.5)
         slow = (sum(p.cpu_times()[:2]) - sum(c1[:2])) / 1.5
         assert slow < 0.26, (fast, slow)   # the quota is an upper bound, whatever else runs
+        assert fast > 2 * slow, (fast, slow)   # and it was the quota that slowed the loop down
         control.node_restore(name, "w2")
         n = control.node_crash(name, "w2")
         assert n >= 1
@@ -283,9 +284,9 @@ def test_node_crash_and_slow(star):
             busy.kill()
         busy.wait(5)
     control.node_up(name, "w2")
-    from testbed.net import state
+    from testbed import store
 
-    assert state.load(name)["faults"]["nodes"]["w2"]["state"] == "up"
+    assert store.load(name)["faults"]["nodes"]["w2"]["state"] == "up"
 
 
 def test_restore_all(star):

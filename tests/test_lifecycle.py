@@ -15,7 +15,8 @@ import pytest
 from testbed import lifecycle
 from testbed.errors import StateError
 from testbed.errors import TestbedError as TBError
-from testbed.net import names, netns, state
+from testbed import paths, store
+from testbed.net import names, netns
 from testbed.topology.loader import load_topology, load_topology_text
 
 pytestmark = pytest.mark.root
@@ -43,7 +44,7 @@ def procs_in_state_dir(state_dir) -> list[int]:
 
 def assert_nothing_left(name: str, state_dir) -> None:
     assert ours(name) == [], ours(name)
-    assert not state.directory(name).exists()
+    assert not paths.directory(name).exists()
     assert procs_in_state_dir(state_dir) == []
 
 
@@ -143,7 +144,7 @@ def test_cleanup_after_kill_9(root, state_dir, tb_name, phase):
 
 def test_cleanup_finds_labelled_namespaces_without_state(testbed, state_dir, tb_name):
     st = testbed(load_topology("two-racks"), tb_name)
-    state.remove(tb_name)          # the state is gone, the namespaces are still there (labelled ours)
+    store.remove(tb_name)          # the state is gone, the namespaces are still there (labelled ours)
     assert ours(tb_name)
     removed = lifecycle.cleanup()
     assert any(n == tb_name for n, _ in removed)
@@ -161,8 +162,15 @@ def test_cleanup_leaves_healthy_testbeds_and_others_alone(testbed, state_dir, tb
         assert netns.exists(foreign)
     finally:
         netns.delete(foreign)
-    # half-gone: a namespace vanished -> cleanup removes the rest
+    # half-gone but its workers still run: kept (`testbed down` removes it), and `ls` says so
     netns.delete(names.netns(tb_name, "spine0"))
+    assert lifecycle.cleanup() == []
+    assert next(t for t in lifecycle.list_testbeds() if t["name"] == tb_name)["status"].startswith("degraded")
+    # once its workers are dead too, cleanup removes the rest
+    from testbed import procs
+
+    inits = [procs.ProcRef(r["pid"], r["starttime"]) for r in st["runtime"]["workers"].values()]
+    assert not procs.stop(inits, term=False)
     removed = lifecycle.cleanup()
     assert [n for n, _ in removed] == [tb_name]
     assert_nothing_left(tb_name, state_dir)
@@ -212,7 +220,7 @@ def test_refused_when_namespace_exists(root, state_dir, tb_name):
         with pytest.raises(StateError, match="already exists"):
             lifecycle.up(load_topology("two-racks"), tb_name)
         assert ours(tb_name) == [clash]
-        assert not state.directory(tb_name).exists()
+        assert not paths.directory(tb_name).exists()
     finally:
         netns.delete(clash)
 

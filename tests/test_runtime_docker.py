@@ -261,7 +261,7 @@ def test_sixteen_workers_start_concurrently(rt):
 @pytest.mark.docker
 @pytest.mark.root
 def test_up_star_with_docker_runtime(daemon, tmp_path, monkeypatch):
-    lifecycle = pytest.importorskip("testbed.lifecycle")
+    from testbed import lifecycle
     from testbed.topology.generators import GENERATORS
     from testbed.topology.model import Topology
 

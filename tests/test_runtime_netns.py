@@ -189,8 +189,15 @@ def test_cpu_limit_holds(bed_factory):
     finally:
         busy.kill()
         busy.wait()
-    # set_limits changes it live
+    # set_limits changes it live: the quota the kernel enforces follows
     bed.rt.set_limits("c0", rec, cpus=1.0)
+    quota, period = cgroups.cfs(1.0)
+    cpu_dirs = [p for p in rec["cgroups"] if "/cpu" in p and (Path(p) / "cpu.cfs_quota_us").exists()]
+    v2 = [p for p in rec["cgroups"] if (Path(p) / "cpu.max").exists()]
+    if cpu_dirs:
+        assert int((Path(cpu_dirs[0]) / "cpu.cfs_quota_us").read_text()) == quota
+    else:
+        assert (Path(v2[0]) / "cpu.max").read_text().split() == [str(quota), str(period)]
 
 
 def test_memory_hog_is_killed_alone(bed_factory):
@@ -215,8 +222,8 @@ def test_attach_is_interactive_and_leaves_the_worker_running(bed_factory, tmp_pa
                           encoding="utf-8", timeout=15)
     try:
         child.expect(r"a0:.*[#$] ")
-        assert child.isatty() if hasattr(child, "isatty") else True
         child.sendline("tty; echo HOST=$(hostname)")
+        child.expect(r"/dev/pts/\d+")   # the shell inside the worker has a terminal, not a pipe
         child.expect("HOST=a0")
         child.sendline("exit 7")
         child.expect(pexpect.EOF)
@@ -262,7 +269,10 @@ def test_kill_restart_stop(bed_factory):
     bed = bed_factory([W("k0")], link=False)
     rt, rec = bed.rt, bed.recs["k0"]
     rt.stop("k0", rec)
+    assert cgroups.frozen(rec["cgroups"])       # a hung node: every process frozen
     rt.cont("k0", rec)
+    assert not cgroups.frozen(rec["cgroups"])
+    assert bed.run("k0", "hostname").stdout.strip() == "k0"
     rt.kill("k0", rec)
     assert rt.pid("k0", rec) is None
     new = rt.restart("k0", rec)

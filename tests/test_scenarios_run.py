@@ -48,7 +48,7 @@ def test_example_scenario_runs(env, stem, monkeypatch):
     from testbed import lifecycle
     from testbed.faults.player import play
     from testbed.faults.scenario import load_scenario
-    from testbed.net import state
+    from testbed import store
 
     monkeypatch.chdir(REPO)
     s = load_scenario(REPO / "scenarios" / f"{stem}.yaml")
@@ -68,7 +68,7 @@ def test_example_scenario_runs(env, stem, monkeypatch):
             assert "node crash of w1" in res.error
         # the testbed is left as the topology describes it
         assert _links_pristine(name)
-        f = state.load(name).get("faults", {})
+        f = store.load(name).get("faults", {})
         assert not f.get("partition")
         assert all(n.get("state") in (None, "up") and "cpus" not in n for n in f.get("nodes", {}).values())
     finally:

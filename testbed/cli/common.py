@@ -44,15 +44,15 @@ def require_root(what: str) -> None:
 
 def resolve_name(name: str | None) -> str:
     """The testbed a command acts on: NAME, or the only one that is up."""
-    from testbed.net import state
+    from testbed import store
 
     if name:
-        if not state.exists(name):
-            up = state.list_names()
+        if not store.exists(name):
+            up = store.list_names()
             hint = f"; up: {', '.join(up)}" if up else "; none is up (testbed up TOPOLOGY)"
             raise StateError(f"no testbed named {name!r} is up{hint}")
         return name
-    up = state.list_names()
+    up = store.list_names()
     if len(up) == 1:
         return up[0]
     if not up:

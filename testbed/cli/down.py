@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from testbed.cli.common import console, fail, require_root, resolve_name
+from testbed.cli.common import console, err_console, fail, require_root, resolve_name
 
 
 def down_cmd(
@@ -27,7 +27,8 @@ def down_cmd(
     if name_arg and name and name_arg != name:
         fail(f"two different names given ({name_arg}, {name})", 2)
     target = resolve_name(name_arg or name)
-    lifecycle.down(target)
+    for note in lifecycle.down(target):
+        err_console.print(f"[yellow]warning:[/] {note}", highlight=False)
     console.print(f"testbed {target} is down")
 
 

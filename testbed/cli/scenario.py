@@ -14,13 +14,13 @@ def _topology_for_plan(scenario, name: Optional[str], topology: Optional[str]):
     """(topology, dilation): --topology, else the running testbed (--name or the only one), else the
     scenario's own `topology:` field."""
     from testbed.faults import control
-    from testbed.net import state
+    from testbed import store
     from testbed.topology.loader import load_topology
 
     if topology:
         t = load_topology(topology)
         return t, 1.0
-    if name or len(state.list_names()) == 1 or not scenario.topology:
+    if name or len(store.list_names()) == 1 or not scenario.topology:
         h = control.Handle(resolve_name(name))
         return h.topo, h.dilation
     return scenario.load_topology(), 1.0

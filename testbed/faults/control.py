@@ -29,7 +29,6 @@ like on a real partition (no EPERM to the sender, as an output drop would).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import signal
 import subprocess
@@ -37,7 +36,8 @@ import time
 from typing import Any, Iterator, Sequence
 
 from testbed.errors import CapabilityError, StateError, TestbedError
-from testbed.net import names, netns, state
+from testbed import store
+from testbed.net import names, netns
 from testbed.topology.model import LinkProfile, Topology
 
 PROFILE_FIELDS = ("bandwidth_bps", "delay_s", "jitter_s", "loss", "queue")
@@ -60,7 +60,7 @@ class Handle:
 
     def __init__(self, name: str, st: dict[str, Any] | None = None):
         self.name = name
-        self.st = st if st is not None else state.load(name)
+        self.st = st if st is not None else store.load(name)
         if not self.st.get("topology"):
             raise StateError(f"state of testbed {name!r} has no topology snapshot")
         self.topo = Topology.from_json(self.st["topology"])
@@ -161,21 +161,15 @@ def locked(name: str) -> Iterator[Handle]:
     Fault commands from several shells (and a scenario player) serialise here. On an error
     the state is saved too (what was changed before the error is recorded), then it re-raises.
     """
-    if not state.exists(name):
-        up = state.list_names()
+    if not store.exists(name):
+        up = store.list_names()
         raise StateError(f"no testbed named {name!r} is up" + (f" (up: {', '.join(up)})" if up else ""))
-    lock_path = state.directory(name) / "faults.lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        h = Handle(name)
+    with store.lock(name, what="testbed fault"):
+        h = Handle(name)   # loaded (and checked to exist) under the lock: a `down` before us wins
         try:
             yield h
         finally:
-            if state.exists(name):
-                state.save(name, h.st)
-    finally:
-        os.close(fd)
+            store.save(name, h.st)   # refuses, rather than recreates, a testbed removed meanwhile
 
 
 # -- netlink helpers ----------------------------------------------------------------------------------------------

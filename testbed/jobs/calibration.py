@@ -216,7 +216,7 @@ def measure(progress: Callable[[str], None] | None = None) -> Calibration:
     """Bring up a 2-worker star, run the two-rank measurement, bring it down; save and return it."""
     from testbed import lifecycle
     from testbed.jobs.run import cluster_from_state, run
-    from testbed.net import state
+    from testbed import paths
     from testbed.topology.loader import load_topology_text
 
     t0 = time.time()
@@ -227,12 +227,12 @@ def measure(progress: Callable[[str], None] | None = None) -> Calibration:
     if progress:
         progress("calibrating this machine (once per boot): two gloo ranks on a 2-worker star ...")
     with lifecycle.running(topo, name, runtime="netns", time_dilation=1):
-        out = state.directory(name) / "calibration.json"
+        out = paths.directory(name) / "calibration.json"
         cmd = [sys.executable, "-m", "testbed.jobs.collectives_bench", "--ops", ",".join(OPS),
                "--sizes", ",".join(str(x) for x in (SMALL, *LARGE)), "--budget", "0.15", "--min-iters", "3",
                "--max-iters", "300", "--repeat", "3", "--json", str(out)]
         res = run(cluster_from_state(name), cmd, echo=False, probe=False, monitor=False,
-                  base_dir=str(state.directory(name)), workdir="/", timeout=300)
+                  base_dir=str(paths.directory(name)), workdir="/", timeout=300)
         if res.rc != 0:
             logs = "\n".join((p.read_text()[-600:] for p in (res.run_dir / "logs").glob("*.log")))
             raise CalibrationError(f"the calibration job failed with status {res.rc}:\n{logs}")

@@ -58,6 +58,8 @@ from testbed.jobs import counters, rundir
 from testbed.jobs.probe import PROBE_PATH
 
 DEFAULT_GRACE_S = 5.0
+PROBE_FILE = re.compile(r"^rank-[A-Za-z0-9_]{1,32}\.jsonl$")
+PROBE_FILE_MAX_BYTES = 512 << 20
 KILL_AFTER_S = 2.0
 # torchrun --tee: every line of a local rank starts with this (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE)
 TORCHRUN_PREFIX_TEMPLATE = "[r${rank}]:"
@@ -117,9 +119,8 @@ class Cluster:
 
 def cluster_from_state(name: str) -> Cluster:
     """The cluster of a running testbed (brought up by testbed.lifecycle), from its state file."""
-    from testbed import lifecycle
+    from testbed import lifecycle, paths
     from testbed.net import names
-    from testbed.net import state as st_mod
     from testbed.topology.model import Topology
     from testbed.topology.plan import plan_network
 
@@ -142,7 +143,7 @@ def cluster_from_state(name: str) -> Cluster:
                  dilation_source="state" if s != 1.0 else "none", dilation=dict(data.get("dilation") or {}),
                  delay_lines=list((data.get("resources") or {}).get("delay_lines") or []),
                  gpus=len({u for us in ((data.get("gpu") or {}).get("assignment") or {}).values() for u in us}),
-                 runtime=kind, state_dir=st_mod.directory(name))
+                 runtime=kind, state_dir=paths.directory(name))
     for w, rec in records.items():
         if rec.get("netns"):
             cl.netns_of[w] = rec["netns"]
@@ -309,8 +310,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     shared = _shared_dir(cluster, run_id)
     probe_dir = shared / "probe"
     probe_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(shared, 0o777)
-    os.chmod(probe_dir, 0o777)
+    os.chmod(shared, 0o755)      # ranks run as root in both runtimes: nobody else needs to write here
+    os.chmod(probe_dir, 0o755)
     (rd / "probe").rmdir()
     (rd / "probe").symlink_to(probe_dir)   # live view (progress bars, scenario players)
     probe_path, pythonpath = PROBE_PATH, os.environ.get("PYTHONPATH", "")
@@ -542,9 +543,9 @@ def _shared_dir(cluster: Cluster, run_id: str) -> Path:
     """<state dir>/runs/<run id>: where ranks write (the state dir is visible in every worker)."""
     base = cluster.state_dir
     if base is None:
-        from testbed.net import state
+        from testbed import paths
 
-        base = state.directory(cluster.name)
+        base = paths.directory(cluster.name)
     return Path(base) / "runs" / run_id
 
 
@@ -555,14 +556,13 @@ def _collect_probe(rd: Path, shared: Path) -> None:
         link.unlink()
     link.mkdir(exist_ok=True)
     src = shared / "probe"
-    if src.is_dir():
+    if src.is_dir() and not src.is_symlink():
         for f in sorted(src.iterdir()):
-            shutil.move(str(f), str(link / f.name))
-    shutil.rmtree(shared, ignore_errors=True)
-    try:
-        shared.parent.rmdir()   # <state dir>/runs, when no other run is using it
-    except OSError:
-        pass
+            # only the ranks' own files, plain and of a sane size: a rank is not trusted to name them
+            if PROBE_FILE.match(f.name) and f.is_file() and not f.is_symlink() \
+                    and f.stat().st_size <= PROBE_FILE_MAX_BYTES:
+                os.replace(f, link / f.name)
+    shutil.rmtree(shared, ignore_errors=True)   # <state dir>/runs stays: Docker workers mount it
 
 
 def format_cmd(cmd: Sequence[str]) -> str:

@@ -39,8 +39,10 @@ import signal
 import time
 from contextlib import suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from testbed import paths, procs
 from testbed.net import names, netns, shaping
 from testbed.topology.model import LinkProfile, Topology
 from testbed.topology.plan import BRIDGE, LinkPlan, NetworkPlan
@@ -182,20 +184,14 @@ class Builder:
         self._timed("links", t0)
 
     def _start_delay_line(self, lp: LinkPlan) -> None:
-        from testbed.net import delayline, state
+        from testbed.net import delayline
 
         link = self.topo.links[lp.index]
         dl = delayline.start_delay_link(self.testbed, lp.index, self.ns(lp.a.node), lp.a.ifname,
                                         self.ns(lp.b.node), lp.b.ifname, link.ab, link.ba,
-                                        max(link.ab.mtu, link.ba.mtu), state.directory(self.testbed))
+                                        max(link.ab.mtu, link.ba.mtu), paths.directory(self.testbed))
         rec = dl.to_json()
         rec["link"] = lp.index
-        try:
-            import psutil
-
-            rec["start_time"] = psutil.Process(rec["pid"]).create_time()
-        except Exception:
-            pass
         self.delay_lines.append(rec)
         if self.record is not None:
             self.record("delay_line", rec)
@@ -357,36 +353,25 @@ class Builder:
 
 # -- teardown ------------------------------------------------------------------------------------------
 
-def stop_delay_lines(records: Iterable[dict[str, Any]]) -> None:
+def stop_delay_lines(records: Iterable[dict[str, Any]], refused: list[str] | None = None) -> list[str]:
+    """Stop the helpers the records name (PID and start time); what could not be stopped. A record
+    whose process its pid file does not name (written when the helper started) is not acted on:
+    it goes to `refused`."""
     from testbed.net import delayline
 
+    left = []
     for rec in records:
-        pid = rec.get("pid")
-        if not pid:
+        ref = procs.ProcRef(int(rec["pid"]), int(rec["start"]))
+        if not procs.alive(ref):
             continue
-        try:
-            delayline.stop(pid)
-        except Exception:
-            if rec.get("start_time") is not None:  # without it the PID may name someone else's process
-                kill_pid(pid, rec["start_time"])
-
-
-def kill_pid(pid: int, start_time: float | None = None, timeout: float = 2.0) -> None:
-    """SIGTERM then SIGKILL one process we started (checked by start time against PID reuse)."""
-    try:
-        import psutil
-
-        p = psutil.Process(pid)
-        if start_time is not None and abs(p.create_time() - start_time) > 1.0:
-            return
-        p.terminate()
-        try:
-            p.wait(timeout)
-        except psutil.TimeoutExpired:
-            p.kill()
-            p.wait(timeout)
-    except Exception:
-        pass
+        if delayline.read_pid_file(Path(rec["pid_file"])) != ref:   # a second proof
+            if refused is not None:
+                refused.append(f"pid {ref.pid} recorded as the delay line of link {rec.get('link')}: its pid "
+                               "file does not name it, not signalled")
+            continue
+        if not delayline.stop(ref):
+            left.append(f"delay-line helper of link {rec.get('link')} (pid {ref.pid}) would not end")
+    return left
 
 
 def kill_processes_in(namespaces: list[str], timeout: float = 2.0) -> None:
@@ -420,13 +405,16 @@ def delete_namespaces(namespaces: Iterable[str]) -> list[str]:
     return gone
 
 
-def teardown(switch_namespaces: list[str], delay_lines: list[dict[str, Any]], state_dir: str | None = None) -> None:
-    """Take down what the builder made: helper processes, then the switch namespaces."""
-    stop_delay_lines(delay_lines)
+def teardown(switch_namespaces: list[str], delay_lines: list[dict[str, Any]], state_dir: str | None = None,
+             refused: list[str] | None = None) -> list[str]:
+    """Take down what the builder made: helper processes, then the switch namespaces. Returns
+    what could not be removed (every step runs regardless); records it would not act on go to
+    `refused`."""
+    left = stop_delay_lines(delay_lines, refused)
     if state_dir:  # helpers started but not yet recorded (the up died in between) left a pid file
-        with suppress(Exception):
-            from testbed.net import delayline
+        from testbed.net import delayline
 
-            delayline.stop_all(state_dir)
+        delayline.stop_all(state_dir)
     kill_processes_in(switch_namespaces)
     delete_namespaces(switch_namespaces)
+    return left + [f"namespace {n}" for n in switch_namespaces if netns.exists(n)]

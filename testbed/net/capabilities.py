@@ -1,6 +1,6 @@
 """What this machine's kernel and userland can do, probed for real.
 
-`probe()` creates a temporary namespace (tb-probe-<pid>), adds a veth pair in
+`probe()` creates a temporary namespace (tbprobe-<pid>), adds a veth pair in
 it and tries each qdisc/classifier through netlink, catching the kernel's
 refusal; the namespace is removed afterwards. The result is cached for the
 process. It also measures the latency floor: the one-way delay of an
@@ -135,9 +135,9 @@ def boot_id() -> str:
 
 
 def _cache_path() -> Path:
-    from testbed.net import state
+    from testbed import paths
 
-    return state.root() / ".capabilities.json"
+    return paths.root() / ".capabilities.json"
 
 
 def _load_boot_cache() -> Capabilities | None:
@@ -186,19 +186,22 @@ def _probe_all() -> Capabilities:
     return caps
 
 
+PROBE_PREFIX = "tbprobe-"   # not "tb-": no testbed's namespace (tb-NAME-NODE) can look like a probe's
+
+
 def _probe_ns_name(suffix: str = "") -> str:
-    return f"tb-probe-{os.getpid()}{suffix}"
+    return f"{PROBE_PREFIX}{os.getpid()}{suffix}"
 
 
 def sweep_stale_probes() -> list[str]:
-    """Remove probe namespaces (tb-probe-<pid>[-w|-s]) whose process is gone (killed mid-probe)."""
+    """Remove probe namespaces (tbprobe-<pid>[-w|-s]) whose process is gone (killed mid-probe)."""
     removed = []
     try:
         names = os.listdir("/run/netns")
     except OSError:
         return removed
     for name in names:
-        m = re.fullmatch(r"tb-probe-(\d+)(-[ws])?", name)
+        m = re.fullmatch(r"tbprobe-(\d+)(-[ws])?", name)
         if not m or os.path.exists(f"/proc/{m.group(1)}"):
             continue
         try:

@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from testbed import procs
 from testbed.net.netns import run_in_netns
 
 IFF_TAP = 0x0002
@@ -85,6 +86,7 @@ def open_tap(name: str, mtu: int | None = None) -> int:
 @dataclass
 class DelayLink:
     pid: int
+    start: int        # clock ticks since boot: with the PID, names the helper (testbed.procs)
     link_id: str
     ns_a: str
     if_a: str
@@ -154,9 +156,10 @@ def start_delay_link(testbed: str, link_id: str | int, ns_a: str, if_a: str, ns_
                 pass
             tail = log.read_text(errors="replace")[-500:] if log.exists() else ""
             raise RuntimeError(f"delay line {lid} did not start: {tail}")
-        pid_file.write_text(f"{proc.pid}\n")
+        start = procs.start_ticks(proc.pid) or 0
+        pid_file.write_text(f"{proc.pid} {start}\n")
         proc.returncode = 0  # we never wait on it here; stop() reaps it
-        return DelayLink(pid=proc.pid, link_id=lid, ns_a=ns_a, if_a=if_a, ns_b=ns_b, if_b=if_b,
+        return DelayLink(pid=proc.pid, start=start, link_id=lid, ns_a=ns_a, if_a=if_a, ns_b=ns_b, if_b=if_b,
                          control=str(control), pid_file=str(pid_file))
     finally:
         for fd in (fa, fb, rd, wr):
@@ -164,68 +167,36 @@ def start_delay_link(testbed: str, link_id: str | int, ns_a: str, if_a: str, ns_
                 os.close(fd)
 
 
-def _is_ours(pid: int) -> bool:
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return b"testbed.net.delayline_main" in cmd
-
-
-def _gone(pid: int) -> bool:
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
-            return True
-    except ChildProcessError:
-        pass
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
-
-
-def stop(target: "DelayLink | int", timeout: float = 3.0) -> bool:
-    """End a helper by PID (only if it is a delay-line helper); its TAPs vanish with it."""
+def stop(target: "DelayLink | procs.ProcRef", timeout: float = 3.0) -> bool:
+    """End a helper we started (by PID and start time, never by name); its TAPs vanish with it.
+    True if it is gone."""
     link = target if isinstance(target, DelayLink) else None
-    pid = link.pid if link else int(target)
-    stopped = False
-    if _is_ours(pid):
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + timeout
-        while not _gone(pid):
-            if time.monotonic() > deadline:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                deadline = time.monotonic() + timeout
-            time.sleep(0.005)
-        stopped = True
-    else:
-        _gone(pid)  # reap a zombie child if it is one
+    ref = procs.ProcRef(link.pid, link.start) if link else target
+    left = procs.stop([ref], term_wait=timeout, kill_wait=timeout)
     if link:
         for p in (link.pid_file, link.control):
             try:
                 os.unlink(p)
             except OSError:
                 pass
-    return stopped
+    return not left
+
+
+def read_pid_file(pf: Path) -> procs.ProcRef | None:
+    """The helper a pid file names ("PID START"), or None if the file says anything else."""
+    try:
+        pid, start = (int(x) for x in pf.read_text().split())
+    except (OSError, ValueError):
+        return None
+    return procs.ProcRef(pid, start) if pid > 0 and start >= 0 else None
 
 
 def stop_all(state_dir: str | os.PathLike) -> int:
     """Stop every helper with a pid file under state_dir (cleanup after a crash). Returns how many."""
     n = 0
     for pf in Path(state_dir).glob("dl-*.pid"):
-        try:
-            pid = int(pf.read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if stop(pid):
+        ref = read_pid_file(pf)
+        if ref is not None and procs.alive(ref) and stop(ref):
             n += 1
         for p in (pf, pf.with_suffix(".sock")):
             try:

@@ -12,17 +12,27 @@ from typing import Any
 
 from testbed.jobs import rundir
 
+PROBE_FILE_MAX_BYTES = 512 << 20
+PROBE_LINE_MAX_BYTES = 1 << 20
+
 
 def load_probe(run: Path) -> dict[str, list[dict[str, Any]]]:
     """rank label -> its records, in file order."""
     out = {}
     for f in sorted((Path(run) / "probe").glob("rank-*.jsonl")):
+        if f.is_symlink() or not f.is_file() or f.stat().st_size > PROBE_FILE_MAX_BYTES:
+            continue   # written by ranks: read defensively
         recs = []
-        for line in f.read_text().splitlines():
-            try:
-                recs.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
+        with open(f, "rb") as fh:
+            for line in fh:
+                if len(line) > PROBE_LINE_MAX_BYTES:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    continue
+                if isinstance(rec, dict):
+                    recs.append(rec)
         out[f.stem.removeprefix("rank-")] = recs
     return dict(sorted(out.items(), key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0, kv[0])))
 

@@ -122,8 +122,8 @@ def instances(probe: dict[str, list[dict[str, Any]]], world: int
                 pair = (me, peer) if r["op"] == "send" else (peer, me)
                 p2p_count[pair] = k = p2p_count.get(pair, 0) + 1
                 by_key.setdefault(("p2p", pair, k), []).append(r)
-            elif r.get("gn") == world:
-                by_key.setdefault((str(r.get("g")), int(r["seq"])), []).append(r)
+            elif r.get("gn") == world and isinstance(r.get("seq"), int):
+                by_key.setdefault((str(r.get("g")), r["seq"]), []).append(r)
     out: dict[tuple[str, int, tuple[int, ...]], list[dict[str, Any]]] = {}
     for key, recs in by_key.items():
         if key[0] == "p2p":
@@ -134,9 +134,13 @@ def instances(probe: dict[str, list[dict[str, Any]]], world: int
             op, ranks = _MODEL_OP.get(recs[0].get("op", "")), ()
             if len(recs) != world or op is None or any(_MODEL_OP.get(r.get("op", "")) != op for r in recs):
                 continue
-        start = max(float(r["t"]) for r in recs)
-        end = max(float(r["t"]) + float(r["dur"]) for r in recs)
-        out.setdefault((op, int(recs[0].get("bytes") or 0), ranks), []).append({"start": start, "end": end})
+        try:   # records come from ranks: a malformed one drops its instance, not the report
+            start = max(float(r["t"]) for r in recs)
+            end = max(float(r["t"]) + float(r["dur"]) for r in recs)
+            nbytes = int(recs[0].get("bytes") or 0)
+        except (KeyError, TypeError, ValueError):
+            continue
+        out.setdefault((op, nbytes, ranks), []).append({"start": start, "end": end})
     return out
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from testbed.errors import CapabilityError
+from testbed.errors import CapabilityError, StateError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 TOP = "testbed"
@@ -114,6 +114,23 @@ def group_paths(testbed: str, worker: str, hier: Hierarchy | None = None) -> lis
         return []
     rel = Path(TOP) / testbed / worker
     return [m / rel for m in hier.mounts.values()]
+
+
+def groups_of(testbed: str, hier: Hierarchy | None = None) -> list[list[Path]]:
+    """Every worker group testbed `testbed` has (its own and its `node slow` ones), one list of
+    directories per worker: what `cleanup` removes when no state can be trusted."""
+    hier = hier or hierarchy()
+    if hier is None:
+        return []
+    by_worker: dict[tuple[str, str], list[Path]] = {}
+    for mount in hier.mounts.values():
+        for group in (testbed, f"{testbed}.faults"):
+            base = mount / TOP / group
+            if base.is_dir() and not base.is_symlink():
+                for d in sorted(base.iterdir()):
+                    if d.is_dir() and not d.is_symlink():
+                        by_worker.setdefault((group, d.name), []).append(d)
+    return list(by_worker.values())
 
 
 def _enable_v2_controllers(mount: Path, testbed: str) -> None:
@@ -301,6 +318,10 @@ def remove(paths: Iterable[str | Path], *, kill: bool = True, timeout: float = 2
     paths = [Path(p) for p in paths]
     if not paths:
         return
+    for p in paths:   # a group testbed made, whoever handed us the path
+        real = Path(os.path.realpath(p)) if p.exists() else p
+        if ".." in p.parts or real.parent.parent.name != TOP or not real.is_relative_to(CGROUP_ROOT):
+            raise StateError(f"refusing to remove {p}: not a testbed cgroup ({CGROUP_ROOT}/.../{TOP}/NAME/NODE)")
     if kill:
         for pid in pids(paths):
             try:
@@ -334,6 +355,11 @@ def remove(paths: Iterable[str | Path], *, kill: bool = True, timeout: float = 2
                 parent.rmdir()
             except OSError:
                 break
+
+
+def frozen(paths: Iterable[str | Path]) -> bool:
+    """The group is frozen (stop() of a worker): any of its freezer controls says so."""
+    return any(_frozen(Path(p)) for p in paths)
 
 
 def _frozen(p: Path) -> bool:

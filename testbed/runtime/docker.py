@@ -19,13 +19,17 @@ it with `make image`) with:
 - Mounts, so that `testbed run` finds the user's script and the probe finds
   the testbed package:
     * the directory `up` ran in (the user's project), at the same path,
-      read-write, and the container's working directory (exec starts there).
+      read-only, and the container's working directory (exec starts there).
       Like a shared home directory on a real cluster; not mounted when it is
-      "/" or under /proc, /sys, /dev; $TESTBED_DOCKER_MOUNT_CWD=0 turns it off.
+      "/", under /proc, /sys, /dev or the state root; $TESTBED_DOCKER_MOUNT_CWD
+      =rw mounts it read-write (a job may then change your files as root),
+      =0 not at all.
     * the testbed package, read-only, at /opt/testbed/src/testbed, with
       PYTHONPATH=/opt/testbed/src (the image holds its dependencies).
-    * the testbed's state directory (/run/testbed/NAME), same path,
-      read-write: job logs and results written there are seen by the host.
+    * the runs' exchange folder of the testbed (/run/testbed/NAME/runs),
+      same path, read-write: where ranks write their probe files. Nothing
+      else of the state directory: the state file, which testbed acts on as
+      root, stays out of the workers' reach.
     * extra mounts from $TESTBED_DOCKER_MOUNTS ("SRC:DST[:ro],...").
 - /etc/hosts naming every worker, and an /etc/resolv.conf without name
   servers (Docker would copy the host's, unreachable from the emulated
@@ -55,7 +59,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from testbed.errors import CapabilityError, StateError, TestbedError
-from testbed.net import names, netns, state
+from testbed import paths, procs
+from testbed.net import names, netns
 from testbed.runtime import cgroups
 from testbed.runtime.base import Runtime
 from testbed.topology.model import Node
@@ -66,6 +71,7 @@ OWNER = "testbed"
 PKG_TARGET = "/opt/testbed/src"
 STOP_TIMEOUT = 5
 _GiB = 1 << 30
+RUNS_DIR = "runs"   # <state dir>/runs: what `testbed run` shares with the ranks
 RESOLV_CONF = "# testbed worker: no DNS; names come from /etc/hosts\noptions timeout:1 attempts:1\n"
 
 
@@ -188,7 +194,7 @@ class DockerRuntime(Runtime):
 
     def labels(self, node: str, netns_name: str) -> dict[str, str]:
         return {"testbed.owner": OWNER, "testbed.name": self.testbed, "testbed.node": node,
-                "testbed.netns": netns_name, "testbed.state_root": str(state.root())}
+                "testbed.netns": netns_name, "testbed.state_root": str(paths.root())}
 
     def _mounts(self) -> tuple[list[Any], str | None]:
         from docker.types import Mount
@@ -197,14 +203,18 @@ class DockerRuntime(Runtime):
 
         mounts = [Mount(f"{PKG_TARGET}/testbed", str(Path(testbed.__file__).resolve().parent),
                         type="bind", read_only=True)]
-        sdir = state.directory(self.testbed)
-        sdir.mkdir(parents=True, exist_ok=True)
-        mounts.append(Mount(str(sdir), str(sdir), type="bind"))
+        # Of the testbed's directory a worker sees only the runs' exchange folder (where ranks write
+        # their probe files), never the state file or the helpers' sockets it lists.
+        sdir = paths.directory(self.testbed)
+        exchange = sdir / RUNS_DIR
+        exchange.mkdir(mode=0o755, parents=True, exist_ok=True)
+        mounts.append(Mount(str(exchange), str(exchange), type="bind"))
         workdir = None
         cwd = os.path.realpath(self.workdir) if self.workdir else None
-        if (cwd and os.environ.get("TESTBED_DOCKER_MOUNT_CWD", "1") != "0" and cwd != "/"
-                and not cwd.startswith(("/proc", "/sys", "/dev")) and cwd != str(sdir)):
-            mounts.append(Mount(cwd, cwd, type="bind"))
+        how = os.environ.get("TESTBED_DOCKER_MOUNT_CWD", "ro")
+        if (cwd and how != "0" and cwd != "/" and not cwd.startswith(("/proc", "/sys", "/dev"))
+                and not Path(cwd).is_relative_to(paths.root())):
+            mounts.append(Mount(cwd, cwd, type="bind", read_only=how != "rw"))
             workdir = cwd
         for src, dst, ro in _parse_mounts(os.environ.get("TESTBED_DOCKER_MOUNTS", "")):
             mounts.append(Mount(dst, src, type="bind", read_only=ro))
@@ -305,19 +315,27 @@ class DockerRuntime(Runtime):
         c = self._get(node.name)
         self._write_files(c, node.name, hosts, env)
         c.reload()
-        return {"id": c.id, "pid": int(c.attrs["State"]["Pid"]), "container": c.name, "netns": netns_name,
-                "docker_host": self.host, "env": dict(env), "hosts": dict(hosts)}
+        pid = int(c.attrs["State"]["Pid"])
+        return {"id": c.id, "pid": pid, "starttime": procs.start_ticks(pid), "container": c.name,
+                "netns": netns_name, "docker_host": self.host, "env": dict(env), "hosts": dict(hosts)}
 
     def remove(self, node: str, record: Mapping[str, Any]) -> None:
+        """Remove the worker's container, found by its name and only if its labels say it is this
+        testbed's (the record names it, but a record is not proof), then its namespace bind."""
         import docker
 
-        ref = record.get("id") or record.get("container") or self.container_name(node)
-        for r in dict.fromkeys([ref, self.container_name(node)]):
-            try:
-                self.client.containers.get(r).remove(force=True, v=True)
-            except docker.errors.NotFound:
-                pass
-        netns.delete(record.get("netns") or names.netns(self.testbed, node))
+        try:
+            c = self.client.containers.get(self.container_name(node))
+        except docker.errors.NotFound:
+            c = None
+        if c is not None:
+            labels = c.labels or {}
+            if labels.get("testbed.owner") != OWNER or labels.get("testbed.name") != self.testbed \
+                    or labels.get("testbed.node") != node:
+                raise StateError(f"container {c.name} is not labelled as worker {node} of testbed {self.testbed}: "
+                                 "not removed")
+            c.remove(force=True, v=True)
+        netns.delete(names.netns(self.testbed, node))
 
     # -- reaching a worker -----------------------------------------------------------------------------
     def exec_argv(self, node: str, record: Mapping[str, Any], argv: Sequence[str], *,
@@ -455,7 +473,7 @@ def list_containers(testbed: str | None = None, *, host: str | None = None, any_
     if testbed:
         filters.append(f"testbed.name={testbed}")
     if not any_state_root:
-        filters.append(f"testbed.state_root={state.root()}")
+        filters.append(f"testbed.state_root={paths.root()}")
     return client.containers.list(all=True, filters={"label": filters})
 
 

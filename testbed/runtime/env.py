@@ -23,12 +23,12 @@ import math
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from testbed.net import state
+from testbed import paths
 
 
 def log_dir(testbed: str, node: str) -> Path:
     """Where jobs started in `node` write their output: <state dir>/logs/<node>/."""
-    return state.directory(testbed) / "logs" / node
+    return paths.directory(testbed) / "logs" / node
 
 
 def worker_env(testbed: str, node: str, interfaces: Sequence[str], *, cpus: float | None = None,

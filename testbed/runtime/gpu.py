@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from testbed import procs
 from testbed.errors import CapabilityError, TestbedError
 
 POLICIES = ("round-robin", "packed")
@@ -324,14 +325,6 @@ def plan_topology(topology: Any, *, allow_sharing: bool = False, devices: Sequen
 
 # -- the MPS control daemon the testbed owns ------------------------------------
 
-def _starttime(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat.rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def start_mps(state_dir: str | Path, env: Mapping[str, str] | None = None, timeout: float = 10.0) -> dict[str, Any]:
     """Start nvidia-cuda-mps-control (foreground, our child in its own session); return its record.
 
@@ -352,7 +345,7 @@ def start_mps(state_dir: str | Path, env: Mapping[str, str] | None = None, timeo
     with open(log / "daemon.out", "ab") as out:
         proc = subprocess.Popen([exe, "-f"], env=denv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                 start_new_session=True)
-    rec = {"pid": proc.pid, "starttime": _starttime(proc.pid), "pipe_dir": str(pipe), "log_dir": str(log)}
+    rec = {"pid": proc.pid, "starttime": procs.start_ticks(proc.pid), "pipe_dir": str(pipe), "log_dir": str(log)}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -365,11 +358,19 @@ def start_mps(state_dir: str | Path, env: Mapping[str, str] | None = None, timeo
     raise CapabilityError(f"nvidia-cuda-mps-control did not create its pipe in {pipe} within {timeout:.0f} s")
 
 
+class NotOurs(TestbedError):
+    """A record names a process that the second proof says testbed did not start."""
+
+
 def stop_mps(rec: Mapping[str, Any], timeout: float = 10.0) -> None:
     """Quit the daemon politely (`quit` on its control pipe), then by signal. Idempotent."""
     pid = rec.get("pid")
-    if not pid or _starttime(pid) != rec.get("starttime"):
+    if not pid or procs.start_ticks(pid) != rec.get("starttime"):
         return
+    ref = procs.ProcRef(int(pid), int(rec["starttime"]))
+    if not procs.has_env(ref, "CUDA_MPS_PIPE_DIRECTORY", str(rec["pipe_dir"])):
+        raise NotOurs(f"pid {pid} recorded as the MPS daemon was not started with its pipe directory: "
+                      "not signalled")
     exe = shutil.which("nvidia-cuda-mps-control")
     if exe:
         env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(rec["pipe_dir"]),
@@ -380,7 +381,7 @@ def stop_mps(rec: Mapping[str, Any], timeout: float = 10.0) -> None:
         except (OSError, subprocess.TimeoutExpired):
             pass
     for sig in (None, signal.SIGTERM, signal.SIGKILL):
-        if sig is not None and _starttime(pid) == rec.get("starttime"):
+        if sig is not None and procs.start_ticks(pid) == rec.get("starttime"):
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
@@ -392,6 +393,6 @@ def stop_mps(rec: Mapping[str, Any], timeout: float = 10.0) -> None:
                     return
             except ChildProcessError:
                 pass
-            if _starttime(pid) != rec.get("starttime"):
+            if procs.start_ticks(pid) != rec.get("starttime"):
                 return
             time.sleep(0.02)

@@ -43,8 +43,9 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from testbed.errors import CapabilityError, StateError, TestbedError
+from testbed.net import names
 from testbed.net import netns as netns_mod
-from testbed.net import state
+from testbed import paths, procs
 from testbed.runtime import cgroups
 from testbed.runtime.base import PendingStart, Runtime
 from testbed.runtime.env import log_dir
@@ -225,18 +226,6 @@ sys.stdout.write("\n".join(out) + "\n")
 '''
 
 
-def _starttime(pid: int) -> int | None:
-    """The start time (clock ticks since boot) of a process: with the PID, it names one process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] == "Z":
-            return None
-        return int(fields[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _visible_under_tmp(state_dir: Path) -> list[str]:
     """Host dirs a worker must still see though its /tmp is private: the state dir, the
     project and its venv, and the caller's working dir (a checkout under /tmp, a test's tmp)."""
@@ -273,7 +262,7 @@ class NetnsRuntime(Runtime):
 
     # -- paths -----------------------------------------------------------------
     def worker_dir(self, node: str) -> Path:
-        return state.directory(self.testbed) / "workers" / node
+        return paths.directory(self.testbed) / "workers" / node
 
     def log_dir(self, node: str) -> Path:
         return log_dir(self.testbed, node)
@@ -350,7 +339,7 @@ class NetnsRuntime(Runtime):
         cfg = {
             "netns": str(nspath), "cgroup_procs": cgroups.cgroup_procs_files(cg), "hostname": node.name,
             "share_ipc": share_ipc, "log": str(ldir / "init.log"), "grace": STOP_GRACE_S,
-            "keep": _visible_under_tmp(state.directory(self.testbed)),
+            "keep": _visible_under_tmp(paths.directory(self.testbed)),
             "binds": [[str(wdir / "etc" / "hosts"), "/etc/hosts"], [str(wdir / "etc" / "hostname"), "/etc/hostname"]]
             + ([[str(wdir / "etc" / "resolv.conf"), "/etc/resolv.conf"]] if os.path.exists("/etc/resolv.conf") else []),
         }
@@ -359,7 +348,7 @@ class NetnsRuntime(Runtime):
     def _spawn(self, prepared: Sequence[tuple[str, dict[str, Any], dict[str, Any]]]) -> subprocess.Popen:
         """One spawner process forks every worker's bootstrap (see _SPAWN)."""
         items = [{"node": n, "cfg": cfg, "log": cfg["log"]} for n, _rec, cfg in prepared]
-        logs = state.directory(self.testbed) / "logs"
+        logs = paths.directory(self.testbed) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         with open(logs / "init-spawn.log", "ab") as err:
             try:
@@ -391,7 +380,7 @@ class NetnsRuntime(Runtime):
                 continue
             if msg.startswith("pid "):
                 rec["pid"] = int(msg.split()[1])
-                rec["starttime"] = _starttime(rec["pid"])
+                rec["starttime"] = procs.start_ticks(rec["pid"])
             elif msg.startswith("error "):
                 errors.setdefault(node, msg[6:])
             elif msg == "ok":
@@ -409,26 +398,15 @@ class NetnsRuntime(Runtime):
     def remove_many(self, workers: Iterable[tuple[str, Mapping[str, Any]]]) -> None:
         """remove() for many workers at once: all inits are asked to stop, then awaited."""
         workers = list(workers)
-        alive = []
+        # an init is signalled only if the record names it (PID, start time) and it sits in its
+        # worker's namespace: a record alone is not proof
+        inits = []
         for node, rec in workers:
-            pid = self.pid(node, rec)
-            if pid:
-                try:
-                    os.kill(pid, signal.SIGTERM)
-                    alive.append((pid, rec.get("starttime")))
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + STOP_GRACE_S + 1.0
-        while alive and time.monotonic() < deadline:
-            alive = [(p, st) for p, st in alive if _starttime(p) == st]
-            if alive:
-                time.sleep(0.005)
-        for p, st in alive:
-            if _starttime(p) == st:
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            if rec.get("pid") and rec.get("starttime") is not None:
+                r = procs.ProcRef(int(rec["pid"]), int(rec["starttime"]))
+                if procs.in_netns(r, netns_mod.path(names.netns(self.testbed, node))):
+                    inits.append(r)
+        procs.stop(inits, term_wait=STOP_GRACE_S + 1.0)
         first_error: Exception | None = None
         for node, rec in workers:
             try:
@@ -437,7 +415,7 @@ class NetnsRuntime(Runtime):
                 first_error = first_error or exc
             if rec.get("dir"):
                 shutil.rmtree(rec["dir"], ignore_errors=True)
-        wroot = state.directory(self.testbed) / "workers"
+        wroot = paths.directory(self.testbed) / "workers"
         try:
             wroot.rmdir()
         except OSError:
@@ -447,13 +425,11 @@ class NetnsRuntime(Runtime):
 
     # -- reaching a worker -----------------------------------------------------
     def pid(self, node: str, record: Mapping[str, Any]) -> int | None:
-        pid = record.get("pid")
-        if not pid:
+        """The worker's init, if the process the record names (PID and start time) still runs."""
+        pid, start = record.get("pid"), record.get("starttime")
+        if not pid or start is None:
             return None
-        st = _starttime(int(pid))
-        if st is None or (record.get("starttime") is not None and st != record.get("starttime")):
-            return None
-        return int(pid)
+        return int(pid) if procs.alive(procs.ProcRef(int(pid), int(start))) else None
 
     def _require_pid(self, node: str, record: Mapping[str, Any]) -> int:
         pid = self.pid(node, record)
@@ -523,7 +499,7 @@ class NetnsRuntime(Runtime):
         cgroups.freeze(record.get("cgroups") or [], False)
         _signal(pid, signal.SIGKILL)
         deadline = time.monotonic() + 5
-        while _starttime(pid) == record.get("starttime") and time.monotonic() < deadline:
+        while procs.start_ticks(pid) == record.get("starttime") and time.monotonic() < deadline:
             time.sleep(0.005)
 
     def restart(self, node: str, record: Mapping[str, Any]) -> dict[str, Any]:
