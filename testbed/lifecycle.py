@@ -219,14 +219,15 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     rt = make_runtime(kind, name)
     _checkpoint("checked")
 
-    # Claim the name atomically (a concurrent `up` with the same name fails here), then hold the
-    # testbed's lock for the whole build: `down`, faults and `cleanup` wait or say who holds it.
-    store.claim(name)
+    # Hold the testbed's lock for the whole build (`down`, faults and `cleanup` wait, or say who
+    # holds it), and under it claim the name (a second `up` of the same name fails here): a claim
+    # whose state is still empty while nobody holds the lock is one of an `up` that died.
     held = ExitStack()
+    held.enter_context(store.lock(name, what="testbed up"))
     try:
-        held.enter_context(store.lock(name, what="testbed up"))
+        store.claim(name)
     except BaseException:
-        store.remove(name)
+        held.close()
         raise
     pid = os.getpid()
     st: dict[str, Any] = {
@@ -386,6 +387,12 @@ def _remove(st: dict[str, Any], refused: list[str] | None = None) -> list[str]:
 
             left += _each(lambda paths_: cgroups.remove(paths_, kill=True), [rec["cgroup"]],
                           lambda _p: f"cgroup of node {node} (node slow)")
+    from testbed.runtime import cgroups
+
+    # groups the state had no time to record (an `up` killed between making them and saving):
+    # testbed/NAME/ and NAME.faults/ are ours by name
+    left += _each(lambda group: cgroups.remove(group, kill=True), cgroups.groups_of(name),
+                  lambda group: f"cgroup {group[0]}")
     mps = (st.get("gpu") or {}).get("mps_daemon")
     if mps:
         from testbed.runtime import gpu
@@ -581,11 +588,9 @@ def _cleanup_one(name: str) -> str | None:
     try:
         st = store.load(name)
     except StateError as exc:
-        if sf.exists() and sf.stat().st_size == 0 and time.time() - sf.stat().st_mtime < 10:
-            return None   # claimed by an `up` that has not written its first state yet
-        if not sf.exists():
+        if not sf.exists() or sf.stat().st_size == 0:   # we hold the lock: its `up` is gone
             store.remove(name)
-            return "state directory without a state"
+            return "claimed by an `up` that died before writing its state"
         return f"state not trusted, only what is labelled ours is removed ({exc})"
     status = st.get("status")
     if status == BUILDING and _alive(st.get("pid"), st.get("pid_start")):

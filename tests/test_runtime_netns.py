@@ -146,6 +146,16 @@ def test_identity_and_isolation(bed_factory):
     assert r.stdout.split() == ["w0", "=eth0", "eth0", "/etc"]
     # the host's hostname and /etc/hosts are untouched
     assert open("/etc/hostname").read().strip() != "w0"
+    # cgroupfs is read-only inside: a job cannot lift its own limits (nor write anyone's)
+    group = next((p for p in bed.recs["w0"]["cgroups"] if (Path(p) / "cgroup.procs").exists()), None)
+    if group is not None:
+        r = bed.run("w0", "sh", "-c", f"echo $$ > {group}/cgroup.procs")
+        assert r.returncode != 0 and "Read-only file system" in r.stderr, r
+        w = bed.run("w0", "sh", "-c", "grep ' /sys/fs/cgroup' /proc/self/mounts")
+        visible = {}   # the last mount on a path is the one a process sees (the host's copies lie under /sys)
+        for line in w.stdout.splitlines():
+            visible[line.split()[1]] = line.split()[3]
+        assert visible and all(opts.startswith("ro") for opts in visible.values()), w.stdout
 
 
 def test_init_survives_the_starting_process(bed_factory, tmp_path):

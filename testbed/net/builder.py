@@ -364,7 +364,10 @@ def stop_delay_lines(records: Iterable[dict[str, Any]], refused: list[str] | Non
         ref = procs.ProcRef(int(rec["pid"]), int(rec["start"]))
         if not procs.alive(ref):
             continue
-        if delayline.read_pid_file(Path(rec["pid_file"])) != ref:   # a second proof
+        named = delayline.read_pid_file(Path(rec["pid_file"]))
+        if named is None and not procs.wait_gone([ref], 1.0):
+            continue   # it was ending (a helper removes its pid file on its way out)
+        if named != ref:   # a second proof
             if refused is not None:
                 refused.append(f"pid {ref.pid} recorded as the delay line of link {rec.get('link')}: its pid "
                                "file does not name it, not signalled")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import fcntl
 import json
 import os
@@ -156,8 +157,7 @@ def start_delay_link(testbed: str, link_id: str | int, ns_a: str, if_a: str, ns_
                 pass
             tail = log.read_text(errors="replace")[-500:] if log.exists() else ""
             raise RuntimeError(f"delay line {lid} did not start: {tail}")
-        start = procs.start_ticks(proc.pid) or 0
-        pid_file.write_text(f"{proc.pid} {start}\n")
+        start = procs.start_ticks(proc.pid) or 0   # the helper wrote its pid file itself, first thing
         proc.returncode = 0  # we never wait on it here; stop() reaps it
         return DelayLink(pid=proc.pid, start=start, link_id=lid, ns_a=ns_a, if_a=if_a, ns_b=ns_b, if_b=if_b,
                          control=str(control), pid_file=str(pid_file))
@@ -301,6 +301,13 @@ class _Direction:
 
 def serve(cfg: dict[str, Any]) -> None:
     """The helper's loop (runs in the child; stdlib only)."""
+    # First of all, say who we are where cleanup looks: a parent killed right after starting us
+    # (kill -9 of `up`) must not leave a helper that nothing names.
+    pf = cfg.get("pid_file")
+    if pf:
+        with open(pf + ".tmp", "w") as fh:
+            fh.write(f"{os.getpid()} {procs.start_ticks(os.getpid()) or 0}\n")
+        os.replace(pf + ".tmp", pf)
     try:  # 1 us timer slack: select() wakes when asked, not up to 50 us later
         ctypes.CDLL(None).prctl(29, 1, 0, 0, 0)
     except Exception:
@@ -369,7 +376,9 @@ def serve(cfg: dict[str, Any]) -> None:
                         frame = read(fd, READ_SIZE)
                     except BlockingIOError:
                         break
-                    except OSError:
+                    except OSError as exc:
+                        if exc.errno in (errno.EBADFD, errno.ENODEV):
+                            raise SystemExit(0)   # the TAP's namespace is gone: so is the link we emulate
                         break
                     if not frame:
                         break

@@ -67,7 +67,7 @@ cfg = json.loads(os.environ.pop("TESTBED_INIT_CONFIG"))
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 NEWNS, NEWUTS, NEWIPC, NEWPID, NEWNET = 0x20000, 0x04000000, 0x08000000, 0x20000000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_SLAVE = 2, 4, 8, 4096, 16384, 1 << 19
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_SLAVE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 19
 def say(msg):
     os.write(1, (msg + "\n").encode())
 def chk(rc, what):
@@ -111,6 +111,17 @@ try:
         except OSError:
             pass
         os.close(cg)
+        # read-only inside the worker: a job must not lift its own limits (or anyone's); joining
+        # the worker's group happens from the host, before a process enters (exec_argv)
+        keep_flags = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
+        with open("/proc/self/mountinfo") as fh:
+            points = [(l.split()[4], l.split()[5]) for l in fh]
+        for mp, opts in points:
+            if mp == "/sys/fs/cgroup" or mp.startswith("/sys/fs/cgroup/"):
+                flags = MS_BIND | MS_REMOUNT | MS_RDONLY
+                for o in opts.split(","):
+                    flags |= keep_flags.get(o, 0)
+                mount(None, mp, None, flags)
     # host dirs the worker must keep seeing though they are under /tmp (a state dir there, in tests)
     keep = [(k, os.open(k, os.O_RDONLY | os.O_DIRECTORY)) for k in cfg["keep"]
             if k.startswith("/tmp/") and os.path.isdir(k)]

@@ -1,0 +1,108 @@
+"""A chaos loop: `up`, link changes and `down` in a process killed with SIGKILL at a random moment
+(seeded, printed), then `cleanup` (and `down`, where the kill came after `up` had finished: such a
+testbed is up and stays up). After every round nothing of the testbed is left (namespaces, state,
+cgroups, delay-line helpers) and canaries made outside testbed are alive."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from testbed import lifecycle, paths, procs, store
+from testbed.net import names, netns
+from testbed.runtime import cgroups
+
+REPO = Path(__file__).resolve().parents[1]
+ROUNDS = 30
+SCRIPT = """
+import sys
+from testbed import lifecycle
+from testbed.faults import control
+from testbed.topology.loader import load_topology_text
+name = sys.argv[1]
+lifecycle.up(load_topology_text('''
+name: chaos
+nodes: {w0: {kind: worker}, w1: {kind: worker}, s0: {kind: switch}}
+links:
+  - {endpoints: [w0, s0], bandwidth: 1gbit}
+  - {endpoints: [w1, s0], bandwidth: 1gbit, delay: 1ms}
+''', "<chaos>"), name, time_dilation="none")
+for _ in range(3):
+    control.link_down(name, "w0", "s0")
+    control.link_up(name, "w0", "s0")
+lifecycle.down(name)
+"""
+
+
+def _helpers_of(name: str) -> list[int]:
+    """Delay-line helpers of testbed `name` still running (an assertion only: nothing is signalled)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"testbed.net.delayline_main" in cmd and f'"testbed": "{name}"'.encode() in cmd:
+                out.append(int(entry))
+    return out
+
+
+@pytest.mark.slow
+def test_chaos_kill_9_then_cleanup(root, state_dir):
+    seed = int(os.environ.get("TESTBED_CHAOS_SEED") or random.randrange(1 << 30))
+    rng = random.Random(seed)
+    print(f"chaos seed {seed} (TESTBED_CHAOS_SEED={seed} repeats it)")
+    canary_ns = f"canary-{uuid.uuid4().hex[:6]}"
+    netns.create(canary_ns)
+    canary = subprocess.Popen(["ip", "netns", "exec", canary_ns, "sleep", "900"])
+    canary_ref = None
+    killed_at = {"before the end": 0, "finished": 0, "up, then down": 0}
+    try:
+        time.sleep(0.2)
+        canary_ref = procs.ref(canary.pid)
+        for r in range(ROUNDS):
+            name = f"ch{uuid.uuid4().hex[:5]}"
+            p = subprocess.Popen([sys.executable, "-c", SCRIPT, name], cwd=REPO, env={**os.environ,
+                                 "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            delay = rng.uniform(0.05, 1.2)   # the whole script takes ~1 s here
+            try:
+                p.wait(delay)
+                killed_at["finished"] += 1
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+                killed_at["before the end"] += 1
+            said = lifecycle.cleanup()
+            where = f"round {r}, killed after {delay:.2f} s (seed {seed}); cleanup said {said}"
+            if store.exists(name):
+                # killed after `up` had finished: a testbed that is up stays up (its workers run);
+                # cleanup must not remove it, `down` must
+                assert store.load(name)["status"] == "up", where
+                lifecycle.down(name)
+                killed_at["up, then down"] += 1
+            assert not netns.list_names(names.netns_prefix(name)), where
+            assert not paths.directory(name).exists(), where
+            assert not any(cgroups.groups_of(name)), where
+            # a helper started a moment before the kill ends itself when it finds its directory (or
+            # its namespaces) gone; it must not run on
+            deadline = time.monotonic() + 3
+            while _helpers_of(name) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not _helpers_of(name), where
+            assert procs.alive(canary_ref) and netns.exists(canary_ns), where
+    finally:
+        canary.kill()
+        canary.wait()
+        netns.delete(canary_ns)
+    print(f"{ROUNDS} rounds: killed mid-way {killed_at['before the end']} (of which up when killed and brought "
+          f"down after: {killed_at['up, then down']}), finished {killed_at['finished']}; zero leftovers, canary alive")
+    assert killed_at["before the end"] >= ROUNDS // 3   # the loop did interrupt the work
