@@ -285,6 +285,14 @@ def test_up_star_with_docker_runtime(daemon, tmp_path, monkeypatch):
         ifs = run(a, ["ip", "-o", "link", "show"]).stdout
         assert len(ifs.splitlines()) == 2  # lo + the host link
         assert run(a, ["sh", "-c", "echo $GLOO_SOCKET_IFNAME"]).stdout.strip()
+        # out of a worker's reach: the state file (root acts on it) and, by default, writes to the
+        # caller's directory; the runs' exchange folder is there for the probe
+        from testbed import paths
+
+        assert run(a, ["test", "-e", str(paths.state_file(name))]).returncode == 1
+        assert run(a, ["test", "-d", str(paths.directory(name) / "runs")]).returncode == 0
+        assert run(a, ["sh", "-c", f"touch {tmp_path}/from-worker"]).returncode != 0
+        assert not (tmp_path / "from-worker").exists()
         lifecycle.down(name)
         assert dk.list_containers(name) == []
         assert netns.list_names(f"tb-{name}-") == []
