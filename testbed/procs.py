@@ -7,7 +7,7 @@ create_time derives from the boot time and the clock) no NTP step can change
 it. Every signal testbed sends goes through `signal_ref`, which checks the
 pair first; stopping is TERM, a bounded wait, KILL, a bounded wait.
 
-No matching of command lines (pkill -f's logic) anywhere: a process is ours
+No matching of command lines anywhere (a name says nothing about who started a process): a process is ours
 because we recorded its (pid, start) when we started it.
 """
 
