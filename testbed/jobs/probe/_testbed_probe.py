@@ -257,12 +257,12 @@ def _timed_hook(hook, pg=None):
         finally:
             _tls.inside = False
 
-        def done(_f):   # on the backend's thread: note the time only; the record is written later
+        def done(f):   # on the backend's thread: note the time only; the record is written later
             _pending.append({"ev": "coll", "op": "all_reduce", "bytes": nbytes, "t": t, "dur": _real_perf() - t0,
                              "async": True, "src": "ddp", "g": g, "gn": gn, "seq": seq, "be": be})
+            return f.value()
 
-        fut.add_done_callback(done)
-        return fut
+        return fut.then(done)
 
     return timed
 
