@@ -531,6 +531,7 @@ def cleanup() -> list[tuple[str, str]]:
         else:
             removed.append((name, outcome))
     # Namespaces with our label and no state (or a state we just removed, or one we do not trust).
+    labelled: set[str] = set()
     for ns in netns.list_names(names.PREFIX):
         label = _read_owner(ns)
         if not label or not label.startswith("testbed:"):
@@ -542,10 +543,15 @@ def cleanup() -> list[tuple[str, str]]:
         kill_processes_in([ns])
         delete_namespaces([ns])
         removed.append((tb, f"namespace {ns} (labelled ours, no trusted state)"))
+        labelled.add(tb)
     for name in dirs:   # what an untrusted state's testbed left that we can prove ours, then the state
         if name not in keep and store.exists(name) and not _trusted(name):
             removed += _remove_provable(name)
             store.remove(name)
+            labelled.discard(name)
+    for tb in sorted(labelled):   # a testbed known by its labels alone: its groups, by name
+        if names.valid_testbed_name(tb) and not store.exists(tb):
+            removed += _remove_provable(tb)
     removed += _cleanup_containers(keep, base)
     from testbed.net.capabilities import sweep_stale_probes
 

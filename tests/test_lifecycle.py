@@ -149,6 +149,9 @@ def test_cleanup_finds_labelled_namespaces_without_state(testbed, state_dir, tb_
     removed = lifecycle.cleanup()
     assert any(n == tb_name for n, _ in removed)
     assert ours(tb_name) == []
+    from testbed.runtime import cgroups
+
+    assert not cgroups.groups_of(tb_name)   # its workers' groups too (ours by name in our tree)
 
 
 def test_cleanup_leaves_healthy_testbeds_and_others_alone(testbed, state_dir, tb_name, tmp_path):
