@@ -368,6 +368,7 @@ def _remove(st: dict[str, Any], refused: list[str] | None = None) -> list[str]:
     nothing left, the state goes too. Entries a second proof says are not ours (a PID whose pid
     file or namespace disagrees) are not acted on and go to `refused`, to be reported."""
     from testbed.net.builder import delete_namespaces, kill_processes_in, teardown
+    from testbed.runtime import cgroups
 
     name = st["name"]
     left: list[str] = []
@@ -383,12 +384,8 @@ def _remove(st: dict[str, Any], refused: list[str] | None = None) -> list[str]:
                           lambda item: f"worker {item[0]}")
     for node, rec in ((st.get("faults") or {}).get("nodes") or {}).items():
         if rec.get("cgroup"):   # a straggler group `node slow` made itself
-            from testbed.runtime import cgroups
-
             left += _each(lambda paths_: cgroups.remove(paths_, kill=True), [rec["cgroup"]],
                           lambda _p: f"cgroup of node {node} (node slow)")
-    from testbed.runtime import cgroups
-
     # groups the state had no time to record (an `up` killed between making them and saving):
     # testbed/NAME/ and NAME.faults/ are ours by name
     left += _each(lambda group: cgroups.remove(group, kill=True), cgroups.groups_of(name),
