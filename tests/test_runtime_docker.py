@@ -291,6 +291,8 @@ def test_up_star_with_docker_runtime(daemon, tmp_path, monkeypatch):
 
         assert run(a, ["test", "-e", str(paths.state_file(name))]).returncode == 1
         assert run(a, ["test", "-d", str(paths.directory(name) / "runs")]).returncode == 0
+        run(a, ["sh", "-c", f"echo planted > {paths.directory(name)}/planted"])
+        assert not (paths.directory(name) / "planted").exists()
         assert run(a, ["sh", "-c", f"touch {tmp_path}/from-worker"]).returncode != 0
         assert not (tmp_path / "from-worker").exists()
         lifecycle.down(name)

@@ -21,7 +21,8 @@ it with `make image`) with:
     * the directory `up` ran in (the user's project), at the same path,
       read-only, and the container's working directory (exec starts there).
       Like a shared home directory on a real cluster; not mounted when it is
-      "/", under /proc, /sys, /dev or the state root; $TESTBED_DOCKER_MOUNT_CWD
+      "/", under /proc, /sys, /dev or the state root (when the state root lies
+      inside it, an empty tmpfs covers the state root); $TESTBED_DOCKER_MOUNT_CWD
       =rw mounts it read-write (a job may then change your files as root),
       =0 not at all.
     * the testbed package, read-only, at /opt/testbed/src/testbed, with
@@ -216,6 +217,12 @@ class DockerRuntime(Runtime):
                 and not Path(cwd).is_relative_to(paths.root())):
             mounts.append(Mount(cwd, cwd, type="bind", read_only=how != "rw"))
             workdir = cwd
+            state_root = os.path.realpath(paths.root())
+            if Path(state_root).is_relative_to(cwd):
+                # the state root lies inside the user's directory: an empty tmpfs over it, so the
+                # state files stay out of sight (Docker mounts parents first: the exchange
+                # folder still shows through)
+                mounts.append(Mount(state_root, None, type="tmpfs"))
         for src, dst, ro in _parse_mounts(os.environ.get("TESTBED_DOCKER_MOUNTS", "")):
             mounts.append(Mount(dst, src, type="bind", read_only=ro))
         return mounts, workdir
