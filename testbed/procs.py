@@ -7,6 +7,9 @@ create_time derives from the boot time and the clock) no NTP step can change
 it. Every signal testbed sends goes through `signal_ref`, which checks the
 pair first; stopping is TERM, a bounded wait, KILL, a bounded wait.
 
+Every scan of /proc goes through this module too (`pids`, `pids_in_ns`, `pids_in_pidns`,
+`pids_with_env`): a process that ends mid-scan, or one we may not read, is skipped, in one place.
+
 No matching of command lines anywhere (a name says nothing about who started a process): a process is ours
 because we recorded its (pid, start) when we started it.
 """
@@ -56,24 +59,95 @@ def alive(r: ProcRef) -> bool:
     return r.pid > 0 and start_ticks(r.pid) == r.start
 
 
+def exists(pid: int) -> bool:
+    """/proc has an entry for `pid`: a process, a zombie included (no (pid, start) check: for
+    names that carry only a PID, such as a probe namespace's)."""
+    return int(pid) > 0 and os.path.exists(f"/proc/{int(pid)}")
+
+
+def pids(*, include_self: bool = True) -> list[int]:
+    """The PIDs /proc lists now (processes, zombies included, not threads), in /proc's order."""
+    me = os.getpid()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    return [int(e) for e in entries if e.isdigit() and (include_self or int(e) != me)]
+
+
+def ns_inode(pid: int | str, kind: str) -> int | None:
+    """The inode of the `kind` namespace ("net", "pid", ...) of `pid` (or "self"); None if the
+    process is gone, is a zombie, or may not be looked at."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
+    except OSError:
+        return None
+
+
+def pids_in_ns(kind: str, inodes: Iterable[int], *, include_self: bool = True) -> dict[int, int]:
+    """Every process whose `kind` namespace is one of `inodes`: pid -> that inode, in /proc's order."""
+    wanted = set(inodes)
+    out: dict[int, int] = {}
+    if not wanted:
+        return out
+    for pid in pids(include_self=include_self):
+        ino = ns_inode(pid, kind)
+        if ino is not None and ino in wanted:
+            out[pid] = ino
+    return out
+
+
+def pids_in_pidns(init_pid: int) -> list[int]:
+    """The processes in the PID namespace of `init_pid` (its init, or any member), `init_pid`
+    first; [] if it is gone. `docker exec`'d and setns'd processes are no init's children: only
+    the namespace tells."""
+    target = ns_inode(init_pid, "pid")
+    if target is None:
+        return []
+    return [init_pid] + [p for p in pids_in_ns("pid", (target,)) if p != init_pid]
+
+
+def environ(pid: int) -> list[bytes] | None:
+    """The environment `pid` was started with, as KEY=VALUE entries; None if it is gone or may
+    not be read (a kernel thread or a zombie has an empty one)."""
+    try:
+        with open(f"/proc/{int(pid)}/environ", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return [e for e in data.split(b"\0") if e]
+
+
+def _env_entry(key: str, value: str) -> bytes:
+    return f"{key}={value}".encode()
+
+
+def pids_with_env(key: str, value: str, *, include_self: bool = True) -> list[int]:
+    """Every process whose environment carries exactly key=value (one whole entry)."""
+    entry = _env_entry(key, value)
+    out = []
+    for pid in pids(include_self=include_self):
+        env = environ(pid)
+        if env is not None and entry in env:
+            out.append(pid)
+    return out
+
+
 def in_netns(r: ProcRef, netns_path: str | os.PathLike) -> bool:
     """The process lives in the network namespace bound at netns_path (a second proof of identity:
     a worker's init is in its worker's namespace)."""
     try:
-        return alive(r) and os.stat(f"/proc/{r.pid}/ns/net").st_ino == os.stat(netns_path).st_ino
+        target = os.stat(netns_path).st_ino
     except OSError:
         return False
+    return alive(r) and ns_inode(r.pid, "net") == target
 
 
 def has_env(r: ProcRef, key: str, value: str) -> bool:
     """The process was started with key=value in its environment (a second proof for daemons we
     start with a marker variable)."""
-    try:
-        with open(f"/proc/{r.pid}/environ", "rb") as f:
-            env = f.read().split(b"\0")
-    except OSError:
-        return False
-    return alive(r) and f"{key}={value}".encode() in env
+    env = environ(r.pid)
+    return env is not None and alive(r) and _env_entry(key, value) in env
 
 
 def _reap(pid: int) -> None:

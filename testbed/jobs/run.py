@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from testbed import procs
 from testbed.errors import TestbedError
 from testbed.jobs import counters, rundir
 from testbed.jobs.probe import PROBE_PATH
@@ -247,21 +248,8 @@ def _exit_status(rc: int) -> int:
 
 
 def _tagged_pids(run_id: str) -> list[int]:
-    """Every process (host view) whose environment carries our run id."""
-    needle = f"TESTBED_RUN_ID={run_id}".encode()
-    me = os.getpid()
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                data = f.read()
-        except OSError:
-            continue
-        if needle + b"\0" in data or data.endswith(needle):
-            out.append(int(entry))
-    return out
+    """Every process (host view) but this one whose environment carries our run id."""
+    return procs.pids_with_env("TESTBED_RUN_ID", run_id, include_self=False)
 
 
 def _signal_all(ranks: Sequence[Rank], run_id: str, sig: int) -> None:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from testbed import procs
 from testbed.net.netns import run_in_netns  # noqa: F401  (also used by delayline)
 
 # -- the result ------------------------------------------------------------------
@@ -202,7 +203,7 @@ def sweep_stale_probes() -> list[str]:
         return removed
     for name in names:
         m = re.fullmatch(r"tbprobe-(\d+)(-[ws])?", name)
-        if not m or os.path.exists(f"/proc/{m.group(1)}"):
+        if not m or procs.exists(int(m.group(1))):
             continue
         try:
             from pyroute2 import netns

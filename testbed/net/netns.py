@@ -22,6 +22,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
+from testbed import procs
+
 T = TypeVar("T")
 
 NETNS_RUN_DIR = Path("/run/netns")
@@ -239,20 +241,4 @@ def pids_in(names: list[str]) -> dict[int, str]:
         ino = inode(n)
         if ino is not None:
             inodes[ino] = n
-    if not inodes:
-        return {}
-    out: dict[int, str] = {}
-    me = os.getpid()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        if pid == me:
-            continue
-        try:
-            ino = os.stat(f"/proc/{pid}/ns/net").st_ino
-        except OSError:
-            continue
-        if ino in inodes:
-            out[pid] = inodes[ino]
-    return out
+    return {pid: inodes[ino] for pid, ino in procs.pids_in_ns("net", inodes, include_self=False).items()}

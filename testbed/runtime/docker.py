@@ -395,21 +395,7 @@ class DockerRuntime(Runtime):
         """Host PIDs of everything in the worker's PID namespace, its init (tini) first.
         (`docker exec` processes are not the init's children: match on the namespace.)"""
         init = self.pid(node, record)
-        if init is None:
-            return []
-        try:
-            ns = os.stat(f"/proc/{init}/ns/pid").st_ino
-        except OSError:
-            return []
-        out = [init]
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and int(entry) != init:
-                try:
-                    if os.stat(f"/proc/{entry}/ns/pid").st_ino == ns:
-                        out.append(int(entry))
-                except OSError:
-                    pass
-        return out
+        return [] if init is None else procs.pids_in_pidns(init)
 
     def _machine(self, init: int) -> set[int]:
         """The init and the `sleep infinity` it keeps: what must survive a crash."""
