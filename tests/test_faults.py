@@ -1,4 +1,12 @@
-"""Runtime control of a running testbed (testbed.faults.control): links, nodes, partitions. Needs root."""
+"""Runtime control of a running testbed (testbed.faults.control): links, nodes, partitions. Needs root.
+
+Every test gets a testbed of its own (the `star`, `leaves` and `fat` fixtures are function-scoped): a
+test that fails half-way, or leaves a link down or a worker slowed, cannot change what the next test
+sees. A star (4 namespaces) or a 2-leaf leaf-spine (8) comes up in 0.1-0.2 s; the k=4 fat-tree (36)
+takes about a second, so only the two tests about failover across its three tiers use it. The fixture
+checks that the fresh testbed is at its baseline before the test, and that it is gone, namespaces
+included, after it.
+"""
 
 from __future__ import annotations
 
@@ -7,57 +15,97 @@ import os
 import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
 IS_ROOT = os.geteuid() == 0
 pytestmark = [pytest.mark.root, pytest.mark.skipif(not IS_ROOT, reason="needs root (namespaces, tc)")]
 
-
-@pytest.fixture(scope="module")
-def state_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tbstate")
-    old = os.environ.get("TESTBED_STATE_DIR")
-    os.environ["TESTBED_STATE_DIR"] = str(d)
-    yield d
-    if old is None:
-        os.environ.pop("TESTBED_STATE_DIR", None)
-    else:
-        os.environ["TESTBED_STATE_DIR"] = old
+# 200mbit host links: iperf3 measures what HTB lets through, well below what the CPU can move
+STAR = ("star", ["tiers.host.bandwidth=200mbit", "tiers.host.delay=0", "params.n=3"])
+# delay 0: plain veths (what is tested here is the control, not the delay element)
+LEAF_SPINE = ("leaf-spine", ["params.leaves=2", "params.spines=2", "params.hosts_per_leaf=2", "tiers.host.delay=0",
+                             "tiers.leaf-spine.delay=0"])   # w0 w1 on leaf0, w2 w3 on leaf1
+FAT = ("fat-tree", ["tiers.host.delay=0", "tiers.edge-agg.delay=0", "tiers.agg-core.delay=0"])
 
 
-def _testbed(topology, overrides=()):
-    from testbed import lifecycle
+def _namespaces_of(name):
+    from testbed.net import names, netns
+
+    return netns.list_names(names.netns_prefix(name))
+
+
+def baseline_problems(name):
+    """How testbed `name` differs from its topology (empty: all links up at the topology's profiles,
+    no partition, no node down, crashed or slowed, no time dilation)."""
+    from testbed import store
+    from testbed.faults import control
+
+    st = store.load(name)
+    out = [f"link {'-'.join(l['endpoints'])}: {l['state']} (down_by {l['down_by']}), changed={l['changed']}"
+           for l in control.link_show(name) if l["state"] != "up" or l["down_by"] or l["changed"]]
+    faults = st.get("faults") or {}
+    if faults.get("partition"):
+        out.append(f"partition {faults['partition'].get('groups')}")
+    for node, ns in sorted((faults.get("nodes") or {}).items()):
+        if ns.get("state") not in (None, "up") or "cpus" in ns or ns.get("cgroup"):
+            out.append(f"node {node}: {ns}")
+    if control.dilation_of(st) != 1.0:
+        out.append(f"time dilation {control.dilation_of(st)}")
+    return out
+
+
+@pytest.fixture
+def make_testbed(root, state_dir):
+    """up(topology, overrides) -> (name, topo): a testbed of this test's own, at its baseline.
+
+    Afterwards, whatever the test did (links down, nodes slowed, a failure half-way), the testbed is
+    brought down; a testbed that could not be removed, or left a namespace, is this test's error."""
+    from testbed import lifecycle, store
     from testbed.topology.loader import load_topology
 
-    topo = load_topology(topology, overrides)
-    name = f"f{uuid.uuid4().hex[:6]}"
-    lifecycle.up(topo, name)
-    return name, topo
+    made: list[str] = []
+
+    def up(topology, overrides=()):
+        topo = load_topology(topology, overrides)
+        name = f"f{uuid.uuid4().hex[:6]}"
+        made.append(name)
+        lifecycle.up(topo, name)
+        problems = baseline_problems(name)
+        assert not problems, f"fresh testbed {name} ({topology}) is not at its baseline: {problems}"
+        return name, topo
+
+    yield up
+    errors = []
+    for name in made:
+        try:
+            if store.exists(name):
+                lifecycle.down(name)
+        except Exception as exc:  # noqa: BLE001 - reported below, the other testbeds still go
+            errors.append(f"down {name}: {exc!r}")
+    if errors or any(_namespaces_of(n) for n in made):
+        try:
+            lifecycle.cleanup()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(f"cleanup: {exc!r}")
+    left = [ns for n in made for ns in _namespaces_of(n)]
+    assert not errors and not left, f"testbed not removed cleanly: {errors}; namespaces left: {left}"
 
 
-@pytest.fixture(scope="module")
-def fat(state_dir):
-    from testbed import lifecycle
-
-    # delay 0: plain veths (what is tested here is the control, not the delay element)
-    name, topo = _testbed("fat-tree", ["tiers.host.delay=0", "tiers.edge-agg.delay=0", "tiers.agg-core.delay=0"])
-    try:
-        yield name, topo
-    finally:
-        lifecycle.down(name)
+@pytest.fixture
+def star(make_testbed):
+    return make_testbed(*STAR)
 
 
-@pytest.fixture(scope="module")
-def star(state_dir):
-    from testbed import lifecycle
+@pytest.fixture
+def leaves(make_testbed):
+    return make_testbed(*LEAF_SPINE)
 
-    # 200mbit host links: iperf3 measures what HTB lets through, well below what the CPU can move
-    name, topo = _testbed("star", ["tiers.host.bandwidth=200mbit", "tiers.host.delay=0", "params.n=3"])
-    try:
-        yield name, topo
-    finally:
-        lifecycle.down(name)
+
+@pytest.fixture
+def fat(make_testbed):
+    return make_testbed(*FAT)
 
 
 def addr(topo, w):
@@ -87,6 +135,24 @@ def links_state(name):
     return {tuple(l["endpoints"]): l for l in control.link_show(name)}
 
 
+def cpu_limit(pid):
+    """CPUs the CFS quota of the cpu cgroup that process `pid` is in allows (None: no quota)."""
+    from testbed.runtime import cgroups
+
+    hier = cgroups.hierarchy()
+    assert hier is not None, "no cgroup filesystem"
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, ctrls, rel = line.split(":", 2)
+        if hier.version == 2 and ctrls == "":
+            text = (hier.mounts[""] / rel.lstrip("/") / "cpu.max").read_text().split()
+            return None if text[0] == "max" else int(text[0]) / int(text[1])
+        if hier.version == 1 and "cpu" in ctrls.split(","):
+            group = hier.mounts["cpu"] / rel.lstrip("/")
+            quota = int((group / "cpu.cfs_quota_us").read_text())
+            return None if quota < 0 else quota / int((group / "cpu.cfs_period_us").read_text())
+    raise AssertionError(f"process {pid} is in no cpu cgroup")
+
+
 # -- links --------------------------------------------------------------------------------------------------
 
 
@@ -114,29 +180,30 @@ def test_fat_tree_agg_core_down_keeps_cross_pod(fat):
     name, topo = fat
     cross = ["w4", "w8", "w12", "w5", "w9", "w13"]
     assert all(ping(name, topo, "w0", w) for w in cross)
-    control.link_down(name, "agg0-0", "core0")
-    control.link_down(name, "agg0-1", "core2")
-    try:
-        # many flows (different ICMP ids hash differently); every one must get through
-        for w in cross:
-            assert ping(name, topo, "w0", w, count=5), f"w0 -> {w} broken by one agg-core link down"
-    finally:
-        control.link_up(name, "agg0-0", "core0")
-        control.link_up(name, "agg0-1", "core2")
+    downed = [("agg0-0", "core0"), ("agg0-1", "core2")]
+    for a, b in downed:
+        assert control.link_down(name, a, b), f"{a}-{b} was already down"
+    links = links_state(name)
+    assert sorted(k for k, l in links.items() if l["state"] == "down") == sorted(downed)
+    # many flows (different ICMP ids hash differently); every one must get through
+    for w in cross:
+        assert ping(name, topo, "w0", w, count=5), f"w0 -> {w} broken by one agg-core link down"
+    for a, b in downed:
+        assert control.link_up(name, a, b) == []
+    assert all(l["state"] == "up" for l in links_state(name).values())
     assert all(reachable_within(name, topo, "w0", w) is not None for w in cross)
 
 
-def test_fat_tree_host_link_down_stops_it(fat):
+def test_host_link_down_stops_it_not_its_rack(leaves):
+    """A host link down cuts that worker off, across the fabric; its rack mate stays reachable."""
     from testbed.faults import control
 
-    name, topo = fat
-    control.link_down(name, "w5", "edge1-0")
-    try:
-        assert not ping(name, topo, "w0", "w5", count=3)
-        assert ping(name, topo, "w0", "w4")
-    finally:
-        control.link_up(name, "w5", "edge1-0")
-    assert reachable_within(name, topo, "w0", "w5") is not None
+    name, topo = leaves
+    assert control.link_down(name, "w3", "leaf1")
+    assert not ping(name, topo, "w0", "w3", count=3)
+    assert ping(name, topo, "w0", "w2")
+    assert control.link_up(name, "w3", "leaf1") == []
+    assert reachable_within(name, topo, "w0", "w3") is not None
 
 
 def test_switch_down_fails_over_and_up_restores(fat):
@@ -144,15 +211,13 @@ def test_switch_down_fails_over_and_up_restores(fat):
 
     name, topo = fat
     control.node_down(name, "core1")
-    try:
-        downs = [k for k, l in links_state(name).items() if l["state"] == "down"]
-        assert sorted(downs) == sorted((l.a, l.b) for l in topo.links_of("core1"))
-        assert all(ping(name, topo, "w0", w, count=3) for w in ("w4", "w8", "w15"))
-        # a link downed by the switch stays down on `link up` of the same link? no: link up only
-        # undoes link down; the switch still holds it
-        assert control.link_up(name, "agg0-0", "core1") == ["node:core1"]
-    finally:
-        control.node_up(name, "core1")
+    downs = [k for k, l in links_state(name).items() if l["state"] == "down"]
+    assert sorted(downs) == sorted((l.a, l.b) for l in topo.links_of("core1"))
+    assert all(ping(name, topo, "w0", w, count=3) for w in ("w4", "w8", "w15"))
+    # `link up` only undoes `link down`: a link the downed switch holds stays down, and says why
+    assert control.link_up(name, "agg0-0", "core1") == ["node:core1"]
+    assert links_state(name)[("agg0-0", "core1")]["state"] == "down"
+    control.node_up(name, "core1")
     assert all(l["state"] == "up" for l in links_state(name).values())
     assert all(reachable_within(name, topo, "w0", w) is not None for w in ("w4", "w8", "w15"))
 
@@ -179,6 +244,7 @@ def _iperf(name, topo, client, server, reverse=False, secs=2):
         argv = ["ip", "netns", "exec", f"tb-{name}-{client}", "iperf3", "-c", addr(topo, server), "-p", port,
                 "-t", str(secs), "-O", "0.5", "-J"] + (["-R"] if reverse else [])
         r = subprocess.run(argv, capture_output=True, text=True, timeout=secs + 20)
+        assert r.returncode == 0, f"iperf3 {client} -> {server} failed: {r.stderr.strip()} {r.stdout[-400:]}"
         data = json.loads(r.stdout)
         return data["end"]["sum_received"]["bits_per_second"]
     finally:
@@ -217,23 +283,19 @@ def test_link_set_bandwidth_iperf(star):
 
 
 def test_link_set_honours_dilation(star):
-    from testbed.faults import control
     from testbed import store
+    from testbed.faults import control
 
     name, topo = star
     st = store.load(name)
     st["time_dilation"] = {"factor": 2.0, "source": "test"}
     store.save(name, st)
-    try:
-        control.link_set(name, "w0", "s0", {"bandwidth_bps": 100_000_000})
-        # the emulated link says 100mbit; the kernel runs it at 100mbit / 2
-        assert links_state(name)[("w0", "s0")]["ab"]["bandwidth_bps"] == 100_000_000
-        assert _iperf(name, topo, "w0", "w1") == pytest.approx(50e6 * 0.95, rel=0.05)
-        control.link_reset(name, "w0", "s0")
-    finally:
-        st = store.load(name)
-        st.pop("time_dilation", None)
-        store.save(name, st)
+    control.link_set(name, "w0", "s0", {"bandwidth_bps": 100_000_000})
+    # the emulated link says 100mbit; the kernel runs it at 100mbit / 2
+    assert links_state(name)[("w0", "s0")]["ab"]["bandwidth_bps"] == 100_000_000
+    assert _iperf(name, topo, "w0", "w1") == pytest.approx(50e6 * 0.95, rel=0.05)
+    control.link_reset(name, "w0", "s0")
+    assert not links_state(name)[("w0", "s0")]["changed"]
 
 
 def test_partition_and_heal(star):
@@ -242,18 +304,18 @@ def test_partition_and_heal(star):
     name, topo = star
     groups = control.partition(name, [["w0"], ["w1", "w2"]])
     assert groups == [["w0"], ["w1", "w2"]]
-    try:
-        assert not ping(name, topo, "w0", "w1", count=3)
-        assert not ping(name, topo, "w2", "w0", count=3)
-        assert ping(name, topo, "w1", "w2")
-    finally:
-        assert control.heal(name)
+    assert not ping(name, topo, "w0", "w1", count=3)
+    assert not ping(name, topo, "w2", "w0", count=3)
+    assert ping(name, topo, "w1", "w2")
+    assert control.heal(name)
     assert ping(name, topo, "w0", "w1") and ping(name, topo, "w2", "w0")
     assert not control.heal(name)
 
 
 def test_node_crash_and_slow(star):
-    """crash kills what runs in the worker; slow caps its CPU (a busy loop gets ~cpus of a core)."""
+    """crash kills what runs in the worker; slow caps its CPU (a busy loop gets ~cpus of a core);
+    restore puts the topology's limit back."""
+    from testbed import store
     from testbed.faults import control
 
     name, topo = star
@@ -268,6 +330,7 @@ def test_node_crash_and_slow(star):
         time.sleep(1.0)
         fast = sum(p.cpu_times()[:2]) - sum(c0[:2])
         control.node_slow(name, "w2", 0.2)
+        assert cpu_limit(busy.pid) == pytest.approx(0.2), "the busy loop is not under the slowed quota"
         time.sleep(0.3)
         c1 = p.cpu_times()
         time.sleep(1.5)
@@ -275,21 +338,24 @@ def test_node_crash_and_slow(star):
         assert slow < 0.26, (fast, slow)   # the quota is an upper bound, whatever else runs
         assert fast > 2 * slow, (fast, slow)   # and it was the quota that slowed the loop down
         control.node_restore(name, "w2")
+        # back to the topology's limit (star: cpus 1 per worker), and the state forgets the slow
+        assert cpu_limit(busy.pid) == topo.nodes["w2"].cpus
+        assert "cpus" not in store.load(name)["faults"]["nodes"]["w2"]
         n = control.node_crash(name, "w2")
         assert n >= 1
         busy.wait(5)
         assert busy.returncode == -9
+        assert store.load(name)["faults"]["nodes"]["w2"]["state"] == "crashed"
     finally:
         if busy.poll() is None:
             busy.kill()
         busy.wait(5)
     control.node_up(name, "w2")
-    from testbed import store
-
     assert store.load(name)["faults"]["nodes"]["w2"]["state"] == "up"
 
 
 def test_restore_all(star):
+    from testbed import store
     from testbed.faults import control
 
     name, topo = star
@@ -299,8 +365,11 @@ def test_restore_all(star):
     control.partition(name, [["w2"]])
     changed = control.restore_all(name)
     assert changed
+    assert {"heal", "node up s0", "link reset w0 s0", "link reset w1 s0"} <= set(changed), changed
     links = links_state(name)
     assert all(l["state"] == "up" and not l["changed"] and not l["down_by"] for l in links.values())
+    assert baseline_problems(name) == []
+    assert not store.load(name)["faults"].get("partition")
     assert reachable_within(name, topo, "w0", "w1") is not None
     assert reachable_within(name, topo, "w2", "w0") is not None
     assert control.restore_all(name) == []
@@ -319,8 +388,10 @@ def test_cli_link_commands(star):
     r = cli("link", "down", "w0", "s0", "--name", name)
     assert r.returncode == 0, r.stderr
     r = cli("link", "show", "--name", name, "--json")
+    assert r.returncode == 0, r.stderr
     assert [l for l in json.loads(r.stdout) if l["endpoints"] == ["w0", "s0"]][0]["state"] == "down"
     assert cli("link", "up", "w0", "s0", "--name", name).returncode == 0
+    assert links_state(name)[("w0", "s0")]["state"] == "up"
     r = cli("link", "set", "w0", "s0", "--bandwidth", "10 parsecs", "--name", name)
     assert r.returncode == 2 and "--bandwidth" in r.stderr
     r = cli("link", "set", "w0", "w1", "--loss", "1%", "--name", name)
