@@ -276,6 +276,8 @@ def validate(name: str, data: dict[str, Any]) -> None:
         for k in ("dir", "log_dir"):
             if rec.get(k) is not None:
                 _under(name, f"{f}.{k}", rec[k], sdir)
+        if rec.get("net_admin") is not None and not isinstance(rec["net_admin"], bool):
+            raise _err(name, f + ".net_admin", "not true or false", rec["net_admin"])
         if rec.get("container") is not None and rec["container"] != names.netns(name, w):
             raise _err(name, f + ".container", f"not this worker's container ({names.netns(name, w)})",
                        rec["container"])

@@ -2,16 +2,32 @@
 
 Each worker has its own network namespace (tb-NAME-NODE, made by
 prepare_netns, filled by the data plane), and a long-lived init process in
-new mount, UTS, PID and IPC namespaces:
+new mount, UTS, PID and IPC namespaces (testbed/runtime/worker_init.py: one
+spawner process forks the inits of a whole batch; ps shows each init as
+"testbed-init NODE", comm "tb-init"):
 
 - hostname = the node's name; /etc/hosts lists every worker by name (and
   /etc/hostname says its name): both bind-mounted from files under
   /run/testbed/NAME/workers/NODE/;
 - a private /tmp and /dev/shm (tmpfs), its own /proc (its own PID space: it
-  sees only its processes) and its own /sys (it sees only its interfaces);
+  sees only its processes) and its own /sys (it sees only its interfaces),
+  read-only, as are /proc/sys (but /proc/sys/net, its own) and
+  /proc/sysrq-trigger;
 - everything else is the host's filesystem, shared as in Mininet, so the
   project's venv and the user's code are there at the same paths. Host mounts
   propagate into workers (rslave), never the other way round;
+- but not the testbed's state (the state root, /run/testbed): an empty
+  read-only tmpfs covers it, and only what workers need comes back at the
+  same paths: NAME/runs (read-write: what ranks of `testbed run` write),
+  NAME/logs/NODE (read-write: TESTBED_LOG_DIR), NAME/workers/NODE
+  (read-only: its hosts files, attach's rcfile) and the MPS pipe and log
+  dirs when the worker uses MPS;
+- capabilities: Docker's default set plus sys_ptrace (worker_init.WORKER_CAPS),
+  and net_admin only for a testbed brought up with net_admin=True (a job
+  could otherwise remove its links' shaping); never sys_admin, so the mounts
+  above stay. The init drops the rest from its bounding set and its own sets;
+  every process entering the worker gets the same bounding set from setpriv
+  (util-linux). The choice is in each worker's record (net_admin);
 - cpu and memory limits from the topology through a cgroup
   testbed/NAME/NODE (testbed/runtime/cgroups.py), which the init and every
   process started with exec/attach join;
@@ -20,9 +36,9 @@ new mount, UTS, PID and IPC namespaces:
   the CLI that started it; `down` (remove) stops it.
 
 Reaching a worker is `nsenter -t <init pid> -a` (exec_argv), preceded by
-joining the worker's cgroup and followed by `env` with the worker's
-variables (env.py, GPU variables): processes get the caller's environment
-plus the worker's.
+joining the worker's cgroup and followed by `setpriv` (the worker's
+capabilities) and `env` with the worker's variables (env.py, GPU
+variables): processes get the caller's environment plus the worker's.
 
 With MPS (CUDA_MPS_PIPE_DIRECTORY in the worker env) a worker keeps the
 host's IPC namespace and /dev/shm: MPS clients talk to the server through them.
@@ -39,216 +55,77 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
+from testbed import paths, procs
 from testbed.errors import CapabilityError, StateError, TestbedError
 from testbed.net import names
 from testbed.net import netns as netns_mod
-from testbed import paths, procs
-from testbed.runtime import cgroups
+from testbed.runtime import cgroups, worker_init
 from testbed.runtime.base import PendingStart, Runtime
 from testbed.runtime.env import log_dir
 from testbed.topology.model import Node
 
 START_TIMEOUT_S = 15.0
 STOP_GRACE_S = 3.0
+INIT_SCRIPT = str(Path(worker_init.__file__).resolve())   # run by its path, without site (its docstring)
+MPS_DIR_VARS = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
+SETPRIV_DIRS = ("/usr/bin", "/bin", "/usr/sbin", "/sbin")   # where setpriv is looked for besides $PATH
 
-# The worker's init, forked by the spawner below (`python -S -c <_SPAWN> testbed-init`, which
-# is what ps shows for every init; its config comes through the environment). It is a script and
-# not a module so that it needs nothing but the standard library (no site, no
-# venv): stage A joins the cgroup and the network namespace, unshares the
-# others and forks stage B, PID 1 of the new PID namespace; A reports B's host
-# PID on stdout and exits. B builds the mount namespace, reports "ok" (or
-# "error ...") and becomes the init loop.
-_INIT = r'''
-import ctypes, json, os, signal, sys, time
-cfg = json.loads(os.environ.pop("TESTBED_INIT_CONFIG"))
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-NEWNS, NEWUTS, NEWIPC, NEWPID, NEWNET = 0x20000, 0x04000000, 0x08000000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_SLAVE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 19
-def say(msg):
-    os.write(1, (msg + "\n").encode())
-def chk(rc, what):
-    if rc != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, "%s: %s" % (what, os.strerror(e)))
-def mount(src, dst, fstype, flags, data=None):
-    enc = lambda s: None if s is None else s.encode()
-    chk(libc.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)), "mount %s on %s" % (fstype or src, dst))
-try:
-    for f in cfg["cgroup_procs"]:
-        with open(f, "w") as fh:
-            fh.write(str(os.getpid()))
-    fd = os.open(cfg["netns"], os.O_RDONLY)
-    chk(libc.setns(fd, NEWNET), "setns " + cfg["netns"])
-    os.close(fd)
-    chk(libc.unshare(NEWNS | NEWUTS | NEWPID | (0 if cfg["share_ipc"] else NEWIPC)), "unshare")
-    pid = os.fork()
-except Exception as exc:
-    say("error %s" % exc)
-    os._exit(1)
-if pid:
-    say("pid %d" % pid)
-    os._exit(0)
-try:
-    os.setsid()
-    mount(None, "/", None, MS_REC | MS_SLAVE)
-    # the state dir may be under /tmp (tests): use its files before /tmp is replaced
-    logfd = os.open(cfg["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    for src, dst in cfg["binds"]:
-        if os.path.isfile(dst):
-            mount(src, dst, None, MS_BIND)
-    cg = None
-    if os.path.isdir("/sys/fs/cgroup"):
-        cg = os.open("/sys/fs/cgroup", os.O_RDONLY | os.O_DIRECTORY)
-    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    if cg is not None:
-        try:
-            mount("/proc/self/fd/%d" % cg, "/sys/fs/cgroup", None, MS_BIND | MS_REC)
-        except OSError:
-            pass
-        os.close(cg)
-        # read-only inside the worker: a job must not lift its own limits (or anyone's); joining
-        # the worker's group happens from the host, before a process enters (exec_argv)
-        keep_flags = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
-        with open("/proc/self/mountinfo") as fh:
-            points = [(l.split()[4], l.split()[5]) for l in fh]
-        for mp, opts in points:
-            if mp == "/sys/fs/cgroup" or mp.startswith("/sys/fs/cgroup/"):
-                flags = MS_BIND | MS_REMOUNT | MS_RDONLY
-                for o in opts.split(","):
-                    flags |= keep_flags.get(o, 0)
-                mount(None, mp, None, flags)
-    # host dirs the worker must keep seeing though they are under /tmp (a state dir there, in tests)
-    keep = [(k, os.open(k, os.O_RDONLY | os.O_DIRECTORY)) for k in cfg["keep"]
-            if k.startswith("/tmp/") and os.path.isdir(k)]
-    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
-    for k, kfd in keep:
-        os.makedirs(k, exist_ok=True)
-        mount("/proc/self/fd/%d" % kfd, k, None, MS_BIND | MS_REC)
-        os.close(kfd)
-    if not cfg["share_ipc"]:
-        if os.path.isdir("/dev/shm"):
-            mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
-        if os.path.isdir("/dev/mqueue"):
-            try:
-                mount("mqueue", "/dev/mqueue", "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-            except OSError:
-                pass
-    host = cfg["hostname"].encode()
-    chk(libc.sethostname(host, len(host)), "sethostname")
-    try:    # the OOM killer of a worker's memory cgroup must pick its hog, not its init
-        with open("/proc/self/oom_score_adj", "w") as fh:
-            fh.write("-1000")
-    except OSError:
-        pass    # no CAP_SYS_RESOURCE (a container): the init is small and rarely picked
-    os.chdir("/")
-except Exception as exc:
-    say("error %s" % exc)
-    os._exit(1)
-say("ok")
-nul = os.open("/dev/null", os.O_RDONLY)
-os.dup2(nul, 0)
-os.dup2(logfd, 1)
-os.dup2(logfd, 2)
-os.close(logfd)
-os.close(nul)
-SIGS = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
-signal.pthread_sigmask(signal.SIG_BLOCK, SIGS)
-def reap():
-    while True:
-        try:
-            p, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if p == 0:
-            return
-def others():
-    try:
-        os.kill(-1, 0)
-        return True
-    except ProcessLookupError:
-        return False
-while True:
-    s = signal.sigwait(SIGS)
-    if s == signal.SIGCHLD:
-        reap()
-    elif s in (signal.SIGTERM, signal.SIGINT):
-        break
-try:
-    os.kill(-1, signal.SIGTERM)
-except ProcessLookupError:
-    pass
-deadline = time.monotonic() + float(cfg["grace"])
-while time.monotonic() < deadline:
-    reap()
-    if not others():
-        break
-    time.sleep(0.01)
-try:
-    os.kill(-1, signal.SIGKILL)
-except ProcessLookupError:
-    pass
-os._exit(0)
-'''
-# One small process forks the bootstrap of every worker of a batch (a fork costs far less than a
-# Python start per worker). Input: [{"node", "cfg", "log"}] on stdin; output: "NODE pid N",
-# "NODE ok" or "NODE error ..." lines, once every init has reported.
-_SPAWN = r'''
-import json, os, sys
-init = os.environ.pop("TESTBED_INIT")
-items = json.loads(sys.stdin.read())
-pipes = []
-for it in items:
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            for _, rr, _ in pipes:
-                os.close(rr)
-            os.setsid()
-            os.dup2(w, 1)
-            os.close(w)
-            log = os.open(it["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            os.dup2(log, 2)
-            os.close(log)
-            os.environ["TESTBED_INIT_CONFIG"] = json.dumps(it["cfg"])
-            exec(init, {"__name__": "testbed_init"})
-        finally:
-            os._exit(1)
-    os.close(w)
-    pipes.append((it["node"], r, pid))
-out = []
-for node, r, pid in pipes:
-    data = b""
-    while True:
-        chunk = os.read(r, 4096)
-        if not chunk:
-            break
-        data += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
-    out += ["%s %s" % (node, line) for line in data.decode(errors="replace").splitlines()]
-sys.stdout.write("\n".join(out) + "\n")
-'''
-
-
-def _visible_under_tmp(state_dir: Path) -> list[str]:
-    """Host dirs a worker must still see though its /tmp is private: the state dir, the
-    project and its venv, and the caller's working dir (a checkout under /tmp, a test's tmp)."""
-    import sys
-
+def _project_dirs() -> list[Path]:
+    """The project (its code) and the venv it runs from: what every worker must see."""
     import testbed
 
-    wanted = [Path(state_dir), Path(testbed.__file__).resolve().parents[1], Path(sys.prefix).resolve(),
-              Path.cwd()]
+    return [Path(testbed.__file__).resolve().parents[1], Path(sys.prefix).resolve()]
+
+
+def _visible_under_tmp() -> list[str]:
+    """Host dirs a worker must still see though its /tmp is private: the project and its venv,
+    and the caller's working dir (a checkout under /tmp, a test's tmp). (What it needs of the
+    state dir, maybe under /tmp too, comes back through _state_binds.)"""
+    wanted = [*_project_dirs(), Path.cwd()]
     tmp = [p for p in wanted if str(p).startswith("/tmp/")]
     # a dir inside another kept one comes along with it
     return sorted({str(p) for p in tmp if not any(q != p and q in p.parents for q in tmp)})
+
+
+def _state_binds(testbed: str, node: str, env: Mapping[str, str]) -> list[list[Any]]:
+    """What a worker sees of the state root (worker_init.hide_state_root), as [path, writable]:
+    the runs' exchange folder, its log dir, its own dir (read-only), the MPS dirs its env names,
+    and the project or venv should they lie under the state root. Real paths; made here first."""
+    root = os.path.realpath(paths.root())
+    sdir = paths.directory(testbed)
+    runs = sdir / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    os.chmod(runs, 0o755)
+    binds: list[list[Any]] = [[str(runs), True], [str(log_dir(testbed, node)), True],
+                              [str(sdir / "workers" / node), False]]
+    binds += [[env[k], True] for k in MPS_DIR_VARS if env.get(k)]
+    binds += [[str(d), True] for d in _project_dirs()]
+    out: dict[str, bool] = {}
+    for path, rw in binds:
+        real = os.path.realpath(path)
+        if worker_init.is_within(real, root) and real != root and os.path.isdir(real):
+            out[real] = out.get(real, False) or rw
+    return [[p, rw] for p, rw in sorted(out.items())]
+
+
+def setpriv_path() -> str:
+    """setpriv (util-linux): what gives a process entering a worker the worker's capabilities."""
+    found = shutil.which("setpriv", path=os.pathsep.join([os.environ.get("PATH", ""), *SETPRIV_DIRS]))
+    if found is None:
+        raise CapabilityError("setpriv (util-linux) is not installed: it bounds the capabilities of every process "
+                              "entering a netns worker; install util-linux (Debian/Ubuntu: apt-get install util-linux)")
+    return found
+
+
+def setpriv_argv(net_admin: bool) -> list[str]:
+    """setpriv ... --: the worker's bounding set (worker_init.worker_caps), an empty inheritable set
+    (and so ambient set); what it runs as root then has exactly those capabilities."""
+    keep = ",".join(f"+{c}" for c in worker_init.worker_caps(net_admin))
+    return [setpriv_path(), "--inh-caps=-all", f"--bounding-set=-all,{keep}", "--"]
 
 
 def hosts_text(testbed: str, node: str, hosts: Mapping[str, Any]) -> str:
@@ -268,8 +145,11 @@ def hosts_text(testbed: str, node: str, hosts: Mapping[str, Any]) -> str:
 class NetnsRuntime(Runtime):
     kind = "netns"
 
-    def __init__(self, testbed: str):
+    def __init__(self, testbed: str, net_admin: bool = False):
+        """net_admin: workers started here get CAP_NET_ADMIN (a job can then change or remove its
+        own links' shaping); it is recorded per worker, and exec/attach follow the record."""
         super().__init__(testbed)
+        self.net_admin = bool(net_admin)
 
     # -- paths -----------------------------------------------------------------
     def worker_dir(self, node: str) -> Path:
@@ -314,6 +194,7 @@ class NetnsRuntime(Runtime):
             return [rec for _, rec, _ in prepared]
 
         try:
+            setpriv_path()     # exec/attach need it: refuse now rather than leave unreachable workers
             for node, netns, env, hosts in workers:
                 rec, cfg = self._prepare(node, netns, env, hosts_text(self.testbed, node.name, hosts))
                 prepared.append((node.name, rec, cfg))
@@ -323,8 +204,11 @@ class NetnsRuntime(Runtime):
             raise
         return PendingStart(finish=finish, abort=abort, records=[rec for _, rec, _ in prepared])
 
-    def _prepare(self, node: Node, netns: str, env: Mapping[str, str], hosts: str) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Files, cgroup and init configuration of one worker; returns (record, init config)."""
+    def _prepare(self, node: Node, netns: str, env: Mapping[str, str], hosts: str,
+                 net_admin: bool | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Files, cgroup and init configuration of one worker; returns (record, init config).
+        net_admin: None for this runtime's setting."""
+        net_admin = self.net_admin if net_admin is None else bool(net_admin)
         nspath = netns_mod.path(netns)
         if not nspath.exists():
             raise StateError(f"network namespace {netns} of worker {node.name} does not exist")
@@ -342,7 +226,7 @@ class NetnsRuntime(Runtime):
         cg = cgroups.create(self.testbed, node.name, cpus=node.cpus, memory_bytes=node.memory_bytes)
         rec: dict[str, Any] = {
             "runtime": self.kind, "pid": None, "starttime": None, "netns": netns, "cgroups": cg,
-            "dir": str(wdir), "log_dir": str(ldir), "share_ipc": share_ipc,
+            "dir": str(wdir), "log_dir": str(ldir), "share_ipc": share_ipc, "net_admin": net_admin,
             # who and where the worker is, whatever else the caller's env says
             "env": {"TESTBED_NAME": self.testbed, "TESTBED_NODE": node.name, "TESTBED_LOG_DIR": str(ldir), **env},
             "node": node.to_json(),
@@ -350,22 +234,26 @@ class NetnsRuntime(Runtime):
         cfg = {
             "netns": str(nspath), "cgroup_procs": cgroups.cgroup_procs_files(cg), "hostname": node.name,
             "share_ipc": share_ipc, "log": str(ldir / "init.log"), "grace": STOP_GRACE_S,
-            "keep": _visible_under_tmp(paths.directory(self.testbed)),
+            "keep": _visible_under_tmp(), "caps": worker_init.worker_caps(net_admin),
+            "state_root": os.path.realpath(paths.root()), "state_binds": _state_binds(self.testbed, node.name, env),
             "binds": [[str(wdir / "etc" / "hosts"), "/etc/hosts"], [str(wdir / "etc" / "hostname"), "/etc/hostname"]]
             + ([[str(wdir / "etc" / "resolv.conf"), "/etc/resolv.conf"]] if os.path.exists("/etc/resolv.conf") else []),
         }
         return rec, cfg
 
     def _spawn(self, prepared: Sequence[tuple[str, dict[str, Any], dict[str, Any]]]) -> subprocess.Popen:
-        """One spawner process forks every worker's bootstrap (see _SPAWN)."""
+        """One spawner process forks every worker's bootstrap (worker_init.main)."""
         items = [{"node": n, "cfg": cfg, "log": cfg["log"]} for n, _rec, cfg in prepared]
         logs = paths.directory(self.testbed) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         with open(logs / "init-spawn.log", "ab") as err:
             try:
-                ienv = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "TESTBED_INIT": _INIT}
-                proc = subprocess.Popen([sys.executable, "-S", "-c", _SPAWN, "testbed-init"], env=ienv,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                # argv[0] "testbed-init" (what ps shows): the interpreter then cannot find its home
+                # through argv[0]; PYTHONHOME names it. -P: nothing of testbed/runtime on sys.path.
+                ienv = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+                        "PYTHONHOME": f"{sys.base_prefix}:{sys.base_exec_prefix}"}
+                proc = subprocess.Popen([worker_init.TITLE, "-S", "-P", INIT_SCRIPT, "spawn"], executable=sys.executable,
+                                        env=ienv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                         start_new_session=True, close_fds=True)
             except OSError as exc:
                 raise CapabilityError(f"cannot start the workers' inits: {exc}") from None
@@ -461,7 +349,8 @@ class NetnsRuntime(Runtime):
             here = os.getcwd()
         except OSError:
             here = "/"
-        cmd = ["nsenter", "-t", str(pid), "-a", f"--wd={here}", "--", *inner, *argv]
+        cmd = ["nsenter", "-t", str(pid), "-a", f"--wd={here}", "--",
+               *setpriv_argv(bool(record.get("net_admin"))), *inner, *argv]
         procs = cgroups.cgroup_procs_files(record.get("cgroups") or [])
         if procs:
             join = "; ".join(f"echo $$ > {shlex.quote(p)}" for p in procs)
@@ -519,10 +408,13 @@ class NetnsRuntime(Runtime):
         cgroups.remove(record.get("cgroups") or [])
         n = Node.from_json(record["node"])
         hosts = (Path(record["dir"]) / "etc" / "hosts").read_text()
-        return self._start_prepared(n, record["netns"], record.get("env") or {}, hosts)
+        return self._start_prepared(n, record["netns"], record.get("env") or {}, hosts,
+                                    net_admin=bool(record.get("net_admin")))
 
-    def _start_prepared(self, node: Node, netns: str, env: Mapping[str, str], hosts: str) -> dict[str, Any]:
-        rec, cfg = self._prepare(node, netns, env, hosts)
+    def _start_prepared(self, node: Node, netns: str, env: Mapping[str, str], hosts: str,
+                        net_admin: bool | None = None) -> dict[str, Any]:
+        setpriv_path()
+        rec, cfg = self._prepare(node, netns, env, hosts, net_admin=net_admin)
         try:
             proc = self._spawn([(node.name, rec, cfg)])
             self._collect(proc, {node.name: rec}, check=True)
