@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,7 +23,8 @@ if os.geteuid() != 0:
     pytest.skip("needs root (namespaces, cgroups)", allow_module_level=True)
 
 from testbed.net import netns as nsmod  # noqa: E402
-from testbed.runtime import cgroups  # noqa: E402
+from testbed.runtime import cgroups, worker_init  # noqa: E402
+from testbed.runtime import netns as netns_rt  # noqa: E402
 from testbed.runtime.env import worker_env  # noqa: E402
 from testbed.runtime.netns import NetnsRuntime, pids_in_pidns  # noqa: E402
 from testbed.topology.model import Node  # noqa: E402
@@ -40,10 +42,12 @@ def _ip(*args: str) -> None:
 class Bed:
     """A few workers joined pairwise by veths eth0 (10.77.0.0/24), started by the runtime."""
 
-    def __init__(self, state_dir: Path, nodes: list[Node], link: bool = True):
+    def __init__(self, state_dir: Path, nodes: list[Node], link: bool = True, net_admin: bool = False,
+                 env: dict[str, str] | None = None):
         self.name = "rt" + uuid.uuid4().hex[:6]
         os.environ["TESTBED_STATE_DIR"] = str(state_dir)
-        self.rt = NetnsRuntime(self.name)
+        self.rt = NetnsRuntime(self.name, net_admin=net_admin)
+        self.extra_env = env or {}
         self.nodes = nodes
         self.ns = {n.name: f"tb-{self.name}-{n.name}" for n in nodes}
         self.recs: dict[str, dict] = {}
@@ -65,7 +69,8 @@ class Bed:
                 _ip("-n", self.ns[n], "addr", "add", self.hosts[n] + "/24", "dev", "eth0")
                 _ip("-n", self.ns[n], "link", "set", "eth0", "up")
                 _ip("-n", self.ns[n], "link", "set", "lo", "up")
-        recs = self.rt.start_many([(n, self.ns[n.name], worker_env(self.name, n.name, ["eth0"], cpus=n.cpus),
+        recs = self.rt.start_many([(n, self.ns[n.name], worker_env(self.name, n.name, ["eth0"], cpus=n.cpus,
+                                                                   extra=self.extra_env),
                                     self.hosts) for n in self.nodes])
         self.recs = {n.name: r for n, r in zip(self.nodes, recs)}
         return self
@@ -371,3 +376,328 @@ def test_cli_attach_logs_cp_ps(cli_bed, tmp_path):
     finally:
         bg.kill()
         bg.wait()
+
+
+# -- the worker's init (testbed/runtime/worker_init.py) ---------------------------------------------------
+
+DEFAULT_BND = 0xA80C25FB    # Docker's default set (0xa80425fb) plus sys_ptrace
+NET_ADMIN_BND = DEFAULT_BND | 1 << 12
+
+
+def _cfg(**over) -> dict:
+    cfg = {"netns": "/nonexistent/ns", "cgroup_procs": [], "hostname": "h", "share_ipc": False, "log": "/dev/null",
+           "grace": 1.0, "keep": [], "binds": [], "caps": worker_init.worker_caps(), "state_root": "/run/testbed",
+           "state_binds": []}
+    cfg.update(over)
+    return cfg
+
+
+def test_init_module_stands_alone():
+    """Standard library only: it must run without site, venv or the testbed package."""
+    src = Path(worker_init.__file__).read_text()
+    assert "import testbed" not in src and "from testbed" not in src
+    assert netns_rt.INIT_SCRIPT == str(Path(worker_init.__file__).resolve())
+    # no init or spawner source is kept as a string to exec any more
+    for mod in (netns_rt, worker_init):
+        text = Path(mod.__file__).read_text()
+        assert not re.search(r"(?<![\w.])exec\(", text) and '"-S", "-c"' not in text, mod.__name__
+        assert "TESTBED_INIT" not in text, mod.__name__
+    code = (f"import runpy; runpy.run_path({netns_rt.INIT_SCRIPT!r}, run_name='x'); "
+            "import sys; print(sorted(m for m in sys.modules if m.startswith('testbed')))")
+    r = subprocess.run([sys.executable, "-S", "-P", "-c", code],
+                       check=False, capture_output=True, text=True, timeout=30, env={"PATH": os.environ["PATH"]})
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r
+
+
+def test_init_capability_sets():
+    assert worker_init.cap_mask(worker_init.worker_caps()) == DEFAULT_BND
+    assert worker_init.cap_mask(worker_init.worker_caps(net_admin=True)) == NET_ADMIN_BND
+    names = worker_init.worker_caps()
+    assert not set(names) & {"sys_admin", "net_admin", "sys_module", "sys_boot", "sys_time", "sys_rawio",
+                             "dac_read_search"}
+    # numbering as linux/capability.h has it
+    assert [worker_init.CAP_NAMES.index(n) for n in ("chown", "net_admin", "sys_admin", "setfcap")] == [0, 12, 21, 31]
+    # the setpriv line a process entering a worker runs through
+    argv = netns_rt.setpriv_argv(False)
+    assert argv[1:] == ["--inh-caps=-all", "--bounding-set=-all," + ",".join("+" + c for c in names), "--"]
+    assert "+net_admin" in netns_rt.setpriv_argv(True)[2]
+
+
+def test_init_parse_items():
+    good = [{"node": "w0", "log": "/dev/null", "cfg": _cfg()}]
+    assert worker_init.parse_items(json.dumps(good)) == good
+    assert worker_init.parse_items(json.dumps(good).encode()) == good
+    with pytest.raises(ValueError):
+        worker_init.parse_items("{not json")
+    not_a_record = [
+        {"node": "", "log": "/dev/null", "cfg": _cfg()},
+        {"node": "w0", "cfg": _cfg()},
+        {"node": "w0", "log": "/dev/null", "cfg": {k: v for k, v in _cfg().items() if k != "state_root"}},
+        {"node": "w0", "log": "/dev/null", "cfg": _cfg(share_ipc="yes")},
+    ]
+    for item in not_a_record:
+        with pytest.raises(TypeError):
+            worker_init.parse_items(json.dumps([*good, item]))
+    with pytest.raises(TypeError):
+        worker_init.parse_items(json.dumps({"node": "w0"}))
+    with pytest.raises(ValueError, match="unknown capabilities"):
+        worker_init.parse_items(json.dumps([{**good[0], "cfg": _cfg(caps=["chown", "everything"])}]))
+
+
+def test_init_title_helpers():
+    # /proc/PID/stat: the name may hold spaces and parentheses; fields 48 and 49 are the argv area
+    rest = " ".join(str(i) for i in range(3, 48)) + " 1000 1064 1064 2000 0"
+    assert worker_init.arg_area(f"42 (a) b (c) {rest}") == (1000, 1064)
+    with pytest.raises(ValueError):
+        worker_init.arg_area("42 (x) S 1 2 3")
+    b = worker_init.title_bytes("testbed-init w0", 40)
+    assert len(b) == 40 and b.startswith(b"testbed-init w0\0") and b[-1:] != b"\0"
+    assert set(b[len("testbed-init w0"):-1]) == {0}
+    cut = worker_init.title_bytes("testbed-init " + "n" * 80, 30)
+    assert len(cut) == 30 and cut[:28] == b"testbed-init " + b"n" * 15 and cut[28:] == b"\0 "
+    assert worker_init.title_bytes("x", 2) is None
+
+
+def test_init_mount_helpers():
+    text = ("22 1 0:21 / /proc rw,nosuid,nodev,noexec,relatime shared:12 - proc proc rw\n"
+            "30 22 0:30 / /sys/fs/cgroup/cpu,cpuacct ro,nosuid shared:9 - cgroup cgroup rw,cpu\n"
+            "31 22 0:31 / /mnt/with\\040space rw - tmpfs tmpfs rw\n")
+    assert worker_init.mount_points(text) == [("/proc", "rw,nosuid,nodev,noexec,relatime"),
+                                              ("/sys/fs/cgroup/cpu,cpuacct", "ro,nosuid"), ("/mnt/with space", "rw")]
+    assert worker_init.kept_flags("rw,nosuid,nodev,noexec,relatime") == (worker_init.MS_NOSUID | worker_init.MS_NODEV
+                                                                         | worker_init.MS_NOEXEC)
+    assert worker_init.kept_flags("ro,relatime") == 0
+    assert worker_init.is_within("/run/testbed/x/runs", "/run/testbed")
+    assert worker_init.is_within("/run/testbed", "/run/testbed/")
+    assert not worker_init.is_within("/run/testbed2/x", "/run/testbed")
+    assert worker_init.is_within("/anything", "/")
+
+
+def test_init_loop_refuses_to_run_outside_its_namespace():
+    """kill(-1) from anywhere but PID 1 of a worker would reach the host's processes."""
+    with pytest.raises(RuntimeError):
+        worker_init.init_loop(0.1)
+
+
+def test_init_spawner_forks_and_reports_in_order(tmp_path):
+    """spawn(): one fork per item, stdout a pipe back, stderr the item's log; lines in item order."""
+    def fake(cfg: dict, title: str) -> None:
+        if cfg["hostname"] == "bad":
+            os.write(2, b"complaint\n")
+            os.write(1, b"error it broke\n")
+            os._exit(1)
+        os.write(1, f"pid {os.getpid()}\nok\n".encode())
+        os.write(1, f"title {title}\n".encode())
+        os._exit(0)
+
+    items = [{"node": n, "log": str(tmp_path / f"{n}.log"), "cfg": _cfg(hostname=h)}
+             for n, h in (("w0", "w0"), ("w1", "bad"), ("w2", "w2"))]
+    lines = worker_init.spawn(items, start=fake)
+    assert [ln.split()[0] for ln in lines] == ["w0", "w0", "w0", "w1", "w2", "w2", "w2"]
+    assert lines[1:3] == ["w0 ok", "w0 title testbed-init w0"] and lines[3] == "w1 error it broke"
+    assert (tmp_path / "w1.log").read_text() == "complaint\n"
+
+
+def test_init_spawner_as_a_program(tmp_path):
+    """The real spawner, as netns.py starts it: bad input is refused; a worker whose namespace is
+    missing reports an error and leaves nothing."""
+    argv = [worker_init.TITLE, "-S", "-P", netns_rt.INIT_SCRIPT, "spawn"]
+    env = {"PATH": os.environ["PATH"], "PYTHONHOME": f"{sys.base_prefix}:{sys.base_exec_prefix}"}
+    r = subprocess.run(argv, executable=sys.executable, input="[{}]", check=False, capture_output=True, text=True, env=env,
+                       timeout=30)
+    assert r.returncode == 2 and "bad batch" in r.stderr
+    r = subprocess.run(argv[:-1], executable=sys.executable, check=False, capture_output=True, text=True, env=env, timeout=30)
+    assert r.returncode == 2 and "usage" in r.stderr
+    items = [{"node": "w0", "log": str(tmp_path / "w0.log"), "cfg": _cfg(netns=str(tmp_path / "no-such-ns"))}]
+    r = subprocess.run(argv, executable=sys.executable, input=json.dumps(items), check=False, capture_output=True, text=True,
+                       env=env, timeout=30)
+    assert r.returncode == 0, r
+    assert r.stdout.startswith("w0 error ") and "no-such-ns" in r.stdout and len(r.stdout.splitlines()) == 1
+
+
+def test_init_title_and_caps_in_a_process():
+    """set_title/set_comm/drop_capabilities, in a child (they change the process that calls them)."""
+    code = ("import os, sys; sys.path.insert(0, os.path.dirname(sys.argv[1])); import worker_init as w;"
+            "ok = w.set_title('testbed-init node-7'); w.set_comm(w.INIT_COMM);"
+            "w.drop_capabilities(w.worker_caps());"
+            "print(ok); print(repr(open('/proc/self/cmdline', 'rb').read())); print(open('/proc/self/comm').read());"
+            "print(open('/proc/self/status').read())")
+    r = subprocess.run([sys.executable, "-S", "-c", code, netns_rt.INIT_SCRIPT, "x" * 20], check=False, capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r
+    lines = r.stdout.splitlines()
+    assert lines[0] == "True" and lines[1] == repr(b"testbed-init node-7\0") and lines[2] == "tb-init"
+    status = dict(ln.split(":\t", 1) for ln in lines if ":\t" in ln)
+    assert int(status["CapBnd"], 16) == DEFAULT_BND
+    assert int(status["CapEff"], 16) == DEFAULT_BND and int(status["CapPrm"], 16) == DEFAULT_BND
+    assert int(status["CapInh"], 16) == 0
+
+
+# -- the worker as its processes see it ---------------------------------------------------------------
+
+
+def _caps(bed: Bed, node: str, pid: str = "self") -> dict[str, int]:
+    out = bed.run(node, "sh", "-c", f"grep ^Cap /proc/{pid}/status").stdout
+    return {ln.split(":")[0]: int(ln.split()[1], 16) for ln in out.splitlines()}
+
+
+def test_ps_names_the_init(bed_factory):
+    bed = bed_factory([W("w0"), W("w1")])
+    r = bed.run("w0", "ps", "-o", "pid=,comm=,args=")
+    assert r.returncode == 0, r
+    rows = [ln.split(None, 2) for ln in r.stdout.splitlines()]
+    assert rows[0] == ["1", "tb-init", "testbed-init w0"], r.stdout
+    assert len(rows) == 2 and rows[1][1] == "ps"     # the init and ps: nothing else in the worker
+    pid = bed.recs["w1"]["pid"]
+    host = subprocess.run(["ps", "-o", "comm=,args=", "-p", str(pid)], check=False, capture_output=True, text=True).stdout
+    assert host.split(None, 1) == ["tb-init", "testbed-init w1\n"]
+    assert Path(f"/proc/{pid}/cmdline").read_bytes() == b"testbed-init w1\0"
+    assert Path(f"/proc/{pid}/comm").read_text() == "tb-init\n"
+
+
+def test_workers_cannot_undo_their_shaping(bed_factory):
+    bed = bed_factory([W("w0"), W("w1")])
+    assert bed.recs["w0"]["net_admin"] is False
+    ns = bed.ns["w0"]
+    subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1"],
+                   check=True, capture_output=True)
+    r = bed.run("w0", "tc", "qdisc", "del", "dev", "eth0", "root")
+    assert r.returncode != 0 and "Operation not permitted" in r.stderr, r
+    assert bed.run("w0", "ip", "link", "set", "eth0", "mtu", "1400").returncode != 0
+    shown = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", "eth0"], check=False, capture_output=True, text=True).stdout
+    assert shown.startswith("qdisc htb 1: root"), shown
+    # the worker's set, in the process and its bounding set, and in the init itself
+    caps = _caps(bed, "w0")
+    assert caps["CapBnd"] == caps["CapEff"] == caps["CapPrm"] == DEFAULT_BND and caps["CapInh"] == caps["CapAmb"] == 0
+    assert bed.run("w0", "sh", "-c", "grep CapBnd /proc/self/status").stdout.split() == ["CapBnd:", f"{DEFAULT_BND:016x}"]
+    caps = _caps(bed, "w0", "1")
+    assert caps["CapBnd"] == caps["CapEff"] == DEFAULT_BND
+    # ping (net_raw) and a privileged port (net_bind_service) still work
+    assert bed.run("w0", "ping", "-c", "1", "-W", "2", "w1").returncode == 0
+    r = bed.run("w0", sys.executable, "-c", "import socket; s = socket.socket(); s.bind(('', 80)); print('bound')")
+    assert r.stdout.strip() == "bound", r
+
+
+def test_net_admin_workers_can(bed_factory):
+    bed = bed_factory([W("n0"), W("n1")], net_admin=True)
+    rec = bed.recs["n0"]
+    assert rec["net_admin"] is True
+    ns = bed.ns["n0"]
+    assert _caps(bed, "n0")["CapBnd"] == _caps(bed, "n0", "1")["CapBnd"] == NET_ADMIN_BND
+    subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1"],
+                   check=True, capture_output=True)
+    r = bed.run("n0", "tc", "qdisc", "del", "dev", "eth0", "root")
+    assert r.returncode == 0, r
+    shown = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", "eth0"], check=False, capture_output=True, text=True).stdout
+    assert "htb" not in shown
+    # another CLI process (a runtime made without the flag) follows the record
+    other = NetnsRuntime(bed.name)
+    r = subprocess.run(other.exec_argv("n0", rec, ["grep", "CapBnd", "/proc/self/status"]), check=False, capture_output=True,
+                       text=True, timeout=30)
+    assert int(r.stdout.split()[1], 16) == NET_ADMIN_BND
+    r = subprocess.run(other.exec_argv("n1", {**bed.recs["n1"], "net_admin": False}, ["grep", "CapBnd",
+                                                                                        "/proc/self/status"]),
+                       check=False, capture_output=True, text=True, timeout=30)
+    assert int(r.stdout.split()[1], 16) == DEFAULT_BND
+    # a restart keeps the worker's setting, whatever the runtime restarting it was told
+    new = other.restart("n0", rec)
+    bed.recs["n0"] = new
+    assert new["net_admin"] is True and _caps(bed, "n0", "1")["CapBnd"] == NET_ADMIN_BND
+
+
+def test_missing_setpriv_is_an_error(bed_factory, monkeypatch):
+    from testbed.errors import CapabilityError
+
+    bed = bed_factory([W("s0")], link=False)
+    monkeypatch.setattr(netns_rt, "SETPRIV_DIRS", ())
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(CapabilityError, match="setpriv"):
+        bed.rt.exec_argv("s0", bed.recs["s0"], ["true"])
+    with pytest.raises(CapabilityError, match="setpriv"):
+        Bed(Path(os.environ["TESTBED_STATE_DIR"]), [W("s1")], link=False).rt.begin_start_many([])
+
+
+def test_state_root_is_hidden(bed_factory, tmp_path):
+    root = tmp_path / "state"
+    bed = bed_factory([W("h0"), W("h1")], link=False)
+    sdir = root / bed.name
+    (sdir / "state.json").write_text('{"mine": 1}')
+    (root / ".locks").mkdir(exist_ok=True)
+    (root / ".locks" / f"{bed.name}.lock").write_text("")
+    (root / "other-testbed").mkdir()
+    # the root holds only this testbed's dir, which holds only what workers need
+    assert bed.run("h0", "ls", "-A", str(root)).stdout.split() == [bed.name]
+    assert sorted(bed.run("h0", "ls", "-A", str(sdir)).stdout.split()) == ["logs", "runs", "workers"]
+    assert bed.run("h0", "ls", "-A", str(sdir / "logs")).stdout.split() == ["h0"]
+    assert bed.run("h0", "ls", "-A", str(sdir / "workers")).stdout.split() == ["h0"]
+    r = bed.run("h0", "cat", str(sdir / "state.json"))
+    assert r.returncode != 0 and "No such file" in r.stderr
+    # writing at the state file's path fails and never reaches the host
+    r = bed.run("h0", "sh", "-c", f"echo '{{}}' > {sdir}/state.json")
+    assert r.returncode != 0 and "Read-only file system" in r.stderr, r
+    r = bed.run("h0", "sh", "-c", f"mkdir -p {sdir}/x && echo x > {root}/.locks/{bed.name}.lock")
+    assert r.returncode != 0
+    assert (sdir / "state.json").read_text() == '{"mine": 1}' and not (sdir / "x").exists()
+    assert (root / ".locks" / f"{bed.name}.lock").read_text() == ""
+    # nor can a worker uncover it: no umount, no mount (no CAP_SYS_ADMIN)
+    r = bed.run("h0", "umount", str(root))
+    assert r.returncode != 0, r
+    r = bed.run("h0", "umount", "-l", str(sdir / "runs"))
+    assert r.returncode != 0, r
+    r = bed.run("h0", "mount", "-t", "tmpfs", "none", str(sdir / "runs"))
+    assert r.returncode != 0, r
+    assert bed.run("h0", "test", "-e", f"{sdir}/state.json").returncode == 1
+    # what workers need: the runs' exchange folder (read-write), the log dir (read-write), its own
+    # files (read-only)
+    run_id = uuid.uuid4().hex[:12]
+    (sdir / "runs" / run_id / "probe").mkdir(parents=True)
+    r = bed.run("h0", "sh", "-c", f'echo step > {sdir}/runs/{run_id}/probe/rank-0.jsonl && '
+                                  f'echo hi > "$TESTBED_LOG_DIR/job.log"')
+    assert r.returncode == 0, r
+    assert (sdir / "runs" / run_id / "probe" / "rank-0.jsonl").read_text() == "step\n"
+    assert (sdir / "logs" / "h0" / "job.log").read_text() == "hi\n"
+    assert bed.run("h0", "cat", f"{sdir}/workers/h0/etc/hostname").stdout == "h0\n"
+    r = bed.run("h0", "sh", "-c", f"echo x > {sdir}/workers/h0/etc/hosts")
+    assert r.returncode != 0 and "Read-only file system" in r.stderr
+    assert "h1" in (sdir / "workers" / "h0" / "etc" / "hosts").read_text()
+    # a file the host adds later (attach's rcfile, a new run) shows up at once
+    (sdir / "workers" / "h0" / "attachrc").write_text("PS1=x\n")
+    assert bed.run("h0", "cat", f"{sdir}/workers/h0/attachrc").stdout == "PS1=x\n"
+    # the host's kernel knobs are read-only; the worker's own network's are its own
+    r = bed.run("h0", "sh", "-c", "cat /proc/sys/vm/swappiness > /proc/sys/vm/swappiness")
+    assert r.returncode != 0 and "Read-only file system" in r.stderr, r
+    r = bed.run("h0", "sh", "-c", "grep -E ' /(proc/sys|proc/sys/net|sys) ' /proc/self/mounts")
+    opts = {ln.split()[1]: ln.split()[3].split(",")[0] for ln in r.stdout.splitlines()}
+    assert opts == {"/proc/sys": "ro", "/proc/sys/net": "rw", "/sys": "ro"}, r.stdout
+
+
+def test_mps_dirs_are_visible(bed_factory, tmp_path):
+    """A worker on MPS reaches the daemon's pipe and log dirs under the (otherwise hidden) state dir."""
+    name_dir = tmp_path / "state" / "mpsdirs"
+    pipe, log = name_dir / "pipe", name_dir / "log"
+    pipe.mkdir(parents=True)
+    log.mkdir()
+    bed = bed_factory([W("g0")], link=False, env={"CUDA_MPS_PIPE_DIRECTORY": str(pipe),
+                                                  "CUDA_MPS_LOG_DIRECTORY": str(log)})
+    assert bed.recs["g0"]["share_ipc"] is True
+    r = bed.run("g0", "sh", "-c", 'echo p > "$CUDA_MPS_PIPE_DIRECTORY/x" && echo l > "$CUDA_MPS_LOG_DIRECTORY/y"')
+    assert r.returncode == 0, r
+    assert (pipe / "x").read_text() == "p\n" and (log / "y").read_text() == "l\n"
+    assert bed.run("g0", "ls", "-A", str(name_dir)).stdout.split() == ["log", "pipe"]
+
+
+def test_cli_state_hidden_from_jobs(cli_bed):
+    """Through the CLI, on a testbed lifecycle built: the state file stays out of the workers' reach."""
+    from testbed import paths
+
+    name, st = cli_bed
+    if st["runtime"]["kind"] != "netns":
+        pytest.skip("lifecycle did not pick the netns runtime")
+    sfile = paths.state_file(name)
+    assert sfile.exists()
+    before = sfile.read_bytes()
+    r = _cli("exec", "--name", name, "w0", "--", "sh", "-c", f"cat {sfile}; echo '{{}}' > {sfile}")
+    assert r.returncode != 0 and "Read-only file system" in r.stderr, r
+    assert sfile.read_bytes() == before
+    r = _cli("exec", "--name", name, "w0", "--", "sh", "-c", "grep CapBnd /proc/self/status; ps -o pid=,args=")
+    assert r.stdout.split()[:4] == ["CapBnd:", f"{DEFAULT_BND:016x}", "1", "testbed-init"], r
