@@ -121,7 +121,7 @@ def run_cell_group(kind: str, ranks: int, dilation: str, ops, sizes, runs_dir: P
     setting = None if dilation == "none" else dilation
     with lifecycle.running(topo, name, time_dilation=setting or "none", machine=machine, ranks=ranks):
         cluster = cluster_from_state(name)
-        out = paths.directory(name) / "bench.json"
+        out = paths.directory(name) / "runs" / "bench.json"   # the one folder workers may write
         cmd = [sys.executable, "-m", "testbed.jobs.collectives_bench", "--ops", ",".join(ops),
                "--sizes", ",".join(sizes), "--budget", "0.1", "--min-iters", "3", "--max-iters", "30",
                "--json", str(out)]

@@ -96,14 +96,14 @@ def _runtime_kind(topo: Topology, requested: str | None) -> str:
     return requested or topo.runtime or DEFAULT_RUNTIME
 
 
-def make_runtime(kind: str, name: str):
+def make_runtime(kind: str, name: str, *, net_admin: bool = False):
     if kind == "bare":
         from testbed.runtime.bare import BareRuntime
 
         return BareRuntime(name)
     from testbed.runtime import get_runtime
 
-    return get_runtime(kind, name)
+    return get_runtime(kind, name, net_admin=net_admin)
 
 
 def runtime_for(st: dict[str, Any]):
@@ -167,8 +167,8 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 def up(topo: Topology, name: str | None = None, *, progress: Progress | None = None,
        runtime: str | None = None, caps: Any = None, allow_gpu_sharing: bool = False,
-       time_dilation: float | str | None = None, machine: Any = None, ranks: int | None = None
-       ) -> dict[str, Any]:
+       time_dilation: float | str | None = None, machine: Any = None, ranks: int | None = None,
+       net_admin: bool = False) -> dict[str, Any]:
     """Build testbed `name` (default: the topology's name) from a validated topology. All or nothing.
 
     time_dilation (a factor >= 1, "auto", "none" or None for the topology's own setting): links
@@ -176,6 +176,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     why it was chosen. machine: the calibrated MachineConstants "auto" accounts the traffic with
     (testbed.jobs.calibration); without them "auto" counts ranks per core only. ranks: how many
     ranks the jobs will run (what "auto" divides the cores by; default one per worker).
+    net_admin: workers get CAP_NET_ADMIN (they can then undo their own shaping; off by default).
     """
     from testbed.runtime import gpu
     from testbed.runtime.env import worker_env
@@ -216,7 +217,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
 
     floor = floor_of(caps)
     kind = _runtime_kind(topo, runtime)
-    rt = make_runtime(kind, name)
+    rt = make_runtime(kind, name, net_admin=net_admin)
     _checkpoint("checked")
 
     # Hold the testbed's lock for the whole build (`down`, faults and `cleanup` wait, or say who
@@ -247,7 +248,8 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         "latency_floor_s": floor,
         "no_delay_element": no_delay_element(topo, caps),
         "delay_threshold_s": delay_threshold(caps),
-        "runtime": {"kind": kind, "workers": {w: {"netns": names.netns(name, w)} for w in topo.workers}},
+        "runtime": {"kind": kind, "net_admin": bool(net_admin),
+                    "workers": {w: {"netns": names.netns(name, w)} for w in topo.workers}},
         "links": _link_records(topo, plan),
         "resources": {
             "switch_netns": [names.netns(name, s) for s in topo.switches],
@@ -700,6 +702,7 @@ def status(name: str) -> dict[str, Any]:
     return {
         "name": name, "status": st.get("status") if not missing else "degraded", "missing": missing,
         "topology": topo.name, "runtime": st.get("runtime", {}).get("kind"), "created": st.get("created"),
+        "net_admin": bool(st.get("runtime", {}).get("net_admin")),
         "latency_floor_s": st.get("latency_floor_s"), "no_delay_element": st.get("no_delay_element", []),
         "time_dilation": st.get("time_dilation", 1.0), "dilation": st.get("dilation"),
         "nodes": nodes, "links": links, "faults": st.get("faults") or {},

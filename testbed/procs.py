@@ -107,6 +107,18 @@ def pids_in_pidns(init_pid: int) -> list[int]:
     return [init_pid] + [p for p in pids_in_ns("pid", (target,)) if p != init_pid]
 
 
+def nspid(pid: int) -> int | None:
+    """`pid` as its own (innermost) PID namespace numbers it; None if it is gone."""
+    try:
+        with open(f"/proc/{int(pid)}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def environ(pid: int) -> list[bytes] | None:
     """The environment `pid` was started with, as KEY=VALUE entries; None if it is gone or may
     not be read (a kernel thread or a zombie has an empty one)."""

@@ -16,11 +16,16 @@ from testbed.topology.loader import load_topology_text
 
 STAR = "name: cc\ngenerator: star\nparams: {n: 2}\ntiers:\n  host: {bandwidth: 1gbit}\n"
 ROUNDS = 20
+SCENARIO = {"name": "race", "job": {"command": "true"},
+            "events": [{"at": "0s", "link": ["w0", "s0"], "action": "flap", "every": "10ms", "count": 2},
+                       {"at": "0s", "link": ["w1", "s0"], "set": {"loss": "1%", "bandwidth": "200mbit"}},
+                       {"at": "0s", "partition": [["w0"], ["w1"]]}]}
 
 
 @pytest.mark.slow
 def test_down_racing_link_changes_and_scenario_events(root, state_dir):
-    from testbed.faults import control
+    from testbed.faults import control, player
+    from testbed.faults.scenario import scenario_from_data
 
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
@@ -29,6 +34,8 @@ def test_down_racing_link_changes_and_scenario_events(root, state_dir):
     for r in range(ROUNDS):
         name = f"cc{uuid.uuid4().hex[:5]}"
         lifecycle.up(load_topology_text(STAR, "<race>"), name, time_dilation="none")
+        # the steps a scenario file plans, applied as `testbed scenario run`'s player applies them
+        steps = player.plan_for(name, scenario_from_data(SCENARIO, "<race>")).steps
         errors: list[BaseException] = []
         done = threading.Event()
         count = [0]
@@ -37,7 +44,8 @@ def test_down_racing_link_changes_and_scenario_events(root, state_dir):
             # link flaps and a node change, as `testbed link` and a scenario event make them
             ops = [lambda: control.link_down(name, "w0", "s0"), lambda: control.link_up(name, "w0", "s0"),
                    lambda: control.link_set(name, "w1", "s0", {"bandwidth_bps": 100_000_000}),
-                   lambda: control.node_slow(name, "w1", 0.5), lambda: control.node_restore(name, "w1")]
+                   lambda: control.node_slow(name, "w1", 0.5), lambda: control.node_restore(name, "w1"),
+                   lambda: control.apply_step(name, rng.choice(steps)), lambda: control.restore_all(name)]
             while not done.is_set():
                 try:
                     rng.choice(ops)()

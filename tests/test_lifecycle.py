@@ -143,7 +143,7 @@ def test_cleanup_after_kill_9(root, state_dir, tb_name, phase):
 
 
 def test_cleanup_finds_labelled_namespaces_without_state(testbed, state_dir, tb_name):
-    st = testbed(load_topology("two-racks"), tb_name)
+    testbed(load_topology("two-racks"), tb_name)
     store.remove(tb_name)          # the state is gone, the namespaces are still there (labelled ours)
     assert ours(tb_name)
     removed = lifecycle.cleanup()

@@ -46,6 +46,11 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen]]:
     def start(argv: list[str] | None = None, **env: str) -> subprocess.Popen:
         p = subprocess.Popen(argv or ["sleep", "60"], env={**os.environ, **env})
         started.append(p)
+        # Popen returns once exec has begun; the kernel sets up the new environment a moment
+        # later (/proc/PID/environ reads empty until then)
+        deadline = time.monotonic() + 5
+        while not procs.environ(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.005)
         return p
 
     yield start

@@ -380,7 +380,7 @@ def test_cli_attach_logs_cp_ps(cli_bed, tmp_path):
 
 # -- the worker's init (testbed/runtime/worker_init.py) ---------------------------------------------------
 
-DEFAULT_BND = 0xA80C25FB    # Docker's default set (0xa80425fb) plus sys_ptrace
+DEFAULT_BND = 0xA80425FB    # Docker's default set
 NET_ADMIN_BND = DEFAULT_BND | 1 << 12
 
 
@@ -553,6 +553,26 @@ def test_ps_names_the_init(bed_factory):
     assert host.split(None, 1) == ["tb-init", "testbed-init w1\n"]
     assert Path(f"/proc/{pid}/cmdline").read_bytes() == b"testbed-init w1\0"
     assert Path(f"/proc/{pid}/comm").read_text() == "tb-init\n"
+
+
+def test_workers_trace_their_own_processes_not_entering_ones(bed_factory):
+    """No sys_ptrace in a worker: root there can still debug the worker's processes (py-spy, gdb:
+    same user, no capability they lack), but not a process that entered with the host's
+    capabilities (nsenter without setpriv: what every `exec` is for a moment)."""
+    bed = bed_factory([W("w0")])
+    opener = "import sys; open('/proc/%s/mem' % sys.argv[1], 'rb').close(); print('traced')"
+    r = bed.run("w0", "sh", "-c", f"sleep 30 & {sys.executable} -c \"{opener}\" $!; kill $!")
+    assert r.stdout.strip() == "traced", r
+    full = subprocess.Popen(["nsenter", "-t", str(bed.recs["w0"]["pid"]), "-a", "--", "sh", "-c", "echo $$; exec sleep 30"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        nspid = full.stdout.readline().strip()
+        assert nspid.isdigit()
+        r = bed.run("w0", sys.executable, "-c", opener, nspid)
+        assert r.returncode != 0 and "PermissionError" in r.stderr, r
+    finally:
+        bed.run("w0", "kill", nspid)
+        full.wait(10)
 
 
 def test_workers_cannot_undo_their_shaping(bed_factory):

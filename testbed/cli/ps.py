@@ -14,24 +14,8 @@ from typing import Any, Optional
 
 import typer
 
+from testbed import procs
 from testbed.cli.common import NameOption, console, resolve_name
-
-
-def _ns_inode(pid: int | str, kind: str) -> int | None:
-    try:
-        return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
-    except OSError:
-        return None
-
-
-def _nspid(pid: int) -> int | None:
-    try:
-        for line in open(f"/proc/{pid}/status"):
-            if line.startswith("NSpid:"):
-                return int(line.split()[-1])
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def processes(st: dict[str, Any], nodes: list[str]) -> list[dict[str, Any]]:
@@ -51,8 +35,8 @@ def processes(st: dict[str, Any], nodes: list[str]) -> list[dict[str, Any]]:
         except Exception:
             pid = None
         if pid:
-            ino = _ns_inode(pid, "pid")
-            if ino is not None and ino != _ns_inode("self", "pid"):
+            ino = procs.ns_inode(pid, "pid")
+            if ino is not None and ino != procs.ns_inode("self", "pid"):
                 keys[("pid", ino)] = node
                 continue
         ns = rec.get("netns")
@@ -65,18 +49,16 @@ def processes(st: dict[str, Any], nodes: list[str]) -> list[dict[str, Any]]:
     for p in psutil.process_iter(["pid", "username", "cmdline", "name", "memory_info", "cpu_times"]):
         node = None
         for kind in ("pid", "net"):
-            ino = _ns_inode(p.info["pid"], kind)
+            ino = procs.ns_inode(p.info["pid"], kind)
             if ino is not None and (kind, ino) in keys:
                 node = keys[(kind, ino)]
                 break
         if node is None:
             continue
         cmd = p.info["cmdline"] or [f"[{p.info['name']}]"]
-        if len(cmd) >= 4 and cmd[1:3] == ["-S", "-c"] and "testbed-init" in cmd:
-            cmd = ["testbed-init", *cmd[cmd.index("testbed-init") + 1:]]
         ct = p.info["cpu_times"]
         rows.append({
-            "node": node, "pid": p.info["pid"], "nspid": _nspid(p.info["pid"]), "user": p.info["username"],
+            "node": node, "pid": p.info["pid"], "nspid": procs.nspid(p.info["pid"]), "user": p.info["username"],
             "rss_bytes": p.info["memory_info"].rss if p.info["memory_info"] else None,
             "cpu_s": round(ct.user + ct.system, 2) if ct else None, "command": " ".join(cmd),
         })

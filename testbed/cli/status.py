@@ -39,6 +39,8 @@ def status_cmd(
         return
     console.print(f"[bold]{doc['name']}[/]: {doc['status']} ({doc['topology']}, runtime {doc['runtime']}, "
                   f"since {doc['created']})")
+    if doc.get("net_admin"):
+        console.print("  [yellow]workers have CAP_NET_ADMIN[/] (up --net-admin): a job can change its links' shaping")
     for m in doc.get("missing", [])[:10]:
         console.print(f"  [red]missing:[/] {m}")
     nt = Table(title="nodes", title_justify="left")

@@ -90,6 +90,9 @@ def _summary(st: dict[str, Any], seconds: float) -> None:
         lt.add_row(*row.cells())
     console.print(lt)
     print_dilation(st)
+    if st["runtime"].get("net_admin"):
+        console.print("[yellow]workers have CAP_NET_ADMIN[/] (--net-admin): a job can change or remove its "
+                      "links' shaping; the numbers are then no longer the topology's", highlight=False)
     floor = st.get("latency_floor_s")
     if floor is not None:
         console.print(f"latency floor (one unshaped hop, one way): {floor * 1e6:.1f} us")
@@ -140,6 +143,10 @@ def up_cmd(
                                              "worker); a run with another count is judged against it."),
     allow_gpu_sharing: bool = typer.Option(False, "--allow-gpu-sharing",
                                            help="Let several workers share a GPU when there are too few."),
+    net_admin: bool = typer.Option(False, "--net-admin",
+                                   help="Give workers CAP_NET_ADMIN (for jobs that configure their own "
+                                        "interfaces or tc). A job can then change or remove its links' "
+                                        "shaping, and the run's numbers stop being the topology's."),
 ) -> None:
     """Build a testbed from TOPOLOGY and leave it running."""
     from testbed import lifecycle
@@ -157,7 +164,8 @@ def up_cmd(
     progress = _DelayedProgress()
     try:
         st = lifecycle.up(topo, name, progress=progress, runtime=runtime, time_dilation=setting,
-                          allow_gpu_sharing=allow_gpu_sharing, machine=machine, ranks=ranks)
+                          allow_gpu_sharing=allow_gpu_sharing, machine=machine, ranks=ranks,
+                          net_admin=net_admin)
     finally:
         progress.stop()
     _summary(st, time.perf_counter() - t0)

@@ -36,7 +36,7 @@ import time
 from typing import Any, Iterator, Sequence
 
 from testbed.errors import CapabilityError, StateError, TestbedError
-from testbed import store
+from testbed import procs, store
 from testbed.net import names, netns
 from testbed.topology.model import LinkProfile, Topology
 
@@ -506,14 +506,6 @@ def _worker_record(h: Handle, node: str) -> dict[str, Any]:
     return h.st.setdefault("runtime", {}).setdefault("workers", {}).setdefault(node, {"netns": h.netns(node)})
 
 
-def _exists(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][:1] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _try(fn, *args, **kw) -> bool:
     """Call a runtime control method; False when the runtime does not implement it."""
     try:
@@ -527,10 +519,10 @@ def _strays(h: Handle, rt: Any, node: str, rec: dict[str, Any]) -> list[int]:
     """Processes in the worker's network namespace that its runtime does not know (e.g. started with
     nsenter --net): they are part of the worker too."""
     known: set[int] = set()
-    procs = getattr(rt, "processes", None)
-    if procs is not None:
+    listed = getattr(rt, "processes", None)
+    if listed is not None:
         with contextlib.suppress(Exception):
-            known = set(procs(node, rec))
+            known = set(listed(node, rec))
     return [p for p in netns.pids_in([h.netns(node)]) if p not in known]
 
 
@@ -539,7 +531,7 @@ def _kill(pids: Sequence[int], sig: int, wait: float) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
     deadline = time.monotonic() + wait
-    while wait and time.monotonic() < deadline and any(_exists(p) for p in pids):
+    while wait and time.monotonic() < deadline and any(procs.ref(p) is not None for p in pids):
         time.sleep(0.02)
 
 

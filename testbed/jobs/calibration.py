@@ -227,7 +227,7 @@ def measure(progress: Callable[[str], None] | None = None) -> Calibration:
     if progress:
         progress("calibrating this machine (once per boot): two gloo ranks on a 2-worker star ...")
     with lifecycle.running(topo, name, runtime="netns", time_dilation=1):
-        out = paths.directory(name) / "calibration.json"
+        out = paths.directory(name) / "runs" / "calibration.json"   # the one folder workers may write
         cmd = [sys.executable, "-m", "testbed.jobs.collectives_bench", "--ops", ",".join(OPS),
                "--sizes", ",".join(str(x) for x in (SMALL, *LARGE)), "--budget", "0.15", "--min-iters", "3",
                "--max-iters", "300", "--repeat", "3", "--json", str(out)]

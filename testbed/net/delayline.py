@@ -62,6 +62,7 @@ SIOCSIFMTU = 0x8922
 VNET_HDR_LEN = 10
 READ_SIZE = 65536 + 512
 MAX_QUEUED_BYTES = 256 * 1024 * 1024   # per direction; beyond it frames are dropped
+_PR_SET_PDEATHSIG = 1
 
 
 def open_tap(name: str, mtu: int | None = None) -> int:
@@ -140,7 +141,7 @@ def start_delay_link(testbed: str, link_id: str | int, ns_a: str, if_a: str, ns_
         env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cfg = {"testbed": testbed, "link_id": lid, "fd_a": fa, "fd_b": fb, "ready_fd": wr,
                "control": str(control), "ab": _profile_json(profile_ab), "ba": _profile_json(profile_ba),
-               "pid_file": str(pid_file)}
+               "pid_file": str(pid_file), "parent": os.getpid()}
         with open(log, "ab") as logf:
             proc = subprocess.Popen([sys.executable, "-m", "testbed.net.delayline_main", json.dumps(cfg)],
                                     pass_fds=(fa, fb, wr), stdin=subprocess.DEVNULL, stdout=logf,
@@ -302,12 +303,22 @@ class _Direction:
 def serve(cfg: dict[str, Any]) -> None:
     """The helper's loop (runs in the child; stdlib only)."""
     # First of all, say who we are where cleanup looks: a parent killed right after starting us
-    # (kill -9 of `up`) must not leave a helper that nothing names.
+    # (kill -9 of `up`) must not leave a helper that nothing names. Until the pid file is there,
+    # we die with the parent (PDEATHSIG); a parent already gone (we were reparented while Python
+    # started) means nobody will record us, and a cleanup may already have run: end now.
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = cfg.get("parent")
+    if parent:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != int(parent):
+            os._exit(0)
     pf = cfg.get("pid_file")
     if pf:
         with open(pf + ".tmp", "w") as fh:
             fh.write(f"{os.getpid()} {procs.start_ticks(os.getpid()) or 0}\n")
         os.replace(pf + ".tmp", pf)
+    if parent:   # named now: outlive `up`, as a helper must (a kill before this line is ours too)
+        libc.prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
     try:  # 1 us timer slack: select() wakes when asked, not up to 50 us later
         ctypes.CDLL(None).prctl(29, 1, 0, 0, 0)
     except Exception:

@@ -11,8 +11,9 @@ it with `make image`) with:
   namespace runtimes: the container sees only lo and the emulated interfaces.
 - `--init` (Docker's tini) running `sleep infinity`: the long-lived init;
   jobs run beside it with `docker exec`.
-- cap NET_ADMIN (tc, ip inside the worker) and SYS_PTRACE (py-spy), never
-  --privileged. Memory limit = node.memory_bytes with no swap (a hog is
+- Docker's default capabilities plus SYS_PTRACE (py-spy), never --privileged;
+  NET_ADMIN only with `up --net-admin` (a job could then remove its own
+  links' shaping: the data plane shapes a worker's egress in its namespace). Memory limit = node.memory_bytes with no swap (a hog is
   OOM-killed inside its own cgroup), CPU quota = node.cpus, /dev/shm =
   half the memory limit (1 GiB without one; $TESTBED_DOCKER_SHM overrides),
   GPUs through device requests (`--gpus`) when node.gpus > 0.
@@ -165,8 +166,10 @@ class DockerRuntime(Runtime):
     kind = "docker"
 
     def __init__(self, testbed: str, *, host: str | None = None, image: str | None = None,
-                 workdir: str | None = None, gpu_ids: Mapping[str, Sequence[str]] | None = None):
+                 workdir: str | None = None, gpu_ids: Mapping[str, Sequence[str]] | None = None,
+                 net_admin: bool = False):
         super().__init__(testbed)
+        self.net_admin = net_admin
         self.host = host or docker_host()
         self.image = image or os.environ.get("TESTBED_WORKER_IMAGE") or DEFAULT_IMAGE
         self.workdir = workdir if workdir is not None else os.getcwd()
@@ -279,7 +282,7 @@ class DockerRuntime(Runtime):
             c = self.client.containers.run(
                 image, ["sleep", "infinity"], name=cname, hostname=node.name, detach=True, init=True,
                 network_mode="none", labels=self.labels(node.name, netns_name),
-                cap_add=["NET_ADMIN", "SYS_PTRACE"], shm_size=self._shm_size(node), mounts=mounts,
+                cap_add=(["NET_ADMIN"] if self.net_admin else []) + ["SYS_PTRACE"], shm_size=self._shm_size(node), mounts=mounts,
                 working_dir=workdir, environment=env, stop_signal="SIGTERM", **kw)
         except docker.errors.APIError as exc:
             if exc.status_code == 409:
@@ -324,7 +327,8 @@ class DockerRuntime(Runtime):
         c.reload()
         pid = int(c.attrs["State"]["Pid"])
         return {"id": c.id, "pid": pid, "starttime": procs.start_ticks(pid), "container": c.name,
-                "netns": netns_name, "docker_host": self.host, "env": dict(env), "hosts": dict(hosts)}
+                "netns": netns_name, "docker_host": self.host, "env": dict(env), "hosts": dict(hosts),
+                "net_admin": self.net_admin}
 
     def remove(self, node: str, record: Mapping[str, Any]) -> None:
         """Remove the worker's container, found by its name and only if its labels say it is this

@@ -22,7 +22,7 @@ spawner process forks the inits of a whole batch; ps shows each init as
   NAME/logs/NODE (read-write: TESTBED_LOG_DIR), NAME/workers/NODE
   (read-only: its hosts files, attach's rcfile) and the MPS pipe and log
   dirs when the worker uses MPS;
-- capabilities: Docker's default set plus sys_ptrace (worker_init.WORKER_CAPS),
+- capabilities: Docker's default set (worker_init.WORKER_CAPS; no sys_ptrace, see there),
   and net_admin only for a testbed brought up with net_admin=True (a job
   could otherwise remove its links' shaping); never sys_admin, so the mounts
   above stay. The init drops the rest from its bounding set and its own sets;
@@ -441,20 +441,6 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _ns_inode(pid: int, kind: str) -> int | None:
-    try:
-        return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
-    except OSError:
-        return None
-
-
 def pids_in_pidns(init_pid: int) -> list[int]:
     """Host PIDs of the processes in the PID namespace whose init is init_pid (init first)."""
-    target = _ns_inode(init_pid, "pid")
-    if target is None:
-        return []
-    out = [init_pid]
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != init_pid and _ns_inode(int(entry), "pid") == target:
-            out.append(int(entry))
-    return out
+    return procs.pids_in_pidns(init_pid)

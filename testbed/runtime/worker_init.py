@@ -63,12 +63,15 @@ CAP_NAMES = (
     "lease", "audit_write", "audit_control", "setfcap", "mac_override", "mac_admin", "syslog",
     "wake_alarm", "block_suspend", "audit_read", "perfmon", "bpf", "checkpoint_restore",
 )
-# What a worker's processes may keep: Docker's default set plus sys_ptrace (debuggers, py-spy).
-# Not net_admin (a job could remove its own links' shaping) unless the testbed asks for it, and
-# never sys_admin (mount/umount: the hidden state dir), sys_module, sys_boot, sys_time, ...
+# What a worker's processes may keep: Docker's default set. Not net_admin (a job could remove its
+# own links' shaping) unless the testbed asks for it; never sys_admin (mount/umount: the hidden
+# state dir), sys_module, sys_boot, sys_time, ... Not sys_ptrace either: root in a worker can still
+# trace the worker's own processes (same user, no capability they lack: py-spy, gdb work), but not
+# a process entering the worker with the host's capabilities in the moment before setpriv drops
+# them (sys_ptrace would lift that check).
 WORKER_CAPS = (
     "chown", "dac_override", "fsetid", "fowner", "mknod", "net_raw", "setgid", "setuid", "setfcap",
-    "setpcap", "net_bind_service", "sys_chroot", "kill", "audit_write", "sys_ptrace",
+    "setpcap", "net_bind_service", "sys_chroot", "kill", "audit_write",
 )
 
 # What an item's "cfg" must hold (parse_items checks it), with the type of each value.
@@ -412,7 +415,7 @@ def stage_b(cfg: dict, title: str) -> None:
             pass    # no CAP_SYS_RESOURCE (a container): the init is small and rarely picked
         os.chdir("/")
         # last: the init needs none of the rest, and keeping more than its processes get would
-        # make it worth attacking (sys_ptrace is theirs)
+        # make it worth attacking
         drop_capabilities(cfg["caps"])
     except Exception as exc:  # noqa: BLE001 - whatever failed is reported, then this process ends
         say(f"error {exc}")
