@@ -1,0 +1,89 @@
+"""The CLI imports only what a verb uses: `testbed --help` and the light verbs never pull in
+the heavy libraries (each costs tens to hundreds of milliseconds at every invocation).
+A count of modules, not a timing: it holds on a loaded machine too."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("pyroute2", "psutil", "pydantic", "networkx", "torch", "matplotlib", "numpy", "docker")
+
+_PROBE = """
+import json, sys
+sys.argv = ["testbed", *sys.argv[1:]]
+from testbed.cli import main
+try:
+    main()
+except SystemExit:
+    pass
+finally:
+    sys.__stderr__.write("\\nMODULES " + json.dumps(sorted(sys.modules)) + "\\n")
+"""
+
+
+def _modules_after(args: list[str], env_extra: dict[str, str] | None = None) -> tuple[set[str], str]:
+    import os
+
+    env = {**os.environ, "COLUMNS": "100", **(env_extra or {})}
+    r = subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, timeout=60, env=env)
+    line = [ln for ln in r.stderr.splitlines() if ln.startswith("MODULES ")]
+    assert line, r.stderr
+    return set(json.loads(line[-1][len("MODULES "):])), r.stdout
+
+
+def _heavy(modules: set[str]) -> list[str]:
+    return sorted({m.split(".")[0] for m in modules} & set(HEAVY))
+
+
+@pytest.mark.parametrize("args", [["--help"], ["ls", "--help"], ["status", "--help"], ["link", "show", "--help"],
+                                  ["up", "--help"], ["run", "--help"], ["version"]])
+def test_help_and_light_paths_import_no_heavy_module(args):
+    modules, out = _modules_after(args)
+    assert out.strip(), "printed nothing"
+    assert _heavy(modules) == [], f"`testbed {' '.join(args)}` imported {_heavy(modules)}"
+
+
+def test_root_help_imports_no_verb():
+    modules, out = _modules_after(["--help"])
+    verbs = sorted(m for m in modules if m.startswith("testbed.cli.") and m != "testbed.cli.common")
+    assert verbs == [], f"`testbed --help` imported {verbs}"
+    from testbed.cli import VERBS
+
+    for name in VERBS:
+        assert name in out
+
+
+def test_ls_with_nothing_up_imports_no_heavy_module(state_dir):
+    modules, out = _modules_after(["ls"], {"TESTBED_STATE_DIR": str(state_dir)})
+    assert "no testbed is up" in out
+    assert _heavy(modules) == [], f"`testbed ls` imported {_heavy(modules)}"
+
+
+def test_verbs_table_matches_the_modules():
+    """VERBS names each verb's module and its --help line; both must match what the modules register."""
+    import typer
+
+    import testbed.cli as cli
+    from testbed.cli import VERBS, load_verb
+
+    registered: dict[str, str] = {}
+    for info in pkgutil.iter_modules(cli.__path__):
+        module = importlib.import_module(f"testbed.cli.{info.name}")
+        if not hasattr(module, "register"):
+            continue
+        scratch = typer.Typer(add_completion=False)
+        module.register(scratch)
+        for name in typer.main.get_group(scratch).commands:
+            registered[name] = info.name
+    assert registered == {name: verb.module for name, verb in VERBS.items()}
+    for name, verb in VERBS.items():
+        command = load_verb(name)
+        first = inspect.cleandoc(command.help or "").split("\n\n")[0].replace("\n", " ")
+        assert first == verb.summary, f"{name}: VERBS says {verb.summary!r}, its help says {first!r}"
