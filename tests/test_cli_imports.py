@@ -87,3 +87,21 @@ def test_verbs_table_matches_the_modules():
         command = load_verb(name)
         first = inspect.cleandoc(command.help or "").split("\n\n")[0].replace("\n", " ")
         assert first == verb.summary, f"{name}: VERBS says {verb.summary!r}, its help says {first!r}"
+
+
+def test_mainjob_prints_a_testbed_command_that_works_as_typed(tmp_path):
+    """`make testbed` ends with commands to type; on a fresh clone `testbed` is only in the venv."""
+    import os
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    bare_path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                                if not (Path(p) / "testbed").exists())
+    env = {**os.environ, "PATH": bare_path}
+    env.pop("SUDO_USER", None)
+    word = subprocess.run([sys.executable, "-c", "from testbed.mainjob import testbed_command; "
+                           "print(testbed_command())"], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=60, check=True).stdout.strip()
+    assert word != "testbed"
+    r = subprocess.run(f"{word} version", shell=True, cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip(), (word, r.stderr)
