@@ -148,34 +148,15 @@ def main(topo: str, name: str | None = None, steps: int = DEFAULT_STEPS, batch: 
                       highlight=False)
     for p in plots:
         console.print(f"plot: {p}", highlight=False)
+    from testbed.cli.common import testbed_command
+
     tb = testbed_command()
     console.print(f"\nThe testbed [bold]{name}[/] is still up.\n"
                   f"  attach to a worker:  {tb} attach {cluster.workers[0]} --name {name}\n"
                   f"  run something:       {tb} run --name {name} -- python -m testbed.jobs.collectives_bench\n"
                   f"  tear it down:        {tb} down {name}   (or: make down)\n"
-                  f"total {time.time() - t0:.1f} s", highlight=False)
+                  f"total {time.time() - t0:.1f} s", highlight=False, soft_wrap=True)
     return result.rc
-
-
-def testbed_command() -> str:
-    """`testbed` as the user can type it after this job: a fresh clone has it only in the venv,
-    so the venv's script by its path (relative to where make ran, when it is below), unless that
-    same script is what PATH finds; with `sudo` in front when the user came in through sudo."""
-    import os
-    import shutil
-
-    script = Path(sys.executable).parent / "testbed"
-    on_path = shutil.which("testbed")
-    if not script.exists():
-        word = "testbed" if on_path else f"{sys.executable} -m testbed"
-    elif on_path and os.path.samefile(on_path, script):
-        word = "testbed"
-    else:
-        rel = os.path.relpath(script, Path.cwd())
-        word = rel if not rel.startswith("..") else str(script)
-    if os.geteuid() == 0 and os.environ.get("SUDO_USER"):
-        word = f"sudo {word}"
-    return word
 
 
 def expected_iteration(run_dir: Path, cluster: Any, compute_s: float, machine: Any, predict: Any,

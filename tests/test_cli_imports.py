@@ -89,8 +89,8 @@ def test_verbs_table_matches_the_modules():
         assert first == verb.summary, f"{name}: VERBS says {verb.summary!r}, its help says {first!r}"
 
 
-def test_mainjob_prints_a_testbed_command_that_works_as_typed(tmp_path):
-    """`make testbed` ends with commands to type; on a fresh clone `testbed` is only in the venv."""
+def test_next_commands_name_a_testbed_that_works_as_typed():
+    """`make testbed` and `testbed up` end with commands to type; on a fresh clone `testbed` is only in the venv."""
     import os
     from pathlib import Path
 
@@ -99,7 +99,7 @@ def test_mainjob_prints_a_testbed_command_that_works_as_typed(tmp_path):
                                 if not (Path(p) / "testbed").exists())
     env = {**os.environ, "PATH": bare_path}
     env.pop("SUDO_USER", None)
-    word = subprocess.run([sys.executable, "-c", "from testbed.mainjob import testbed_command; "
+    word = subprocess.run([sys.executable, "-c", "from testbed.cli.common import testbed_command; "
                            "print(testbed_command())"], cwd=repo, env=env, capture_output=True, text=True,
                           timeout=60, check=True).stdout.strip()
     assert word != "testbed"

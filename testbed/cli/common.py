@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
@@ -58,6 +59,26 @@ def resolve_name(name: str | None) -> str:
     if not up:
         raise StateError("no testbed is up: start one with `testbed up TOPOLOGY`")
     raise StateError(f"{len(up)} testbeds are up ({', '.join(up)}): say which with --name")
+
+
+def testbed_command() -> str:
+    """`testbed` as the user can type it in next commands we print: a fresh clone has it only in
+    the venv, so the venv's script by its path (relative to the working directory when it is
+    below it), unless that same script is what PATH finds; `sudo` in front after sudo."""
+    import shutil
+
+    script = Path(sys.executable).parent / "testbed"
+    on_path = shutil.which("testbed")
+    if not script.exists():
+        word = "testbed" if on_path else f"{sys.executable} -m testbed"
+    elif on_path and os.path.samefile(on_path, script):
+        word = "testbed"
+    else:
+        rel = os.path.relpath(script, Path.cwd())
+        word = rel if not rel.startswith("..") else str(script)
+    if os.geteuid() == 0 and os.environ.get("SUDO_USER"):
+        word = f"sudo {word}"
+    return word
 
 
 NameOption = typer.Option(None, "--name", "-n", help="The testbed to act on (default: the only one up).")

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
-from testbed.cli.common import console, err_console, fail, print_dilation, require_root
+from testbed.cli.common import console, err_console, fail, print_dilation, require_root, testbed_command
 
 
 class _DelayedProgress:
@@ -108,12 +108,14 @@ def _summary(st: dict[str, Any], seconds: float) -> None:
     w0 = topo.workers[0]
     w1 = topo.workers[-1]
     peer = addr.get(w1, ["? ?"])[0].split()[1].split("/")[0]
+    tb = testbed_command()
     console.print("\nnext:")
-    console.print(f"  testbed exec {w0} --name {name} -- ping -c 3 {w1}    # {w1} is {peer}")
-    console.print(f"  testbed attach {w0} --name {name}                    # a shell inside {w0}")
-    console.print(f"  testbed run --name {name} -- python examples/train_ddp.py")
-    console.print(f"  testbed status {name}")
-    console.print(f"  testbed down {name}")
+    for line in (f"{tb} exec {w0} --name {name} -- ping -c 3 {w1}    # {w1} is {peer}",
+                 f"{tb} attach {w0} --name {name}                    # a shell inside {w0}",
+                 f"{tb} run --name {name} -- python examples/train_ddp.py",
+                 f"{tb} status {name}",
+                 f"{tb} down {name}"):
+        console.print(f"  {line}", highlight=False, soft_wrap=True)   # whole lines, to copy as they are
 
 
 def machine_constants(setting: Any) -> Any:
