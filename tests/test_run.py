@@ -141,6 +141,30 @@ def test_probe_files_reach_a_run_dir_workers_cannot_see(leaf_spine, tmp_path):
     assert not runs.exists() or not any(runs.iterdir())   # nothing left in the exchange folder
 
 
+def test_c10d_names_every_peer_it_connects(testbed, tmp_path):
+    """torch's c10d looks up the name of each socket it connects as an IPv4-mapped IPv6 address;
+    the workers' /etc/hosts answers it, so no rank prints "[c10d] The hostname of the client
+    socket cannot be retrieved. err=-3" (EAI_AGAIN: glibc asking a name server workers lack)."""
+    from testbed.jobs.run import cluster_from_state, run
+    from testbed.topology.loader import load_topology_text
+
+    st = testbed(load_topology_text("name: hn\ngenerator: star\nparams: {n: 2}\n", "<test_run>"))
+    cl = cluster_from_state(st["name"])
+    code = ("import os, socket, torch.distributed as dist\n"
+            "try:\n    n = socket.getnameinfo(('::ffff:' + os.environ['MASTER_ADDR'], 1, 0, 0), 0)[0]\n"
+            "except OSError as e:\n    n = f'error:{e.errno}'\n"
+            "print('mapped-name', n)\n"
+            "dist.init_process_group('gloo'); dist.barrier(); dist.destroy_process_group()\n")
+    for libuv in ("1", "0"):   # the TCPStore server torch uses by default, and the older one
+        lines: list[str] = []
+        res = run(cl, [sys.executable, "-c", code], env={"USE_LIBUV": libuv}, base_dir=tmp_path / libuv,
+                  workdir=str(REPO), echo=lines.append, monitor=False, timeout=120)
+        assert res.rc == 0, lines[-20:]
+        logs = "\n".join(lines + [f.read_text() for f in (res.run_dir / "logs").glob("*.log")])
+        assert "cannot be retrieved" not in logs and "err=-3" not in logs, logs[-3000:]
+        assert sorted(l.split()[-1] for l in lines if "mapped-name" in l) == ["w0.", "w0."], lines
+
+
 def test_unknown_worker_is_an_error(leaf_spine, tmp_path):
     from testbed.jobs.run import RunError, run
 
@@ -198,4 +222,6 @@ tiers:
         assert sum(r["ev"] == "step" for r in recs) == steps
     s = json.loads((res.run_dir / "summary.json").read_text())
     assert sum(l["bytes_ab"] + l["bytes_ba"] for l in s["links"]) > 0
+    for log in (res.run_dir / "logs").glob("*.log"):   # c10d named every peer (the hosts file's mapped lines)
+        assert "cannot be retrieved" not in log.read_text(), log
     assert elapsed < 120, elapsed

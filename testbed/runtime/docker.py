@@ -136,8 +136,12 @@ def attach_netns(name: str, pid: int) -> None:
 # -- the runtime -----------------------------------------------------------------------------------------------
 
 def _hosts_file(hosts: Mapping[str, str], node: str) -> str:
-    """/etc/hosts text; `hosts` maps name -> address (address -> name is accepted too)."""
+    """/etc/hosts text; `hosts` maps name -> address (address -> name is accepted too).
+    Each IPv4 address comes again IPv4-mapped (::ffff:a.b.c.d) under the absolute name (`w0.`),
+    for reverse lookups from dual-stack sockets (torch's c10d), as in the netns runtime's
+    hosts_text: glibc does not match those against IPv4 lines, and there is no DNS to ask."""
     lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+    mapped = ["::ffff:127.0.0.1\tlocalhost."]
     for k, v in hosts.items():
         try:
             ipaddress.ip_address(str(k).split("/")[0])
@@ -145,6 +149,9 @@ def _hosts_file(hosts: Mapping[str, str], node: str) -> str:
         except ValueError:
             addr, name = str(v), str(k)
         lines.append(f"{addr.split('/')[0]}\t{name}")
+        if ipaddress.ip_address(addr.split("/")[0]).version == 4:
+            mapped.append(f"::ffff:{addr.split('/')[0]}\t{name}.")
+    lines += ["# the same, IPv4-mapped: reverse lookups from dual-stack sockets", *mapped]
     return "\n".join(lines) + "\n"
 
 

@@ -129,16 +129,25 @@ def setpriv_argv(net_admin: bool) -> list[str]:
 
 
 def hosts_text(testbed: str, node: str, hosts: Mapping[str, Any]) -> str:
-    """The /etc/hosts of a worker: localhost, then every worker by name (its own name included)."""
+    """The /etc/hosts of a worker: localhost, then every worker by name (its own name included),
+    then each IPv4 address again in its IPv4-mapped IPv6 form (::ffff:a.b.c.d) under the name's
+    absolute form (`w0.`). A dual-stack socket sees its peers as mapped addresses, and glibc
+    never matches those against IPv4 lines: without them a reverse lookup (torch's c10d names
+    every socket it connects) falls through to DNS, which a worker has none of, and fails with
+    EAI_AGAIN. The absolute name keeps forward lookups of `w0` to its IPv4 address alone."""
     lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
              f"# testbed {testbed}: its workers"]
+    mapped = ["::ffff:127.0.0.1\tlocalhost."]
     for name, addrs in hosts.items():
         if isinstance(addrs, str):
             addrs = [addrs]
         for a in addrs:
             lines.append(f"{a}\t{name}")
+            if ":" not in a:
+                mapped.append(f"::ffff:{a.split('/')[0]}\t{name}.")
     if node not in hosts:
         lines.append(f"127.0.1.1\t{node}")
+    lines += ["# the same, IPv4-mapped: reverse lookups from dual-stack sockets", *mapped]
     return "\n".join(lines) + "\n"
 
 
