@@ -27,6 +27,10 @@ def register(app: typer.Typer) -> None:
         grace: float = typer.Option(5.0, "--grace", help="Seconds the others get after a rank fails"),
         report: bool = typer.Option(False, "--report", help="Print the whole report when the run ends "
                                                             "(the verdict is always printed)"),
+        real: Optional[str] = typer.Option(None, "--real", help="Only these workers (comma list) run CMD; every "
+                                           "other rank is a phantom that computes nothing and mirrors the real "
+                                           "rank's collectives, so the links carry the job's real traffic "
+                                           "(gloo, data-parallel jobs)"),
     ) -> None:
         """Start CMD on every selected worker the torchrun way; logs and probe data go to runs/<time>-<testbed>/.
 
@@ -48,7 +52,8 @@ def register(app: typer.Typer) -> None:
         machine = calibration.constants_or_none(progress=lambda m: err_console.print(m, highlight=False))
         result = run(cluster, cmd, workers=workers, nproc_per_node=nproc_per_node, master=master, port=port,
                      timeout=timeout, env=extra, probe=not no_probe, grace=grace, machine=machine,
-                     emulated_clock=not real_clock)
+                     emulated_clock=not real_clock,
+                     real=[w.strip() for w in real.split(",") if w.strip()] if real is not None else None)
         from testbed.report import report as make_report
 
         text, a, plots = make_report(result.run_dir, plots=report)

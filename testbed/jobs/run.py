@@ -39,6 +39,7 @@ files go to <state dir>/runs/<run id>/torchrun/ and are removed at the end.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -59,6 +60,7 @@ from testbed.jobs import counters, rundir
 from testbed.jobs.probe import PROBE_PATH
 
 DEFAULT_GRACE_S = 5.0
+PHANTOM_GRACE_S = 10.0     # after the real ranks ended: time for the phantoms to read "end" and leave
 PROBE_FILE = re.compile(r"^rank-[A-Za-z0-9_]{1,32}\.jsonl$")
 PROBE_FILE_MAX_BYTES = 512 << 20
 KILL_AFTER_S = 2.0
@@ -166,6 +168,7 @@ class Rank:
     rc: int | None = None
     started: float = 0.0
     ended: float | None = None
+    phantom: bool = False        # testbed run --real: a rank that mirrors a real one (jobs/phantom.py)
 
 
 @dataclass
@@ -272,19 +275,33 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         grace: float = DEFAULT_GRACE_S, base_dir: str | os.PathLike | None = None,
         workdir: str | None = None, echo: Callable[[str], None] | None | bool = True,
         on_start: Callable[[Path], None] | None = None, machine: Any = None,
-        monitor: bool = True, emulated_clock: bool = True, stop: threading.Event | None = None) -> RunResult:
+        monitor: bool = True, emulated_clock: bool = True, stop: threading.Event | None = None,
+        real: Sequence[str] | None = None) -> RunResult:
     """Run CMD across the cluster; return the exit status and the run directory.
 
     machine: the calibrated MachineConstants, recorded for the verdict (testbed.report.verdict);
     monitor: sample CPUs, qdiscs and delay lines while the ranks run (monitor.json);
     emulated_clock: under dilation the probe slows the ranks' clocks by the factor;
-    stop: when set (from another thread), the ranks are stopped as on a timeout (exit 143)."""
+    stop: when set (from another thread), the ranks are stopped as on a timeout (exit 143);
+    real: the workers whose ranks run CMD; every other rank is a phantom (testbed.jobs.phantom)
+    mirroring the lowest real rank's collectives (None: every rank is real)."""
     cmd = list(cmd)
     if not cmd:
         raise RunError("nothing to run: give a command after --")
     if nproc_per_node < 1:
         raise RunError("--nproc-per-node must be >= 1")
     chosen = select_workers(cluster, workers)
+    if real is not None:
+        real = list(real)
+        unknown = [w for w in real if w not in chosen]
+        if unknown:
+            raise RunError(f"--real {', '.join(unknown)}: not among the run's workers ({', '.join(chosen)})")
+        if not real or len(real) == len(chosen):
+            raise RunError("--real needs at least one real worker and one phantom among the run's workers")
+        if is_torchrun(cmd):
+            raise RunError("--real works with the env launcher (testbed run -- python SCRIPT), not torchrun yet")
+        if not probe:
+            raise RunError("--real needs the probe (it announces the real rank's collectives): drop --no-probe")
     master = master or chosen[0]
     if master not in chosen:
         raise RunError(f"master {master!r} is not among the selected workers ({', '.join(chosen)})")
@@ -358,6 +375,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                     "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
                     "TORCHELASTIC_MAX_RESTARTS": "0"}
             ranks.append(Rank(w, node_rank, lr, rank, f"{w}:r{rank}", list(cmd), renv))
+    if real is not None:
+        _make_phantoms(ranks, set(real), shared / "phantom", cluster.runtime)
 
     logs: dict[str, Any] = {w: open(rd / "logs" / f"{w}.log", "a", buffering=1) for w in chosen}
     log_lock = threading.Lock()
@@ -447,6 +466,9 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                                      f"in {grace:g}s")
                 if alive == 0:
                     break
+                if real is not None and stop_at is None and all(r.rc is not None for r in ranks if not r.phantom):
+                    # the real ranks are done: a phantom has nothing left to mirror
+                    reason, stop_at = ("completed" if rc == 0 else reason), now + PHANTOM_GRACE_S
                 if timeout is not None and stop_at is None and now - t_start > timeout:
                     reason, rc, stop_at = "timeout", 124, now
                     if echo is not None:
@@ -497,6 +519,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             except Exception as exc:   # like a monitor that did not start: the verdict says what it lacks
                 if echo is not None:
                     echo(f"[testbed] monitor samples lost ({exc})")
+        phantom_stats = _phantom_stats(shared / "phantom") if real is not None else None
         _collect_probe(rd, shared)
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
@@ -512,13 +535,60 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                    "rank": r.rank, "pid": r.proc.pid if r.proc else None,
                    "rc": None if r.rc is None else _exit_status(r.rc),
                    "duration_s": (r.ended or ended) - r.started if r.started else None,
-                   "argv": r.argv if r is ranks[0] else None} for r in ranks],
+                   "argv": r.argv if r is ranks[0] else None, "phantom": r.phantom} for r in ranks],
         "leftover_pids": leftovers,
+        "phantoms": None if real is None else {
+            "real_workers": list(real), "real_ranks": [r.rank for r in ranks if not r.phantom],
+            "phantom_ranks": [r.rank for r in ranks if r.phantom], **(phantom_stats or {})},
     })
     if topo is not None:
         summary["links"] = counters.link_bytes(topo, before, after)
     rundir.write_json(rd / "summary.json", summary)
     return RunResult(rc, rd, summary)
+
+
+def _make_phantoms(ranks: list[Rank], real: set[str], chan: Path, runtime: str) -> None:
+    """Turn the ranks of workers not in `real` into phantoms: same environment, the phantom module
+    as the command, and a FIFO each on which the lowest real rank announces its operations."""
+    chan.mkdir(mode=0o755)
+    leader = min((r for r in ranks if r.worker in real), key=lambda r: r.rank)
+    fifos = []
+    pkg_root = str(Path(__file__).resolve().parents[2])
+    python = sys.executable
+    if runtime == "docker":
+        from testbed.runtime.docker import PKG_TARGET
+
+        pkg_root, python = PKG_TARGET, "python3"
+    for r in ranks:
+        if r.worker in real:
+            continue
+        fifo = chan / f"rank-{r.rank}.fifo"
+        os.mkfifo(fifo, 0o600)
+        fifos.append(str(fifo))
+        r.phantom = True
+        r.label = f"{r.worker}:p{r.rank}"
+        r.argv = [python, "-m", "testbed.jobs.phantom"]
+        env = {k: v for k, v in r.env.items() if k not in ("TESTBED_PROBE_DIR", "PYTHONPATH")}
+        r.env = {**env, "PYTHONPATH": pkg_root, "TESTBED_PHANTOM_IN": str(fifo),
+                 "TESTBED_PHANTOM_STATS": str(chan / f"stats-{r.rank}.json")}
+    leader.env["TESTBED_PHANTOM_OUT"] = os.pathsep.join(fifos)
+
+
+def _phantom_stats(chan: Path) -> dict[str, Any]:
+    """What the phantoms wrote at their end: operations mirrored, how late they read announcements."""
+    rows = []
+    for f in sorted(chan.glob("stats-*.json")) if chan.is_dir() else []:
+        try:
+            if f.is_file() and not f.is_symlink() and f.stat().st_size < 65536:
+                rows.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            continue
+    rows = [r for r in rows if isinstance(r, dict)]
+    late = [r["announce_late_s"] for r in rows if isinstance(r.get("announce_late_s"), dict)
+            and isinstance(r["announce_late_s"].get("mean"), (int, float))]
+    return {"ops_mirrored": [r.get("ops") for r in rows], "errors": [r["error"] for r in rows if r.get("error")],
+            "announce_late_mean_s": sum(x["mean"] for x in late) / len(late) if late else None,
+            "announce_late_max_s": max((x["max"] for x in late), default=None)}
 
 
 def _cores() -> int:

@@ -98,13 +98,15 @@ class Verdict:
 # -- the model check ---------------------------------------------------------------------------------------
 
 
-def instances(probe: dict[str, list[dict[str, Any]]], world: int
+def instances(probe: dict[str, list[dict[str, Any]]], world: int, recording: int | None = None
               ) -> dict[tuple[str, int, tuple[int, ...]], list[dict[str, Any]]]:
     """(op, bytes, ranks) -> complete instances: {"start", "end"} (real seconds).
 
     Collectives on the whole world (ranks = ()), matched by process group and sequence number;
     blocking sends and receives, the k-th send from a to b with the k-th receive at b from a
-    (ranks = (a, b), op "send_recv")."""
+    (ranks = (a, b), op "send_recv"). recording: how many ranks have probe records (the real
+    ones of a run with phantoms; default: all of them); an instance is complete with theirs."""
+    recording = world if recording is None else recording
     by_key: dict[tuple, list[dict[str, Any]]] = {}
     for label, recs in probe.items():
         start = next((r for r in recs if r.get("ev") == "start"), {})
@@ -132,7 +134,7 @@ def instances(probe: dict[str, list[dict[str, Any]]], world: int
             op, ranks = "send_recv", key[1]
         else:
             op, ranks = _MODEL_OP.get(recs[0].get("op", "")), ()
-            if len(recs) != world or op is None or any(_MODEL_OP.get(r.get("op", "")) != op for r in recs):
+            if len(recs) != recording or op is None or any(_MODEL_OP.get(r.get("op", "")) != op for r in recs):
                 continue
         try:   # records come from ranks: a malformed one drops its instance, not the report
             start = max(float(r["t"]) for r in recs)
@@ -144,8 +146,13 @@ def instances(probe: dict[str, list[dict[str, Any]]], world: int
     return out
 
 
-def _rank_workers(probe: dict[str, list[dict[str, Any]]], world: int) -> list[str] | None:
+def _rank_workers(probe: dict[str, list[dict[str, Any]]], world: int,
+                  summary: dict[str, Any] | None = None) -> list[str] | None:
     workers: dict[int, str] = {}
+    if summary and summary.get("phantoms"):   # phantoms record nothing: the launcher's own table
+        for r in summary.get("ranks") or []:
+            if isinstance(r, dict) and isinstance(r.get("rank"), int) and isinstance(r.get("worker"), str):
+                workers[r["rank"]] = r["worker"]
     for recs in probe.values():
         start = next((r for r in recs if r.get("ev") == "start"), None)
         if start and isinstance(start.get("rank"), int) and start.get("worker"):
@@ -153,6 +160,40 @@ def _rank_workers(probe: dict[str, list[dict[str, Any]]], world: int) -> list[st
     if sorted(workers) != list(range(world)):
         return None
     return [workers[r] for r in range(world)]
+
+
+def _recording(summary: dict[str, Any], world: int) -> int:
+    """How many ranks ran the job (and have probe records): the real ones when there were phantoms
+    (they compute nothing; their traffic is the network's to carry, which the model accounts)."""
+    ph = summary.get("phantoms")
+    if isinstance(ph, dict) and isinstance(ph.get("real_ranks"), list) and ph["real_ranks"]:
+        return len(ph["real_ranks"])
+    return world
+
+
+def phantom_check(summary: dict[str, Any], rows: list["ClassRow"], s: float) -> Check | None:
+    """With phantom ranks: which ranks were real, and whether the phantoms kept up. A phantom enters
+    each collective when it has read the real rank's announcement; the real rank's collective
+    waits for it, so that lateness (real time, /s emulated) is in the measured times."""
+    ph = summary.get("phantoms")
+    if not isinstance(ph, dict):
+        return None
+    real, phantoms = ph.get("real_ranks") or [], ph.get("phantom_ranks") or []
+    who = f"ranks {', '.join(map(str, real))} real, {len(phantoms)} phantom(s) mirroring rank {min(real, default='?')}"
+    if ph.get("errors"):
+        return Check("phantoms", False, f"{who}; a phantom fell out of step: {ph['errors'][0]}")
+    late = ph.get("announce_late_mean_s")
+    if not isinstance(late, (int, float)):
+        return Check("phantoms", None, f"{who}; how late the phantoms followed was not recorded")
+    detail = (f"{who}; they read each announcement {late * 1e3:.2g} ms after it was made on average "
+              f"({late / s * 1e6:.3g} us emulated), which the real rank's collectives include")
+    n = sum(r.count for r in rows)
+    mean_model = sum(r.model_s * r.count for r in rows) / n if n else None
+    if mean_model and late / s > TOLERANCE * mean_model:
+        return Check("phantoms", False, detail + f": more than {TOLERANCE:.0%} of the mean collective "
+                     f"({mean_model * 1e3:.3g} ms)", "a higher --time-dilation gives the phantoms room "
+                     "to follow (their lateness is real time)")
+    return Check("phantoms", True, detail)
 
 
 def model_classes(run: Path, probe: dict[str, list[dict[str, Any]]], summary: dict[str, Any]
@@ -169,10 +210,10 @@ def model_classes(run: Path, probe: dict[str, list[dict[str, Any]]], summary: di
     topo_json = rundir.read_json(run / "topology.json")
     if not topo_json:
         return [], None, "no topology snapshot in the run directory"
-    ranks = _rank_workers(probe, world)
+    ranks = _rank_workers(probe, world, summary)
     if ranks is None:
         return [], None, "the probe did not record every rank's worker"
-    inst = instances(probe, world)
+    inst = instances(probe, world, _recording(summary, world))
     if not inst:
         return [], None, "no complete collective on the whole world was recorded"
     s = float((summary.get("time_dilation") or {}).get("factor") or 1.0)
@@ -328,9 +369,13 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
                                 f"iteration p50 {it * 1e3:.4g} ms, {100 * err:+.1f}% against the expected "
                                 f"{expected_iteration_s * 1e3:.4g} ms"))
 
-    cpu = cpu_check(monitor, s, _active_window(probe), int(summary.get("world_size") or 1), _devices(summary, monitor),
+    cpu = cpu_check(monitor, s, _active_window(probe), _recording(summary, int(summary.get("world_size") or 1)),
+                    _devices(summary, monitor),
                     capped=bool((summary.get("time_dilation") or {}).get("cap_cpu")))
     checks.append(cpu)
+    ph = phantom_check(summary, rows, s)
+    if ph is not None:
+        checks.append(ph)
     if not monitor:
         checks.append(Check("monitor", None, "no CPU, queue or delay-line samples (monitor.json missing)"))
     checks += delay_line_checks(monitor, s)

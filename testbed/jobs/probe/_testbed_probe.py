@@ -172,7 +172,11 @@ def _group(pg):
         import torch.distributed as dist
 
         g = pg if pg is not None else dist.distributed_c10d._get_default_group()
-        name = getattr(g, "group_name", None) or dist.distributed_c10d._get_process_group_name(g)
+        try:
+            name = g.group_name
+        except RuntimeError:   # a Python ProcessGroup (the phantoms' mirror) has none set
+            name = None
+        name = name or dist.distributed_c10d._get_process_group_name(g)
         out = (str(name), int(g.size()), str(dist.get_backend(g)))
     except Exception:
         return "?", None, None
@@ -313,6 +317,10 @@ def _patch_ddp(torch) -> None:
     DDP.__testbed_probe__ = True
 
 
+class MirrorFailed(RuntimeError):
+    """The real rank of a run with phantoms cannot announce its collectives."""
+
+
 def _patch_torch(torch) -> None:
     try:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -323,6 +331,13 @@ def _patch_torch(torch) -> None:
         sys.stderr.write(f"testbed probe: optimizer steps not recorded ({exc!r})\n")
     _patch_collectives(torch)
     _patch_ddp(torch)
+    if os.environ.get("TESTBED_PHANTOM_OUT"):   # a real rank whose peers are phantoms (testbed run --real)
+        try:
+            import _testbed_mirror
+
+            _testbed_mirror.install(torch)
+        except Exception as exc:   # without the mirror the phantoms would wait forever: the job fails
+            raise MirrorFailed(f"testbed probe: the phantom mirror failed ({exc!r})") from exc
 
 
 # -- lazy installation ----------------------------------------------------------
@@ -349,6 +364,8 @@ class _TorchFinder:
             orig_exec(module)
             try:
                 _patch_torch(module)
+            except MirrorFailed:
+                raise
             except Exception as exc:
                 sys.stderr.write(f"testbed probe: patch failed ({exc!r})\n")
 

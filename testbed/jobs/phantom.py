@@ -1,0 +1,229 @@
+"""A phantom rank: computes nothing, puts the job's real collective traffic on the network.
+
+`testbed run --real w0 -- CMD` runs CMD on the real workers' ranks and this
+module on every other rank, with the same environment a real rank gets
+(RANK, WORLD_SIZE, MASTER_ADDR/PORT, the worker's interface and cgroup). The
+lowest real rank announces each operation of its process groups before it
+runs it (probe/_testbed_mirror.py) on this phantom's FIFO
+(TESTBED_PHANTOM_IN); the phantom joins the same process group with the same
+backend and issues the same operation with a zero buffer of the same size and
+dtype, so it takes its part in the real algorithm (gloo's ring, its tree) and
+every emulated link carries the job's real bytes.
+
+How late a phantom reads each announcement (its wall clock minus the real
+rank's, both the host's clock) is kept and written at the end to
+TESTBED_PHANTOM_STATS, for the run's summary.
+
+Mirrors what data-parallel jobs issue: all_reduce (DDP's buckets, its
+parameter verification and broadcast, the bucket rebuild), broadcast,
+all_gather, reduce_scatter, reduce, gather, scatter, all_to_all_single,
+barrier, new_group. Point-to-point (send/recv) cannot be mirrored: the real
+rank fails with a message saying so.
+
+    python -m testbed.jobs.phantom     (started by testbed run; no arguments)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import sys
+import time
+from typing import Any
+
+READ_TIMEOUT_S = 600.0     # no announcement for this long: the real rank is gone
+
+
+class PhantomError(RuntimeError):
+    pass
+
+
+def _lines(fd: int, timeout: float):
+    """The FIFO's lines as they come; PhantomError after `timeout` s without one."""
+    buf = b""
+    while True:
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            yield line
+        ready, _, _ = select.select([fd], [], [], timeout)
+        if not ready:
+            raise PhantomError(f"no announcement from the real rank for {timeout:g} s")
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            raise PhantomError("the real rank's channel closed")
+        buf += chunk
+
+
+class Mirror:
+    """Replays announced operations on this rank's process groups."""
+
+    def __init__(self, torch: Any, dist: Any):
+        from torch._C import _distributed_c10d as options   # the operations' option classes
+
+        self.torch, self.dist, self.opts = torch, dist, options
+        self.groups: dict[int, Any] = {}
+        self.rank = dist.get_rank()
+        self.ops = 0
+        self.late: list[float] = []
+        self.pending: list[tuple[Any, str, Any]] = []   # (work, what it is, its buffers: kept alive)
+
+    def group(self, gid: int) -> Any:
+        if gid == 0:
+            return self.dist.distributed_c10d._get_default_group()
+        if gid not in self.groups:
+            raise PhantomError(f"operation on group {gid}, which no new_group announced")
+        return self.groups[gid]
+
+    def zeros(self, n: int, dtype: str) -> Any:
+        return self.torch.zeros(int(n), dtype=getattr(self.torch, dtype))
+
+    def reduction(self, opts: Any, msg: dict[str, Any]) -> Any:
+        """opts with the real rank's reduction (a MAX with a phantom's SUM would mix them)."""
+        red = msg.get("red") or "SUM"
+        if red not in ("SUM", "MAX", "MIN", "PRODUCT", "BAND", "BOR", "BXOR", "AVG"):
+            raise PhantomError(f"reduction {red!r} cannot be mirrored")
+        opts.reduceOp = getattr(self.dist.ReduceOp, red)
+        return opts
+
+    def filled(self, data: str, counts: list[int], dtype: str) -> list[Any]:
+        """The real rank's small tensors, from the announcement (see _testbed_mirror._data)."""
+        import base64
+
+        flat = self.torch.frombuffer(bytearray(base64.b64decode(data)), dtype=getattr(self.torch, dtype))
+        if flat.numel() != sum(counts):
+            raise PhantomError(f"an announcement carries {flat.numel()} elements for {sum(counts)}")
+        return [t.clone() for t in flat.split([int(n) for n in counts])]
+
+    def new_group(self, msg: dict[str, Any]) -> None:
+        self.groups[int(msg["g"])] = self.dist.new_group(msg.get("ranks"))
+
+    def op(self, msg: dict[str, Any]) -> None:
+        d, name = self.dist, msg["op"]
+        self.late.append(time.time() - float(msg.get("t", time.time())))
+        pg = self.group(int(msg["g"]))
+        if pg == d.GroupMember.NON_GROUP_MEMBER or pg is None:
+            return   # the real rank's group does not include this phantom
+        ts: list[Any] = []
+        extra: Any = None    # other buffers of the call, kept alive until it completes
+        if name != "barrier":
+            dtype = msg["dtype"]
+            ts = self.filled(msg["data"], msg["n"], dtype) if msg.get("data") else \
+                [self.zeros(n, dtype) for n in msg["n"]]
+        me, size = pg.rank(), pg.size()
+        if name == "allreduce":
+            work = pg.allreduce(ts, self.reduction(self.opts.AllreduceOptions(), msg))
+        elif name == "allreduce_coalesced":
+            work = pg.allreduce_coalesced(ts, self.reduction(self.opts.AllreduceCoalescedOptions(), msg))
+        elif name == "broadcast":
+            o = self.opts.BroadcastOptions()
+            o.rootRank, o.rootTensor = int(msg["root"]), int(msg.get("root_tensor", 0))
+            work = pg.broadcast(ts, o)
+        elif name == "allgather":
+            extra = [[self.zeros(t.numel(), dtype) for _ in range(size)] for t in ts]
+            work = pg.allgather(extra, ts, self.opts.AllgatherOptions())
+        elif name == "reduce_scatter":
+            extra = [[self.zeros(t.numel(), dtype) for _ in range(size)] for t in ts]
+            work = pg.reduce_scatter(ts, extra, self.reduction(self.opts.ReduceScatterOptions(), msg))
+        elif name == "reduce":
+            o = self.reduction(self.opts.ReduceOptions(), msg)
+            o.rootRank = int(msg["root"])
+            work = pg.reduce(ts, o)
+        elif name == "gather":
+            o = self.opts.GatherOptions()
+            o.rootRank = int(msg["root"])
+            extra = [[self.zeros(t.numel(), dtype) for _ in range(size)] for t in ts] if me == o.rootRank else []
+            work = pg.gather(extra, ts, o)
+        elif name == "scatter":
+            o = self.opts.ScatterOptions()
+            o.rootRank = int(msg["root"])
+            extra = [[self.zeros(t.numel(), dtype) for _ in range(size)] for t in ts] if me == o.rootRank else []
+            work = pg.scatter(ts, extra, o)
+        elif name == "alltoall_base":
+            extra = self.zeros(msg["out_n"], dtype)
+            work = pg.alltoall_base(extra, ts[0], list(msg["out_splits"]), list(msg["in_splits"]),
+                                    self.opts.AllToAllOptions())
+        elif name == "barrier":
+            work = pg.barrier(self.opts.BarrierOptions())
+        else:
+            raise PhantomError(f"cannot mirror operation {name!r}")
+        # Issued, not waited for: the real rank may have several in flight (DDP's buckets run
+        # while backward goes on); the backend runs them in the order issued, as on the real rank.
+        self.ops += 1
+        what = (f"{name} #{self.ops} on group {msg['g']} "
+                f"({', '.join(str(n) for n in msg.get('n', []))} elements of {msg.get('dtype')})")
+        self.pending.append((work, what, (ts, extra)))
+        while self.pending and self.pending[0][0].is_completed():
+            self._wait(self.pending.pop(0))
+
+    def _wait(self, item: tuple[Any, str, Any]) -> None:
+        work, what, _buffers = item
+        try:
+            work.wait()
+        except Exception as exc:
+            raise PhantomError(f"{what} failed: {exc}") from exc
+
+    def drain(self) -> None:
+        while self.pending:
+            self._wait(self.pending.pop(0))
+
+
+def _write_stats(mirror: Mirror | None, error: str | None) -> None:
+    path = os.environ.get("TESTBED_PHANTOM_STATS")
+    if not path:
+        return
+    late = sorted(mirror.late) if mirror else []
+    doc = {"rank": int(os.environ.get("RANK", "-1")), "ops": mirror.ops if mirror else 0, "error": error,
+           "announce_late_s": {"n": len(late), "mean": sum(late) / len(late) if late else None,
+                               "p50": late[len(late) // 2] if late else None, "max": late[-1] if late else None}}
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(doc, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
+def main() -> int:
+    channel = os.environ.get("TESTBED_PHANTOM_IN")
+    if not channel:
+        sys.stderr.write("testbed phantom: TESTBED_PHANTOM_IN is not set (testbed run --real starts phantoms)\n")
+        return 2
+    fd = os.open(channel, os.O_RDWR)    # never sees EOF while the real rank has not started
+    import torch   # now, while the real rank starts too (a second or two)
+    import torch.distributed as dist
+    mirror: Mirror | None = None
+    error = None
+    try:
+        lines = _lines(fd, READ_TIMEOUT_S)
+        for raw in lines:
+            msg = json.loads(raw)
+            ev = msg.get("ev")
+            if ev == "init":
+                if msg.get("backend") != "gloo":
+                    raise PhantomError(f"backend {msg.get('backend')!r}: phantoms mirror gloo jobs only")
+                dist.init_process_group("gloo")
+                mirror = Mirror(torch, dist)
+            elif mirror is None:
+                raise PhantomError(f"{ev!r} before the real rank's init_process_group")
+            elif ev == "new_group":
+                mirror.new_group(msg)
+            elif ev == "op":
+                mirror.op(msg)
+            elif ev == "end":
+                break
+        if mirror is not None:
+            mirror.drain()
+            mirror.dist.destroy_process_group()
+        return 0
+    except PhantomError as exc:
+        error = str(exc)
+        sys.stderr.write(f"testbed phantom rank {os.environ.get('RANK')}: {exc}\n")
+        return 1
+    finally:
+        _write_stats(mirror, error)
+        os.close(fd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""The real rank's side of phantom ranks: announce every collective before it runs.
+
+Loaded by the probe when TESTBED_PHANTOM_OUT names the FIFOs of this run's
+phantoms (os.pathsep-separated; see testbed/jobs/phantom.py for the other side).
+The job's gloo process groups are wrapped in a Python ProcessGroup
+(`MirrorGroup`): every operation a group runs, whoever issues it (the script
+through torch.distributed, DDP's reducer in C++, its constructor's parameter
+broadcast and bucket rebuild), first writes one JSON line to every phantom's
+FIFO, then runs on the real gloo group. A phantom reads the line and issues
+the same operation with a buffer of the same size, so it takes its part in
+the real algorithm and the emulated links carry the job's real bytes.
+
+A line: {"ev": "op", "op": NAME, "g": group id, "t": wall time, "dtype": ...,
+"n": element counts, ...}; {"ev": "init", "backend"} (before the rendezvous); {"ev":
+"new_group", "g": id, "ranks": [...] or null}; {"ev": "end"}. Group ids: 0 is
+the default group, then 1, 2, ... in the order new_group is called (every
+rank calls it in the same order: torch requires that too).
+
+Standard library and torch only: it runs inside the user's job.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import threading
+import time
+
+BACKEND = "testbed_mirror"
+_fds: list[int] = []
+_lock = threading.Lock()
+_tls = threading.local()
+_next_group = [1]
+_installed = False
+
+
+def _announce(obj: dict) -> None:
+    line = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+    with _lock:
+        for fd in _fds:
+            view = memoryview(line)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+
+
+def _open_channels(spec: str) -> None:
+    for path in filter(None, spec.split(os.pathsep)):
+        # O_RDWR: never blocks, whether or not the phantom has opened its end yet
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            import fcntl
+
+            fcntl.fcntl(fd, 1031, 1 << 20)   # F_SETPIPE_SZ: room for bursts of announcements
+        except OSError:
+            pass
+        _fds.append(fd)
+
+
+def _counts(tensors) -> list[int]:
+    return [int(t.numel()) for t in tensors]
+
+
+SMALL_BYTES = 64 * 1024   # payloads up to this size travel with the announcement
+
+
+def _data(tensors) -> str | None:
+    """The tensors' contents (base64) when small: a phantom then sends the real rank's values, so
+    that metadata exchanges (DDP's check that every rank has the same parameters, a flag agreed by
+    all_reduce) see the job's own data, not zeros."""
+    try:
+        if sum(t.numel() * t.element_size() for t in tensors) > SMALL_BYTES:
+            return None
+        import base64
+        import ctypes
+
+        raw = b"".join(ctypes.string_at(c.data_ptr(), c.numel() * c.element_size())
+                       for c in (t.detach().cpu().contiguous() for t in tensors))
+        return base64.b64encode(raw).decode()
+    except Exception:
+        return None
+
+
+def _red(opts) -> str:
+    """The reduction's name (SUM, MAX, ...): every rank of a reduction must apply the same one."""
+    try:
+        return opts.reduceOp.op.name
+    except Exception:
+        return "SUM"
+
+
+def _dtype(tensors) -> str:
+    for t in tensors:
+        return str(t.dtype).replace("torch.", "")
+    return "float32"
+
+
+def _make_group_class(dist):
+    from torch._C import _distributed_c10d as C   # the operations' option classes
+
+    class MirrorGroup(dist.ProcessGroup):
+        """A gloo group that announces each operation to the phantoms before running it."""
+
+        def __init__(self, inner, gid: int):
+            super().__init__(inner.rank(), inner.size())
+            self.inner = inner
+            self.gid = gid
+
+        def getBackendName(self):
+            return BACKEND
+
+        def _say(self, op: str, **kw) -> None:
+            _announce({"ev": "op", "op": op, "g": self.gid, "t": time.time(), **kw})
+
+        def allreduce(self, tensors, opts=None):
+            opts = opts or C.AllreduceOptions()
+            self._say("allreduce", dtype=_dtype(tensors), n=_counts(tensors), data=_data(tensors),
+                      red=_red(opts))
+            return self.inner.allreduce(tensors, opts)
+
+        def allreduce_coalesced(self, tensors, opts=None):
+            opts = opts or C.AllreduceCoalescedOptions()
+            self._say("allreduce_coalesced", dtype=_dtype(tensors), n=_counts(tensors), data=_data(tensors),
+                      red=_red(opts))
+            return self.inner.allreduce_coalesced(tensors, opts)
+
+        def broadcast(self, tensors, opts=None):
+            opts = opts or C.BroadcastOptions()
+            self._say("broadcast", dtype=_dtype(tensors), n=_counts(tensors), root=opts.rootRank,
+                      root_tensor=opts.rootTensor, data=_data(tensors))
+            return self.inner.broadcast(tensors, opts)
+
+        def allgather(self, output_lists, input_tensors, opts=None):
+            self._say("allgather", dtype=_dtype(input_tensors), n=_counts(input_tensors), data=_data(input_tensors))
+            return self.inner.allgather(output_lists, input_tensors, opts or C.AllgatherOptions())
+
+        def reduce_scatter(self, outputs, input_lists, opts=None):
+            opts = opts or C.ReduceScatterOptions()
+            self._say("reduce_scatter", dtype=_dtype(outputs), n=_counts(outputs), red=_red(opts))
+            return self.inner.reduce_scatter(outputs, input_lists, opts)
+
+        def reduce(self, tensors, opts=None):
+            opts = opts or C.ReduceOptions()
+            self._say("reduce", dtype=_dtype(tensors), n=_counts(tensors), root=opts.rootRank, data=_data(tensors),
+                      red=_red(opts))
+            return self.inner.reduce(tensors, opts)
+
+        def gather(self, output_lists, input_tensors, opts=None):
+            opts = opts or C.GatherOptions()
+            self._say("gather", dtype=_dtype(input_tensors), n=_counts(input_tensors), root=opts.rootRank,
+                      data=_data(input_tensors))
+            return self.inner.gather(output_lists, input_tensors, opts)
+
+        def scatter(self, output_tensors, input_lists, opts=None):
+            opts = opts or C.ScatterOptions()
+            self._say("scatter", dtype=_dtype(output_tensors), n=_counts(output_tensors), root=opts.rootRank)
+            return self.inner.scatter(output_tensors, input_lists, opts)
+
+        def alltoall_base(self, output, input, output_splits, input_splits, opts=None):
+            # what this rank sends to and receives from each peer: a phantom sends and receives
+            # what the real rank does (the pattern of a uniform exchange, as DP jobs make it)
+            self._say("alltoall_base", dtype=str(input.dtype).replace("torch.", ""), n=[int(input.numel())],
+                      out_n=int(output.numel()), in_splits=list(input_splits), out_splits=list(output_splits))
+            return self.inner.alltoall_base(output, input, output_splits, input_splits,
+                                            opts or C.AllToAllOptions())
+
+        def barrier(self, opts=None):
+            self._say("barrier")
+            return self.inner.barrier(opts or C.BarrierOptions())
+
+        def send(self, tensors, dst, tag):
+            raise RuntimeError("testbed phantoms: point-to-point send/recv cannot be mirrored (a phantom "
+                               "would not know its own peer); run every rank that uses them as a real one")
+
+        def recv(self, tensors, src, tag):
+            self.send(tensors, src, tag)
+
+    return MirrorGroup
+
+
+def _create(dist, MirrorGroup):
+    def create(store, rank, size, timeout):
+        gid = getattr(_tls, "gid", 0)
+        return MirrorGroup(dist.ProcessGroupGloo(store, rank, size, timeout), gid)
+
+    return create
+
+
+def install(torch) -> None:
+    """Wrap the job's process groups (from the probe's torch import hook). Once."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    _open_channels(os.environ.get("TESTBED_PHANTOM_OUT", ""))
+    MirrorGroup = _make_group_class(dist)
+    dist.Backend.register_backend(BACKEND, _create(dist, MirrorGroup), devices=["cpu"])
+    orig_init = c10d.init_process_group
+    orig_new_group = c10d.new_group
+    orig_get_backend = c10d.get_backend
+
+    @functools.wraps(orig_init)
+    def init_process_group(backend=None, *args, **kwargs):
+        name = str(backend).lower() if backend is not None else "gloo"
+        if name not in ("gloo", "cpu:gloo"):
+            raise RuntimeError(f"testbed phantoms mirror gloo jobs only (this job asked for backend {backend!r}); "
+                               "run it without --real, or with gloo")
+        _tls.gid = 0
+        # before: the phantoms must join the rendezvous this call waits in
+        _announce({"ev": "init", "backend": "gloo", "t": time.time()})
+        return orig_init(BACKEND, *args, **kwargs)
+
+    @functools.wraps(orig_new_group)
+    def new_group(ranks=None, *args, **kwargs):
+        gid = _next_group[0]
+        _next_group[0] += 1
+        _announce({"ev": "new_group", "g": gid, "ranks": None if ranks is None else [int(r) for r in ranks]})
+        _tls.gid = gid
+        try:
+            return orig_new_group(ranks, *args, **kwargs)
+        finally:
+            _tls.gid = 0
+
+    @functools.wraps(orig_get_backend)
+    def get_backend(group=None):
+        b = orig_get_backend(group)
+        return "gloo" if str(b) == BACKEND else b   # the job asked for gloo, and runs on it
+
+    for mod in (c10d, dist):
+        if getattr(mod, "init_process_group", None) is orig_init:
+            mod.init_process_group = init_process_group
+        if getattr(mod, "new_group", None) is orig_new_group:
+            mod.new_group = new_group
+        if getattr(mod, "get_backend", None) is orig_get_backend:
+            mod.get_backend = get_backend
+    atexit.register(lambda: _announce({"ev": "end", "t": time.time()}))

@@ -1,0 +1,142 @@
+"""Phantom ranks (`testbed run --real`): one real rank, the others mirroring its collectives.
+
+Kernel tests (root), on testbeds brought up by the conftest `testbed` fixture.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
+
+STAR = "name: ph\ngenerator: star\nparams: {n: 4}\ntiers:\n  host: {bandwidth: 1gbit, delay: 0s}\n"
+
+
+@pytest.fixture
+def star(testbed):
+    from testbed.jobs.run import cluster_from_state
+    from testbed.topology.loader import load_topology_text
+
+    st = testbed(load_topology_text(STAR, "<test_phantom>"), time_dilation="none")
+    return cluster_from_state(st["name"])
+
+
+def _log(res) -> str:
+    return "\n".join(p.read_text() for p in sorted((res.run_dir / "logs").glob("*.log")))
+
+
+def _no_orphans(res) -> None:
+    from testbed.jobs.run import _tagged_pids
+
+    assert _tagged_pids(res.summary["run_id"]) == []
+
+
+def test_ddp_with_phantoms_puts_the_same_bytes_on_every_link(star, tmp_path):
+    """DDP (constructor checks, parameter broadcast, bucket rebuild, bucketed all_reduce) with
+    rank 0 real and ranks 1-3 phantoms: the job completes and every link carries what the
+    all-real run put on it."""
+    from testbed.jobs.run import run
+
+    cmd = [sys.executable, "examples/train_ddp.py", "--steps", "30", "--model", "mlp", "--hidden", "512", "--no-check"]
+    full = run(star, cmd, echo=False, base_dir=tmp_path, workdir=str(REPO), monitor=False, timeout=300)
+    assert full.rc == 0, _log(full)[-3000:]
+    ph = run(star, cmd, echo=False, base_dir=tmp_path, workdir=str(REPO), monitor=False, timeout=300, real=["w0"])
+    assert ph.rc == 0, _log(ph)[-3000:]
+    info = ph.summary["phantoms"]
+    assert info["real_ranks"] == [0] and info["phantom_ranks"] == [1, 2, 3] and not info["errors"]
+    assert len(set(info["ops_mirrored"])) == 1 and info["ops_mirrored"][0] > 30   # every phantom saw every op
+    assert [r["phantom"] for r in ph.summary["ranks"]] == [False, True, True, True]
+    by_link = {(lk["a"], lk["b"]): lk for lk in full.summary["links"]}
+    total = 0
+    for lk in ph.summary["links"]:
+        ref = by_link[(lk["a"], lk["b"])]
+        for d in ("bytes_ab", "bytes_ba"):
+            total += ref[d]
+            assert abs(lk[d] - ref[d]) <= 0.05 * ref[d] + 20_000, (lk["a"], lk["b"], d, lk[d], ref[d])
+    assert total > 30 * 4 * 1_000_000     # megabytes of gradients per step: the comparison means something
+    # only the real rank wrote probe records: step times are its
+    assert sorted(p.name for p in (ph.run_dir / "probe").glob("rank-*.jsonl")) == ["rank-0.jsonl"]
+    _no_orphans(ph)
+
+
+def test_every_collective_kind_is_mirrored(star, tmp_path):
+    from testbed.jobs.run import run
+
+    res = run(star, [sys.executable, "examples/collectives_tour.py"], echo=False, base_dir=tmp_path,
+              workdir=str(REPO), monitor=False, timeout=180, real=["w0"])
+    log = _log(res)
+    assert res.rc == 0 and "tour: ok" in log, log[-3000:]
+    assert not res.summary["phantoms"]["errors"]
+    late = res.summary["phantoms"]["announce_late_mean_s"]
+    assert late is not None and 0 <= late < 0.05, late
+    _no_orphans(res)
+
+
+def test_point_to_point_is_refused_clearly(star, tmp_path):
+    from testbed.jobs.run import run
+
+    code = ("import torch, torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\n"
+            "t = torch.ones(4)\n"
+            "dist.send(t, 1) if dist.get_rank() == 0 else dist.recv(t, 0)\n")
+    t0 = time.monotonic()
+    res = run(star, [sys.executable, "-c", code], echo=False, base_dir=tmp_path, workdir=str(REPO),
+              monitor=False, timeout=120, real=["w0"])
+    assert res.rc != 0 and res.summary["first_failure"]["rank"] == 0
+    assert "point-to-point send/recv cannot be mirrored" in _log(res)
+    assert time.monotonic() - t0 < 60      # an error, not a hang until the timeout
+    _no_orphans(res)
+
+
+def test_a_killed_phantom_ends_the_run(star, tmp_path):
+    from testbed.jobs.run import run
+
+    code = ("import time, torch, torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\n"
+            "for i in range(600):\n"
+            "    dist.all_reduce(torch.ones(1000)); time.sleep(0.05)\n")
+
+    def kill_a_phantom(rd: Path) -> None:
+        import threading
+
+        def later() -> None:
+            from testbed import procs
+
+            time.sleep(4)
+            for pid in procs.pids_with_env("TESTBED_PHANTOM_IN", str(_fifo(rd, 2))):
+                os.kill(pid, 9)
+
+        threading.Thread(target=later, daemon=True).start()
+
+    t0 = time.monotonic()
+    res = run(star, [sys.executable, "-c", code], echo=False, base_dir=tmp_path, workdir=str(REPO),
+              monitor=False, timeout=120, real=["w0"], on_start=kill_a_phantom)
+    assert res.rc != 0 and res.summary["status"] == "rank failed"
+    assert time.monotonic() - t0 < 60
+    _no_orphans(res)
+
+
+def _fifo(rd: Path, rank: int) -> Path:
+    import json
+
+    summary = json.loads((rd / "summary.json").read_text())
+    from testbed import paths
+
+    return paths.directory(summary["testbed"]) / "runs" / summary["run_id"] / "phantom" / f"rank-{rank}.fifo"
+
+
+def test_real_must_name_a_run_worker(star, tmp_path):
+    from testbed.jobs.run import RunError, run
+
+    with pytest.raises(RunError, match="not among the run's workers"):
+        run(star, ["true"], real=["w9"], base_dir=tmp_path, echo=False)
+    with pytest.raises(RunError, match="at least one real worker and one phantom"):
+        run(star, ["true"], real=["w0", "w1", "w2", "w3"], base_dir=tmp_path, echo=False)
+    with pytest.raises(RunError, match="not torchrun"):
+        run(star, ["torchrun", "x.py"], real=["w0"], base_dir=tmp_path, echo=False)
