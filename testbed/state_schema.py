@@ -1,0 +1,661 @@
+"""The schema of a testbed's state document: what `testbed.store.load` accepts.
+
+testbed acts as root on what a state lists (namespaces it deletes, processes it signals, cgroups
+and directories it removes, containers it drives), so a state is accepted only if it is what
+testbed itself writes. This module says what that is, as pydantic v2 models:
+
+- strict types (a PID is an int, never "1", 1.0 or true; a flag is a bool), no field testbed
+  does not write (extra="forbid" on every record), and values checked against the testbed:
+- namespaces are tb-NAME-NODE for a node of the state's own topology (a switch's where a
+  switch's is listed, a worker's where a worker's is); container names likewise;
+- files and directories are absolute, without '..', and resolve (realpath: no way out through
+  a link) to exactly where testbed puts them in the testbed's directory (workers/NODE,
+  logs/NODE, dl-LINK.sock, dl-LINK.pid, mps/pipe, mps/log);
+- cgroups are <mount>/testbed/NAME/NODE (a worker's own group) or testbed/NAME.faults/NODE
+  (`node slow`'s), with a mount that is one of this machine's cgroup mounts under
+  /sys/fs/cgroup, and no '..';
+- a PID always comes with the start time (clock ticks since boot) that names the process;
+- Docker endpoints are unix:///PATH or tcp://HOST:PORT, container ids 64 hex digits;
+- the topology snapshot is re-validated (testbed.topology.model.Topology.validate) and its
+  node names are ones testbed makes namespaces of;
+- one link record per link of the topology, in order; delay lines name a link and the
+  namespaces of its two ends; the schema version is the one `store.save` writes.
+
+What depends on the testbed (its name, its directory, its topology's nodes, this machine's
+cgroup mounts) comes through pydantic's validation context: a StateContext, made by
+`check()`; the topology snapshot is validated first and fills in the nodes, so the fields
+after it are checked against it. Without a context nothing validates.
+
+Loosely typed, as dicts of anything (informational: shown by `status`, read back into the
+objects that wrote them, nothing testbed acts on as root): `plan`, `capabilities`, `dilation`,
+`timings`, the entries of `no_delay_element`, `gpu.devices`, `gpu.assignment`,
+`topology.params`, a docker worker's `hosts`, and the other keys of a `time_dilation` record
+({"factor": s, ...}). `created`, `state_root` and `owner` are strings, not checked further.
+
+Cost: this module is imported by the first `store.load` of a process (not by importing the
+store), and builds the document's validator then, once (defer_build: the records get none of
+their own; pydantic's plugins off, see _build). Checking a state is then one pass of
+pydantic-core plus one realpath per file path: for a k=8 fat-tree (128 workers) less than the
+hand-written checks this replaced took.
+
+`check(data, name, directory)` returns the problems found ([] when the state is valid) as
+(dotted field, why, value); the store turns the first into its StateError.
+"""
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from testbed.errors import TopologyError
+from testbed.net import names
+from testbed.runtime import cgroups
+from testbed.store import SCHEMA_VERSION
+from testbed.topology.model import Topology
+
+NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+DOCKER_HOST_RE = re.compile(r"^(unix:///[^\0]+|tcp://[\w.-]+:\d+)$")
+CONTAINER_ID_RE = re.compile(r"^[0-9a-f]{64}$")
+_ERROR = "testbed_state"                 # our own errors: ctx carries why, where (below loc), value
+_UNCHECKED = "testbed_state_unchecked"   # a rule that needs the topology, which is not valid
+
+
+# -- the context ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StateContext:
+    """What a state is checked against: the testbed's name and directory (given), this machine's
+    cgroup mounts, and (filled in by the topology snapshot's validator) the topology's nodes."""
+
+    name: str
+    directory: str                       # <state root>/NAME, as paths.directory gives it
+    real_directory: str = ""             # its realpath
+    cgroup_mounts: frozenset[str] = frozenset()   # realpaths of this machine's cgroup mounts
+    topology: Topology | None = None
+    workers: frozenset[str] = frozenset()
+    switches: frozenset[str] = frozenset()
+    link_ends: tuple[tuple[str, str], ...] = ()
+    _real_mounts: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, name: str, directory: str | os.PathLike[str]) -> Self:
+        hier = cgroups.hierarchy()
+        mounts = frozenset(os.path.realpath(m) for m in hier.mounts.values()) if hier else frozenset()
+        d = os.fspath(directory)
+        return cls(name=name, directory=d, real_directory=os.path.realpath(d), cgroup_mounts=mounts)
+
+    def use_topology(self, topo: Topology) -> None:
+        self.topology = topo
+        self.workers = frozenset(topo.workers)
+        self.switches = frozenset(topo.switches)
+        self.link_ends = tuple((link.a, link.b) for link in topo.links)
+
+    def netns(self, node: str) -> str:
+        return names.netns(self.name, node)
+
+    def real_mount(self, mount: str) -> str:
+        real = self._real_mounts.get(mount)
+        if real is None:
+            real = self._real_mounts[mount] = os.path.realpath(mount)
+        return real
+
+
+def _context(info: ValidationInfo) -> StateContext:
+    ctx = info.context
+    if not isinstance(ctx, StateContext):
+        raise PydanticCustomError(_ERROR, "{why}", {"why": "validated without its testbed (no StateContext)"})
+    return ctx
+
+
+def _topology(info: ValidationInfo) -> StateContext:
+    """The context, with the topology the rule needs (an error of its own when that is not valid:
+    the topology's own error says why)."""
+    ctx = _context(info)
+    if ctx.topology is None:
+        raise PydanticCustomError(_UNCHECKED, "not checked: the topology snapshot is not valid")
+    return ctx
+
+
+def _fail(why: str, value: Any, at: str = "") -> PydanticCustomError:
+    """An error `why` about `value`, at `at` (a dotted path below the validator's own place)."""
+    return PydanticCustomError(_ERROR, "{why}", {"why": why, "value": value, "at": at})
+
+
+# -- values -------------------------------------------------------------------------------------------------
+
+
+def _node_name(v: str) -> str:
+    if not NODE_RE.match(v):
+        raise _fail("a node name testbed would not make a namespace of", v)
+    return v
+
+
+def _ifname(v: str) -> str:
+    if not (0 < len(v) <= names.IFNAMSIZ) or v in (".", "..") or any(c in v for c in "/: \t\n\0"):
+        raise _fail(f"not an interface name (1 to {names.IFNAMSIZ} characters, no '/', ':' or blanks)", v)
+    return v
+
+
+def _absolute(v: str) -> str:
+    """An absolute path without '..' or NUL (where it leads is checked with the context)."""
+    if not v.startswith("/") or "\0" in v or ".." in v.split("/"):
+        raise _fail("not an absolute path without '..'", v)
+    return v
+
+
+def _cgroup_dir(v: str, info: ValidationInfo) -> str:
+    """<mount>/testbed/NAME[.faults]/NODE, the mount one of this machine's, under /sys/fs/cgroup.
+    (Which NODE and which of NAME, NAME.faults: the record holding it checks.)"""
+    ctx = _context(info)
+    p = Path(_absolute(v))
+    if not (p.parent.name in (ctx.name, f"{ctx.name}.faults") and p.parent.parent.name == cgroups.TOP
+            and NODE_RE.match(p.name)):
+        raise _fail(f"not a cgroup of this testbed ({cgroups.TOP}/{ctx.name}/NODE)", v)
+    mount = ctx.real_mount(str(p.parent.parent.parent))
+    if not Path(mount).is_relative_to(cgroups.CGROUP_ROOT):
+        raise _fail(f"not under {cgroups.CGROUP_ROOT}", v)
+    if mount not in ctx.cgroup_mounts:
+        raise _fail("not under one of this machine's cgroup mounts", v)
+    return v
+
+
+def _testbed_netns(v: str, info: ValidationInfo) -> str:
+    ctx = _topology(info)
+    prefix = names.netns_prefix(ctx.name)
+    if not (v.startswith(prefix) and v[len(prefix):] in ctx.topology.nodes):
+        raise _fail(f"not one of this testbed's namespaces ({prefix}NODE)", v)
+    return v
+
+
+def _switch_netns(v: str, info: ValidationInfo) -> str:
+    ctx = _topology(info)
+    prefix = names.netns_prefix(ctx.name)
+    if not (v.startswith(prefix) and v[len(prefix):] in ctx.switches):
+        raise _fail(f"not the namespace of one of this testbed's switches ({prefix}SWITCH)", v)
+    return v
+
+
+def _worker_netns(v: str, info: ValidationInfo) -> str:
+    ctx = _topology(info)
+    prefix = names.netns_prefix(ctx.name)
+    if not (v.startswith(prefix) and v[len(prefix):] in ctx.workers):
+        raise _fail(f"not the namespace of one of this testbed's workers ({prefix}WORKER)", v)
+    return v
+
+
+def _a_worker(v: str, info: ValidationInfo) -> str:
+    if v not in _topology(info).workers:
+        raise _fail("not a worker of the topology", v)
+    return v
+
+
+def _a_node(v: str, info: ValidationInfo) -> str:
+    if v not in _topology(info).topology.nodes:
+        raise _fail("not a node of the topology", v)
+    return v
+
+
+def _env_name(v: str) -> str:
+    if not ENV_NAME_RE.match(v):
+        raise _fail("not an environment variable name", v)
+    return v
+
+
+def _docker_host(v: str) -> str:
+    if not DOCKER_HOST_RE.match(v):
+        raise _fail("not a Docker endpoint (unix:///PATH or tcp://HOST:PORT)", v)
+    return v
+
+
+def _container_id(v: str) -> str:
+    if not CONTAINER_ID_RE.match(v):
+        raise _fail("not a container id (64 hex digits)", v)
+    return v
+
+
+Pid = Annotated[StrictInt, Field(ge=1)]
+Ticks = Annotated[StrictInt, Field(ge=0)]            # clock ticks since boot: with the PID, names a process
+Index = Annotated[StrictInt, Field(ge=0)]
+Number = Annotated[float, Field(ge=0)]               # strict: an int or a float, never a bool or a string
+Positive = Annotated[float, Field(gt=0)]
+NodeName = Annotated[StrictStr, AfterValidator(_node_name)]
+IfName = Annotated[StrictStr, AfterValidator(_ifname)]
+AbsolutePath = Annotated[StrictStr, AfterValidator(_absolute)]
+CgroupDir = Annotated[StrictStr, AfterValidator(_cgroup_dir)]
+TestbedNetns = Annotated[StrictStr, AfterValidator(_testbed_netns)]
+SwitchNetns = Annotated[StrictStr, AfterValidator(_switch_netns)]
+WorkerNetns = Annotated[StrictStr, AfterValidator(_worker_netns)]
+WorkerKey = Annotated[StrictStr, AfterValidator(_a_worker)]
+NodeKey = Annotated[StrictStr, AfterValidator(_a_node)]
+EnvName = Annotated[StrictStr, AfterValidator(_env_name)]
+DockerHost = Annotated[StrictStr, AfterValidator(_docker_host)]
+ContainerId = Annotated[StrictStr, AfterValidator(_container_id)]
+
+
+def _path_is(ctx: StateContext, v: str, *rel: str) -> str | None:
+    """Why path `v` is not <the testbed's directory>/REL (resolved: no link leads elsewhere), or None."""
+    want = os.path.join(ctx.real_directory, *rel)
+    if os.path.realpath(v) != want:
+        return f"not {os.path.join(ctx.directory, *rel)}"
+    return None
+
+
+def _cgroup_of(ctx: StateContext, v: str, group: str, node: str) -> str | None:
+    """Why cgroup directory `v` (its form already checked) is not testbed/GROUP/NODE, or None."""
+    p = Path(v)
+    if p.name != node or p.parent.name != group:
+        return f"not {cgroups.TOP}/{group}/{node} (a cgroup of another node or group)"
+    return None
+
+
+# -- records ------------------------------------------------------------------------------------------------
+
+
+class _Record(BaseModel):
+    """Every record: strict types, no field testbed does not write. Records are validated only as
+    parts of the document (defer_build: no validator of their own is built, see _build)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, defer_build=True)
+
+
+class ProfileRecord(_Record):
+    """One direction of a link (LinkProfile.to_json): emulated values, before time dilation."""
+
+    bandwidth_bps: Number | None = None
+    delay_s: Number = 0.0
+    jitter_s: Number = 0.0
+    loss: Annotated[float, Field(ge=0, le=1)] = 0.0
+    queue: Number | None = None
+    mtu: Positive | None = None
+
+
+class NodeSnapshot(_Record):
+    name: NodeName
+    kind: Literal["worker", "switch"]
+    gpus: Annotated[StrictInt, Field(ge=0)] = 0
+    cpus: Positive | None = None
+    memory_bytes: Annotated[StrictInt, Field(gt=0)] | None = None
+    image: StrictStr | None = None
+
+
+class LinkSnapshot(_Record):
+    endpoints: Annotated[list[NodeName], Field(min_length=2, max_length=2)]
+    tier: StrictStr
+    ab: ProfileRecord
+    ba: ProfileRecord
+
+
+class TopologySnapshot(_Record):
+    """Topology.to_json of the nominal (undilated) topology; re-validated as a Topology."""
+
+    name: StrictStr
+    source: StrictStr | None = None
+    generator: StrictStr | None = None
+    params: dict[str, Any] = {}
+    runtime: Literal["netns", "docker"] | None = None
+    time_dilation: Any = None                 # a factor >= 1, "auto", "none" or null (Topology.validate)
+    gpu_policy: StrictStr = "round-robin"
+    gpu_sharing: StrictStr | None = None
+    address_pool: StrictStr | None = None
+    fabric_pool: StrictStr | None = None
+    nodes: list[NodeSnapshot]
+    links: list[LinkSnapshot]
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _graph(cls, data: Any, handler: Any, info: ValidationInfo) -> Self:
+        """Typed first; then the graph rules of Topology.validate; then the context learns its nodes."""
+        ctx = _context(info)
+        snap = handler(data)
+        seen: set[str] = set()
+        for i, n in enumerate(snap.nodes):
+            if n.name in seen:
+                raise _fail("a node named twice", n.name, f"nodes[{i}].name")
+            seen.add(n.name)
+        try:
+            topo = Topology.from_json(data).validate()
+        except TopologyError as exc:
+            value = exc.value if exc.value is not TopologyError._MISSING else None
+            raise _fail(f"not a valid topology snapshot ({exc.reason})", value, exc.path or "") from None
+        except (KeyError, TypeError, ValueError) as exc:   # typed above: not expected, but never let through
+            raise _fail(f"not a valid topology snapshot ({exc!r})", "...") from None
+        ctx.use_topology(topo)
+        return snap
+
+
+class WorkerRecord(_Record):
+    """What a runtime records of a worker (netns: runtime..node; docker: id..hosts; bare: netns).
+    Which worker it belongs to is checked by RuntimeRecord (the record does not know its key)."""
+
+    netns: StrictStr | None = None
+    runtime: Literal["netns", "docker", "bare"] | None = None
+    pid: Pid | None = None
+    starttime: Ticks | None = None
+    cgroups: list[CgroupDir] = []
+    dir: AbsolutePath | None = None
+    log_dir: AbsolutePath | None = None
+    share_ipc: StrictBool | None = None
+    net_admin: StrictBool | None = None
+    env: dict[EnvName, StrictStr] | None = None
+    node: NodeSnapshot | None = None
+    id: ContainerId | None = None
+    container: StrictStr | None = None
+    docker_host: DockerHost | None = None
+    hosts: dict[StrictStr, Any] | None = None
+
+    @model_validator(mode="after")
+    def _pid_with_start(self) -> Self:
+        if self.pid is not None and self.starttime is None:   # no PID without what names the process
+            raise _fail("a PID without its start time", self.starttime, "starttime")
+        return self
+
+
+class RuntimeRecord(_Record):
+    kind: Literal["netns", "docker", "bare"]
+    net_admin: StrictBool = False
+    workers: dict[WorkerKey, WorkerRecord]
+
+    @model_validator(mode="after")
+    def _each_worker_its_own(self, info: ValidationInfo) -> Self:
+        """A worker's record names its own namespace, container, directories, cgroups and node."""
+        ctx = _context(info)
+        for w, rec in self.workers.items():
+            at = f"workers.{w}"
+            mine = ctx.netns(w)
+            if rec.netns is not None and rec.netns != mine:
+                raise _fail(f"not this worker's namespace ({mine})", rec.netns, f"{at}.netns")
+            if rec.container is not None and rec.container != mine:
+                raise _fail(f"not this worker's container ({mine})", rec.container, f"{at}.container")
+            if rec.node is not None and rec.node.name != w:
+                raise _fail(f"not worker {w}'s node record", rec.node.name, f"{at}.node.name")
+            if rec.node is not None and rec.node.kind != "worker":
+                raise _fail("not a worker's node record", rec.node.kind, f"{at}.node.kind")
+            for key, rel in (("dir", ("workers", w)), ("log_dir", ("logs", w))):
+                v = getattr(rec, key)
+                why = v is not None and _path_is(ctx, v, *rel)
+                if why:
+                    raise _fail(why, v, f"{at}.{key}")
+            for i, p in enumerate(rec.cgroups):
+                why = _cgroup_of(ctx, p, ctx.name, w)
+                if why:
+                    raise _fail(why, p, f"{at}.cgroups[{i}]")
+        return self
+
+
+class DelayLine(_Record):
+    """A delay-line helper (testbed.net.delayline.DelayLink.to_json, plus the link's index)."""
+
+    pid: Pid
+    start: Ticks
+    link_id: StrictStr
+    ns_a: TestbedNetns
+    if_a: IfName
+    ns_b: TestbedNetns
+    if_b: IfName
+    control: AbsolutePath
+    pid_file: AbsolutePath
+    link: Index
+
+    @model_validator(mode="after")
+    def _of_its_link(self, info: ValidationInfo) -> Self:
+        ctx = _topology(info)
+        if self.link >= len(ctx.link_ends):
+            raise _fail(f"not a link of the topology (it has {len(ctx.link_ends)})", self.link, "link")
+        if self.link_id != str(self.link):
+            raise _fail(f"not the id of link {self.link}", self.link_id, "link_id")
+        a, b = ctx.link_ends[self.link]
+        for key, node in (("ns_a", a), ("ns_b", b)):
+            if getattr(self, key) != ctx.netns(node):
+                raise _fail(f"not the namespace of {node}, an end of link {self.link}", getattr(self, key), key)
+        for key, suffix in (("control", "sock"), ("pid_file", "pid")):
+            why = _path_is(ctx, getattr(self, key), f"dl-{self.link_id}.{suffix}")
+            if why:
+                raise _fail(why, getattr(self, key), key)
+        return self
+
+
+class Resources(_Record):
+    """What `up` makes outside the workers' records: namespaces (listed before they are made)
+    and the delay-line helpers."""
+
+    switch_netns: list[SwitchNetns] = []
+    worker_netns: list[WorkerNetns] = []
+    delay_lines: list[DelayLine] = []
+
+
+class MpsDaemon(_Record):
+    """The MPS control daemon testbed started (gpu.start_mps)."""
+
+    pid: Pid
+    starttime: Ticks
+    pipe_dir: AbsolutePath
+    log_dir: AbsolutePath
+
+    @model_validator(mode="after")
+    def _in_its_directory(self, info: ValidationInfo) -> Self:
+        ctx = _context(info)
+        for key, rel in (("pipe_dir", "pipe"), ("log_dir", "log")):
+            why = _path_is(ctx, getattr(self, key), "mps", rel)
+            if why:
+                raise _fail(why, getattr(self, key), key)
+        return self
+
+
+class GpuRecord(_Record):
+    policy: Literal["round-robin", "packed"] = "round-robin"
+    mps: StrictBool = False
+    devices: list[dict[str, Any]] = []
+    assignment: dict[str, Any] = {}
+    mps_daemon: MpsDaemon | None = None
+
+
+class LinkPair(_Record):
+    ab: ProfileRecord
+    ba: ProfileRecord
+
+
+class LinkRecord(_Record):
+    """lifecycle's record of link i, and what faults changed (state, down_by, profile)."""
+
+    index: Index
+    endpoints: Annotated[list[NodeName], Field(min_length=2, max_length=2)]
+    tier: StrictStr
+    kind: Literal["access", "fabric", "direct"]
+    ifnames: Annotated[list[IfName], Field(min_length=2, max_length=2)]
+    state: Literal["up", "down"] = "up"
+    down_by: list[StrictStr] = []
+    profile: LinkPair | None = None
+
+
+class NodeFault(_Record):
+    state: Literal["down", "crashed", "up"] | None = None
+    since: Number | None = None
+    cpus: Positive | None = None
+    cgroup: list[CgroupDir] | None = None     # `node slow`'s own group (NAME.faults/NODE)
+
+
+class Partition(_Record):
+    groups: list[list[NodeName]]
+    netns: list[WorkerNetns]
+    since: Number | None = None
+
+
+class FaultLogEntry(_Record):
+    t: Number
+    what: StrictStr
+
+
+class Faults(_Record):
+    nodes: dict[NodeKey, NodeFault] = {}
+    log: list[FaultLogEntry] = []
+    partition: Partition | None = None
+
+    @model_validator(mode="after")
+    def _own_groups(self, info: ValidationInfo) -> Self:
+        ctx = _context(info)
+        for node, rec in self.nodes.items():
+            for i, p in enumerate(rec.cgroup or []):
+                why = _cgroup_of(ctx, p, f"{ctx.name}.faults", node)
+                if why:
+                    raise _fail(why, p, f"nodes.{node}.cgroup[{i}]")
+        return self
+
+
+class Leftover(_Record):
+    what: StrictStr
+    time: StrictStr | None = None
+
+
+class StateDocument(_Record):
+    """A testbed's state, as lifecycle, the runtimes, the builder and the fault commands write it.
+    Fields are checked in this order: the topology before everything checked against it."""
+
+    schema_version: StrictInt = Field(alias="schema")   # (a Literal would take true and 1.0 for 1)
+    name: StrictStr
+    status: Literal["building", "up", "removing"]
+    pid: Pid
+    pid_start: Ticks                     # with pid, names the `up` that wrote it
+    topology: TopologySnapshot
+    created: StrictStr | None = None
+    state_root: StrictStr | None = None
+    owner: StrictStr | None = None
+    time_dilation: Any = None
+    dilation: dict[str, Any] | None = None
+    gpu: GpuRecord | None = None
+    plan: dict[str, Any] | None = None
+    capabilities: dict[str, Any] | None = None
+    latency_floor_s: Number | None = None
+    no_delay_element: list[dict[str, Any]] = []
+    delay_threshold_s: Number | None = None
+    runtime: RuntimeRecord
+    links: list[LinkRecord]
+    resources: Resources
+    timings: dict[str, Any] = {}
+    faults: Faults | None = None
+    leftovers: list[Leftover] = []
+
+    @field_validator("schema_version")
+    @classmethod
+    def _this_version(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise _fail(f"not schema version {SCHEMA_VERSION}, the one this testbed writes", v)
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _its_own_name(cls, v: str, info: ValidationInfo) -> str:
+        if v != _context(info).name:
+            raise _fail("not the name of its directory", v)
+        return v
+
+    @field_validator("time_dilation")
+    @classmethod
+    def _factor(cls, v: Any) -> Any:
+        """A factor >= 1 (what `up` writes), or a record with one ({"factor": s, ...})."""
+        factor = v.get("factor") if isinstance(v, dict) else v
+        if v is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                              or not 1 <= factor < float("inf")):
+            raise _fail("not a time-dilation factor >= 1", v)
+        return v
+
+    @field_validator("links")
+    @classmethod
+    def _one_per_link(cls, v: list[LinkRecord], info: ValidationInfo) -> list[LinkRecord]:
+        ctx = _topology(info)
+        if len(v) != len(ctx.link_ends):
+            raise _fail(f"not one record per link of the topology ({len(ctx.link_ends)})", len(v))
+        for i, (rec, ends) in enumerate(zip(v, ctx.link_ends)):
+            if rec.index != i:
+                raise _fail("not the index of this record", rec.index, f"[{i}].index")
+            if tuple(rec.endpoints) != ends:
+                raise _fail(f"not the endpoints of link {i} ({ends[0]}, {ends[1]})", rec.endpoints,
+                            f"[{i}].endpoints")
+        return v
+
+
+def _build() -> None:
+    """Build the document's validator now, once per process, with pydantic's plugins off:
+    third-party hooks found through package entry points must take no part in deciding what
+    root acts on (and looking for them scans every installed package's metadata)."""
+    before = os.environ.get("PYDANTIC_DISABLE_PLUGINS")
+    os.environ["PYDANTIC_DISABLE_PLUGINS"] = "__all__"
+    try:
+        StateDocument.model_rebuild(force=True)
+    finally:
+        if before is None:
+            del os.environ["PYDANTIC_DISABLE_PLUGINS"]
+        else:
+            os.environ["PYDANTIC_DISABLE_PLUGINS"] = before
+
+
+_build()
+
+
+# -- checking ---------------------------------------------------------------------------------------------
+
+
+class _Nothing:
+    def __repr__(self) -> str:
+        return "nothing"
+
+
+NOTHING = _Nothing()
+
+
+def _dotted(loc: tuple[Any, ...], at: str = "") -> str:
+    out = ""
+    for part in loc:
+        if part == "[key]":            # a dict key was refused: the path already ends with it
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    if at:
+        out += at if at.startswith("[") or not out else f".{at}"
+    return out or "(the document)"
+
+
+def problems(exc: ValidationError) -> list[tuple[str, str, Any]]:
+    """(dotted field, why, value) of each error. What an invalid topology left unchecked is a
+    consequence of it, not a problem of its own: listed only when nothing else is found."""
+    out, later = [], []
+    for e in exc.errors(include_url=False):
+        ctx = e.get("ctx") or {}
+        kind = e["type"]
+        if kind == _ERROR:
+            item = (_dotted(e["loc"], ctx.get("at", "")), ctx["why"], ctx.get("value", e["input"]))
+        elif kind == "extra_forbidden":
+            item = (_dotted(e["loc"]), "unknown field", e["input"])
+        elif kind == "missing":
+            item = (_dotted(e["loc"]), "missing", NOTHING)
+        else:
+            item = (_dotted(e["loc"]), e["msg"][:1].lower() + e["msg"][1:], e["input"])
+        (later if kind == _UNCHECKED else out).append(item)
+    return out or later
+
+
+def check(data: Any, name: str, directory: str | os.PathLike[str]) -> list[tuple[str, str, Any]]:
+    """The problems of `data` as the state of testbed `name` kept in `directory` ([]: it is valid)."""
+    if not names.valid_testbed_name(name):
+        return [("name", "not a testbed name", name)]
+    try:
+        StateDocument.model_validate(data, context=StateContext.of(name, directory))
+    except ValidationError as exc:
+        return problems(exc) or [("(the document)", str(exc), data)]
+    return []
