@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 READ_TIMEOUT_S = 600.0     # no announcement for this long: the real rank is gone
+POOL_PER_SIZE = 8          # free buffers kept per (size, dtype)
 
 
 class PhantomError(RuntimeError):
@@ -67,6 +68,8 @@ class Mirror:
         self.ops = 0
         self.late: list[float] = []
         self.pending: list[tuple[Any, str, Any]] = []   # (work, what it is, its buffers: kept alive)
+        self.pool: dict[tuple[int, str], list[Any]] = {}   # (elements, dtype) -> free zero buffers
+        self.warnings: list[str] = []
 
     def group(self, gid: int) -> Any:
         if gid == 0:
@@ -76,7 +79,24 @@ class Mirror:
         return self.groups[gid]
 
     def zeros(self, n: int, dtype: str) -> Any:
+        """A zero buffer, from the pool when one of that size is free (a fresh one costs page
+        faults: time the phantom would spend late at the next collective)."""
+        free = self.pool.get((int(n), dtype))
+        if free:
+            return free.pop()
         return self.torch.zeros(int(n), dtype=getattr(self.torch, dtype))
+
+    def _release(self, buffers: Any) -> None:
+        """Zero a completed operation's buffers and keep them (what came back is the real rank's)."""
+        if isinstance(buffers, (list, tuple)):
+            for b in buffers:
+                self._release(b)
+        elif buffers is not None and hasattr(buffers, "zero_"):
+            buffers.zero_()
+            key = (int(buffers.numel()), str(buffers.dtype).replace("torch.", ""))
+            free = self.pool.setdefault(key, [])
+            if len(free) < POOL_PER_SIZE:
+                free.append(buffers)
 
     def reduction(self, opts: Any, msg: dict[str, Any]) -> Any:
         """opts with the real rank's reduction (a MAX with a phantom's SUM would mix them)."""
@@ -96,7 +116,12 @@ class Mirror:
         return [t.clone() for t in flat.split([int(n) for n in counts])]
 
     def new_group(self, msg: dict[str, Any]) -> None:
-        self.groups[int(msg["g"])] = self.dist.new_group(msg.get("ranks"))
+        ranks = msg.get("ranks")
+        self.groups[int(msg["g"])] = self.dist.new_group(ranks)
+        leader = os.environ.get("TESTBED_PHANTOM_LEADER")
+        if ranks is not None and leader is not None and int(leader) not in ranks:
+            self.warnings.append(f"group {msg['g']} (ranks {', '.join(map(str, ranks))}) has no real rank: "
+                                 "what the job runs on it is not mirrored")
 
     def op(self, msg: dict[str, Any]) -> None:
         d, name = self.dist, msg["op"]
@@ -157,11 +182,12 @@ class Mirror:
             self._wait(self.pending.pop(0))
 
     def _wait(self, item: tuple[Any, str, Any]) -> None:
-        work, what, _buffers = item
+        work, what, buffers = item
         try:
             work.wait()
         except Exception as exc:
             raise PhantomError(f"{what} failed: {exc}") from exc
+        self._release(buffers)
 
     def drain(self) -> None:
         while self.pending:
@@ -174,6 +200,7 @@ def _write_stats(mirror: Mirror | None, error: str | None) -> None:
         return
     late = sorted(mirror.late) if mirror else []
     doc = {"rank": int(os.environ.get("RANK", "-1")), "ops": mirror.ops if mirror else 0, "error": error,
+           "warnings": mirror.warnings[:20] if mirror else [],
            "announce_late_s": {"n": len(late), "mean": sum(late) / len(late) if late else None,
                                "p50": late[len(late) // 2] if late else None, "max": late[-1] if late else None}}
     try:

@@ -570,7 +570,8 @@ def _make_phantoms(ranks: list[Rank], real: set[str], chan: Path, runtime: str) 
         r.argv = [python, "-m", "testbed.jobs.phantom"]
         env = {k: v for k, v in r.env.items() if k not in ("TESTBED_PROBE_DIR", "PYTHONPATH")}
         r.env = {**env, "PYTHONPATH": pkg_root, "TESTBED_PHANTOM_IN": str(fifo),
-                 "TESTBED_PHANTOM_STATS": str(chan / f"stats-{r.rank}.json")}
+                 "TESTBED_PHANTOM_STATS": str(chan / f"stats-{r.rank}.json"),
+                 "TESTBED_PHANTOM_LEADER": str(leader.rank)}
     leader.env["TESTBED_PHANTOM_OUT"] = os.pathsep.join(fifos)
 
 
@@ -586,7 +587,9 @@ def _phantom_stats(chan: Path) -> dict[str, Any]:
     rows = [r for r in rows if isinstance(r, dict)]
     late = [r["announce_late_s"] for r in rows if isinstance(r.get("announce_late_s"), dict)
             and isinstance(r["announce_late_s"].get("mean"), (int, float))]
+    warnings = sorted({str(w) for r in rows if isinstance(r.get("warnings"), list) for w in r["warnings"]})
     return {"ops_mirrored": [r.get("ops") for r in rows], "errors": [r["error"] for r in rows if r.get("error")],
+            "warnings": warnings[:20],
             "announce_late_mean_s": sum(x["mean"] for x in late) / len(late) if late else None,
             "announce_late_max_s": max((x["max"] for x in late), default=None)}
 

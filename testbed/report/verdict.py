@@ -187,6 +187,9 @@ def phantom_check(summary: dict[str, Any], rows: list["ClassRow"], s: float) -> 
         return Check("phantoms", None, f"{who}; how late the phantoms followed was not recorded")
     detail = (f"{who}; they read each announcement {late * 1e3:.2g} ms after it was made on average "
               f"({late / s * 1e6:.3g} us emulated), which the real rank's collectives include")
+    if ph.get("warnings"):
+        detail += f"; not mirrored: {ph['warnings'][0]}" + (f" (and {len(ph['warnings']) - 1} more)"
+                                                              if len(ph["warnings"]) > 1 else "")
     n = sum(r.count for r in rows)
     mean_model = sum(r.model_s * r.count for r in rows) / n if n else None
     if mean_model and late / s > TOLERANCE * mean_model:
