@@ -659,7 +659,7 @@ def node_slow(name: str, node: str, cpus: float) -> None:
                 done = _try(rt.set_limits, node, rec, cpus=cpus)
             except CapabilityError:
                 done = False
-            paths = rec.get("cgroups") or rec.get("cgroup") or []
+            paths = rec.get("cgroups") or []
             if done and paths:
                 from testbed.runtime import cgroups
 
@@ -691,7 +691,7 @@ def node_restore(name: str, node: str) -> None:
             else:
                 from testbed.runtime import cgroups
 
-                paths = rec.get("cgroup") or rec.get("cgroups") or []
+                paths = rec.get("cgroups") or []
                 if paths:
                     cgroups.set_limits(paths, clear=True)
                     if n.memory_bytes is not None:

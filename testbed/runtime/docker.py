@@ -199,9 +199,15 @@ class DockerRuntime(Runtime):
 
         ref = (record or {}).get("id") or self.container_name(node)
         try:
-            return self.client.containers.get(ref)
+            c = self.client.containers.get(ref)
         except docker.errors.NotFound:
             raise StateError(f"worker {node}: container {self.container_name(node)} does not exist") from None
+        labels = c.labels or {}   # paused, killed or changed only if it says it is this worker
+        if labels.get("testbed.owner") != OWNER or labels.get("testbed.name") != self.testbed \
+                or labels.get("testbed.node") != node:
+            raise StateError(f"worker {node}: container {ref} is not this worker's (labels {labels}); "
+                             "not acted on")
+        return c
 
     def labels(self, node: str, netns_name: str) -> dict[str, str]:
         return {"testbed.owner": OWNER, "testbed.name": self.testbed, "testbed.node": node,
