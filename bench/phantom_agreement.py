@@ -122,7 +122,7 @@ def case(key: str, steps: int, machine, scale: bool = False) -> dict:
                 row.update(_judge(res.run_dir, row["expected_iter_s"]))
             if real:
                 row["phantom_rss_mb"] = peak.get("rss_mb")
-                row["announce_late_mean_s"] = (res.summary.get("phantoms") or {}).get("announce_late_mean_s")
+                row["announce_late_p50_s"] = (res.summary.get("phantoms") or {}).get("announce_late_p50_s")
             out[mode] = row
             print(f"    rc {res.rc}, {wall:.0f} s, iteration p50 "
                   f"{(row.get('iter_p50_s') or 0) * 1e3:.1f} ms (expected {(row['expected_iter_s'] or 0) * 1e3:.1f}),"

@@ -686,8 +686,11 @@ def node_restore(name: str, node: str) -> None:
         else:
             rt = _runtime(h)
             rec = _worker_record(h, node)
-            if n.cpus is not None:
-                _try(rt.set_limits, node, rec, cpus=n.cpus)
+            cpus = n.cpus
+            if (h.st.get("dilation") or {}).get("cap_cpu"):   # what `up` gave it: 1/s of its CPUs
+                cpus = (n.cpus or 1.0) / h.dilation()
+            if cpus is not None:
+                _try(rt.set_limits, node, rec, cpus=cpus)
             else:
                 from testbed.runtime import cgroups
 

@@ -45,6 +45,7 @@ import re
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -410,6 +411,9 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         "machine": machine.to_json() if machine is not None else None, "gpus": cluster.gpus, "cores": _cores(),
         "started": time.time(),
     }
+    capped: list[str] = []
+    if real is not None:
+        summary["real_cpu_cap"] = _cap_real_workers(cluster, real, nproc_per_node, capped, echo)
     rundir.write_json(rd / "summary.json", {**summary, "status": "running"})
     if on_start is not None:
         on_start(rd)
@@ -520,6 +524,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                 if echo is not None:
                     echo(f"[testbed] monitor samples lost ({exc})")
         phantom_stats = _phantom_stats(shared / "phantom") if real is not None else None
+        _uncap(cluster, capped, echo)
         _collect_probe(rd, shared)
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
@@ -575,6 +580,44 @@ def _make_phantoms(ranks: list[Rank], real: set[str], chan: Path, runtime: str) 
     leader.env["TESTBED_PHANTOM_OUT"] = os.pathsep.join(fifos)
 
 
+def _cap_real_workers(cluster: Cluster, real: Sequence[str], nproc: int, capped: list[str],
+                      echo: Callable[[str], None] | None) -> float | None:
+    """Slow the real ranks' compute by the dilation factor, as sharing the cores with the other ranks
+    would have: with phantoms (which compute nothing) a real rank would otherwise get a whole core
+    and compute s times faster than its emulated server. The same cgroup quota as `testbed node
+    slow`, for the run only; workers already slowed keep their limit. Appends what it capped."""
+    from testbed import store
+    from testbed.faults import control
+
+    cpus = nproc / float(cluster.time_dilation or 1.0)
+    if cpus >= _cores() or cluster.dilation.get("cap_cpu"):   # capped at `up` already: 1/s each
+        return None
+    for w in real:
+        try:
+            slowed = ((store.load(cluster.name).get("faults") or {}).get("nodes") or {}).get(w) or {}
+            if "cpus" in slowed:
+                continue   # the user's own `node slow`: theirs to undo
+            control.node_slow(cluster.name, w, cpus)
+            capped.append(w)
+        except TestbedError as exc:
+            if echo is not None:
+                echo(f"[testbed] could not limit {w} to {cpus:g} CPUs ({exc}): its rank computes faster "
+                     "than under dilation")
+            return None
+    return cpus
+
+
+def _uncap(cluster: Cluster, capped: list[str], echo: Callable[[str], None] | None) -> None:
+    from testbed.faults import control
+
+    for w in capped:
+        try:
+            control.node_restore(cluster.name, w)
+        except TestbedError as exc:
+            if echo is not None:
+                echo(f"[testbed] {w} keeps the run's CPU limit ({exc}): testbed node restore {w}")
+
+
 def _phantom_stats(chan: Path) -> dict[str, Any]:
     """What the phantoms wrote at their end: operations mirrored, how late they read announcements."""
     rows = []
@@ -586,11 +629,12 @@ def _phantom_stats(chan: Path) -> dict[str, Any]:
             continue
     rows = [r for r in rows if isinstance(r, dict)]
     late = [r["announce_late_s"] for r in rows if isinstance(r.get("announce_late_s"), dict)
-            and isinstance(r["announce_late_s"].get("mean"), (int, float))]
+            and isinstance(r["announce_late_s"].get("p50"), (int, float))]
     warnings = sorted({str(w) for r in rows if isinstance(r.get("warnings"), list) for w in r["warnings"]})
     return {"ops_mirrored": [r.get("ops") for r in rows], "errors": [r["error"] for r in rows if r.get("error")],
             "warnings": warnings[:20],
-            "announce_late_mean_s": sum(x["mean"] for x in late) / len(late) if late else None,
+            # the median: the first announcements wait for the phantoms' own start (torch's import)
+            "announce_late_p50_s": statistics.median(x["p50"] for x in late) if late else None,
             "announce_late_max_s": max((x["max"] for x in late), default=None)}
 
 

@@ -182,10 +182,10 @@ def phantom_check(summary: dict[str, Any], rows: list["ClassRow"], s: float) -> 
     who = f"ranks {', '.join(map(str, real))} real, {len(phantoms)} phantom(s) mirroring rank {min(real, default='?')}"
     if ph.get("errors"):
         return Check("phantoms", False, f"{who}; a phantom fell out of step: {ph['errors'][0]}")
-    late = ph.get("announce_late_mean_s")
+    late = ph.get("announce_late_p50_s")
     if not isinstance(late, (int, float)):
         return Check("phantoms", None, f"{who}; how late the phantoms followed was not recorded")
-    detail = (f"{who}; they read each announcement {late * 1e3:.2g} ms after it was made on average "
+    detail = (f"{who}; they read each announcement {late * 1e3:.2g} ms after it was made (median) "
               f"({late / s * 1e6:.3g} us emulated), which the real rank's collectives include")
     if ph.get("warnings"):
         detail += f"; not mirrored: {ph['warnings'][0]}" + (f" (and {len(ph['warnings']) - 1} more)"
@@ -374,7 +374,7 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
 
     cpu = cpu_check(monitor, s, _active_window(probe), _recording(summary, int(summary.get("world_size") or 1)),
                     _devices(summary, monitor),
-                    capped=bool((summary.get("time_dilation") or {}).get("cap_cpu")))
+                    capped=bool((summary.get("time_dilation") or {}).get("cap_cpu") or summary.get("real_cpu_cap")))
     checks.append(cpu)
     ph = phantom_check(summary, rows, s)
     if ph is not None:

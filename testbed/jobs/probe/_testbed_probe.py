@@ -378,7 +378,7 @@ class _TorchFinder:
 # Callers from these packages keep real time (timeouts, heartbeats, schedulers).
 _REAL_TIME_CALLERS = ("torch.distributed", "torch.multiprocessing", "torch.utils.data", "multiprocessing",
                       "concurrent", "asyncio", "threading", "queue", "subprocess", "selectors", "socket",
-                      "logging", "_testbed_probe", "sitecustomize")
+                      "logging", "_testbed_probe", "_testbed_mirror", "sitecustomize")
 
 
 def _real_caller():
