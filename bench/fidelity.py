@@ -398,7 +398,40 @@ def _targets(cells: list[Cell], s: dict[str, Any]) -> list[str]:
         else:
             out.append(f"- {what} (`sudo .venv/bin/python bench/probe_overhead.py`): {100 * d['overhead']:+.1f}% of the "
                        f"main job's step time against 2% ({'met' if d['overhead'] < 0.02 else 'MISSED'}).")
+    f = REPO / "bench" / "results" / "phantom_agreement.json"
+    if f.exists():
+        out += _phantom_targets(json.loads(f.read_text()))
     return out + [""]
+
+
+def _phantom_targets(d: dict[str, Any]) -> list[str]:
+    """Phantom ranks (bench/phantom_agreement.py): agreement with the all-real job, and scale."""
+    out = []
+    for r in d.get("rows", []):
+        a, p = r.get("all-real") or {}, r.get("phantoms") or {}
+        late = p.get("announce_late_p50_s")
+        late_txt = f", phantoms {late * 1e3:.2g} ms late (median, real time)" if late is not None else ""
+        if a and p.get("iter_p50_s") and a.get("iter_p50_s"):
+            diff = p["iter_p50_s"] / a["iter_p50_s"] - 1
+            errs = [x["iter_p50_s"] / x["expected_iter_s"] - 1 for x in (a, p) if x.get("expected_iter_s")]
+            out.append(f"- Phantom ranks, {r['topology']} at s={r.get('dilation'):g} "
+                       f"(`sudo .venv/bin/python bench/phantom_agreement.py`): 1 real + {r['workers'] - 1} phantoms "
+                       f"{p['iter_p50_s'] * 1e3:.1f} ms ({p.get('verdict')}) against all-real "
+                       f"{a['iter_p50_s'] * 1e3:.1f} ms ({a.get('verdict')}): {100 * diff:+.1f}% against 5% "
+                       f"({'met' if abs(diff) <= 0.05 else 'MISSED'}); against the model "
+                       f"{', '.join(f'{100 * e:+.1f}%' for e in errs)} against 10% "
+                       f"({'met' if errs and all(abs(e) <= 0.10 for e in errs) else 'MISSED'}){late_txt}.")
+        elif p:
+            it, exp = p.get("iter_p50_s"), p.get("expected_iter_s")
+            err = f"{100 * (it / exp - 1):+.1f}% against the model" if it and exp else "no iteration time"
+            rss = p.get("phantom_rss_mb")
+            out.append(f"- Phantom ranks at scale, {r['topology']} ({r['workers']} workers, s={r.get('dilation'):g}, "
+                       f"`bench/phantom_agreement.py --scale-only`): 1 real + {r['workers'] - 1} phantoms, "
+                       f"rc {p.get('rc')}, {p.get('wall_s', 0):.0f} s, iteration "
+                       f"{(it or 0) * 1e3:.1f} ms, {err}; verdict {p.get('verdict')} (target: faithful, "
+                       f"{'met' if p.get('verdict') == 'faithful' else 'MISSED'})"
+                       + (f"; {rss:.0f} MiB resident per phantom" if rss else "") + f"{late_txt}.")
+    return out
 
 
 def _pct(x: float | None) -> str:

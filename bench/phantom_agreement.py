@@ -10,8 +10,8 @@ the expected iteration (one dedicated rank's compute + the reference model's all
 the verdict.
 
 Scale (--scale): a 64-worker leaf-spine (8 leaves x 8 workers), w0 real and 63 phantoms, at
-`auto` dilation counted for ONE computing rank (--ranks 1: phantoms compute nothing; the
-network factor accounts for their traffic), the same MLP; time, memory per phantom, verdict.
+`auto` dilation with one computing rank (up --real-ranks 1: phantoms compute nothing, the
+traffic of all 64 counts), the same MLP; time, memory per phantom, verdict.
 
     sudo .venv/bin/python bench/phantom_agreement.py [--steps 20] [--scale] [--scale-only]
 
@@ -77,7 +77,7 @@ def _rss_mb_of_phantoms(run_id: str) -> float | None:
     return statistics.median(rss) if rss else None
 
 
-def case(key: str, steps: int, machine, scale: bool = False) -> dict:
+def case(key: str, steps: int, machine, scale: bool = False, dilation: str = "auto") -> dict:
     from testbed import lifecycle
     from testbed.jobs.run import cluster_from_state, run
     from testbed.mainjob import dedicated_compute, expected_iteration
@@ -89,7 +89,8 @@ def case(key: str, steps: int, machine, scale: bool = False) -> dict:
     topo = load_topology_text(TOPOLOGIES[key], f"<{key}>")
     out: dict = {"topology": key, "workers": len(topo.workers)}
     t0 = time.time()
-    with lifecycle.running(topo, name, time_dilation="auto", machine=machine, ranks=1 if scale else None):
+    with lifecycle.running(topo, name, time_dilation=dilation, machine=machine,
+                           real_ranks=1 if scale else None):
         st = lifecycle.load(name)
         out["dilation"] = st.get("time_dilation")
         out["up_s"] = time.time() - t0
@@ -138,6 +139,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--scale", action="store_true", help="also the 64-worker job with one real rank")
     ap.add_argument("--scale-only", action="store_true")
+    ap.add_argument("--scale-dilation", default="auto", help="the scale case's --time-dilation (default auto)")
     args = ap.parse_args()
     from testbed.jobs import calibration
 
@@ -147,7 +149,8 @@ def main() -> int:
         for key in ("star-4", "leaf-spine-2x2"):
             rows.append(case(key, args.steps, machine))
     if args.scale or args.scale_only:
-        rows.append(case("leaf-spine-8x8", max(5, args.steps // 2), machine, scale=True))
+        rows.append(case("leaf-spine-8x8", max(5, args.steps // 2), machine, scale=True,
+                         dilation=args.scale_dilation))
     print()
     print(f"{'topology':<16} {'s':>4} {'all-real ms':>12} {'phantoms ms':>12} {'diff':>7} {'model ms':>9} "
           f"{'verdicts':<28}")
@@ -159,7 +162,16 @@ def main() -> int:
               f"{(p.get('expected_iter_s') or 0) * 1e3:>9.1f} {a.get('verdict', '-')} / {p.get('verdict', '-')}")
     out = REPO / "bench" / "results" / "phantom_agreement.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M"), "steps": args.steps, "rows": rows}, indent=1))
+    kept = []   # rows of the topologies this run did not measure stay (--scale-only keeps the agreement)
+    if out.exists():
+        try:
+            kept = [r for r in json.loads(out.read_text()).get("rows", [])
+                    if r.get("topology") not in {x["topology"] for x in rows}]
+        except (OSError, ValueError, AttributeError):
+            kept = []
+    for r in rows:
+        r["when"] = time.strftime("%Y-%m-%d %H:%M")
+    out.write_text(json.dumps({"steps": args.steps, "rows": kept + rows}, indent=1))
     print(f"\nwrote {out}")
     return 0
 

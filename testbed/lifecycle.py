@@ -168,6 +168,7 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 def up(topo: Topology, name: str | None = None, *, progress: Progress | None = None,
        runtime: str | None = None, caps: Any = None, allow_gpu_sharing: bool = False,
        time_dilation: float | str | None = None, machine: Any = None, ranks: int | None = None,
+       real_ranks: int | None = None,
        net_admin: bool = False) -> dict[str, Any]:
     """Build testbed `name` (default: the topology's name) from a validated topology. All or nothing.
 
@@ -177,6 +178,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     (testbed.jobs.calibration); without them "auto" counts ranks per core only. ranks: how many
     ranks the jobs will run (what "auto" divides the cores by; default one per worker).
     net_admin: workers get CAP_NET_ADMIN (they can then undo their own shaping; off by default).
+    real_ranks: how many of the ranks compute (the rest phantoms, `testbed run --real`), for "auto".
     """
     from testbed.runtime import gpu
     from testbed.runtime.env import worker_env
@@ -204,7 +206,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     setting = time_dilation if time_dilation is not None else topo.time_dilation
     try:
         dilation = choose_dilation(setting, topo, plan, n_gpus=len(gplan.used), n_cpus=cores(), constants=machine,
-                                   ranks=ranks)
+                                   ranks=ranks, real_ranks=real_ranks)
     except ValueError as exc:
         raise TestbedError(f"--time-dilation: {exc}") from None
     factor = dilation.factor

@@ -177,28 +177,29 @@ def _cgroup_dir(v: str, info: ValidationInfo) -> str:
     return v
 
 
-def _testbed_netns(v: str, info: ValidationInfo) -> str:
+def _netns_of(v: str, info: ValidationInfo, which: str) -> str:
+    """v is tb-NAME-NODE for a NODE among the topology's `which` (nodes, switches or workers)."""
     ctx = _topology(info)
     prefix = names.netns_prefix(ctx.name)
-    if not (v.startswith(prefix) and v[len(prefix):] in ctx.topology.nodes):
-        raise _fail(f"not one of this testbed's namespaces ({prefix}NODE)", v)
+    among = {"nodes": ctx.topology.nodes, "switches": ctx.switches, "workers": ctx.workers}[which]
+    if not (v.startswith(prefix) and v[len(prefix):] in among):
+        what = {"nodes": "one of this testbed's namespaces ({p}NODE)",
+                "switches": "the namespace of one of this testbed's switches ({p}SWITCH)",
+                "workers": "the namespace of one of this testbed's workers ({p}WORKER)"}[which]
+        raise _fail("not " + what.format(p=prefix), v)
     return v
+
+
+def _testbed_netns(v: str, info: ValidationInfo) -> str:
+    return _netns_of(v, info, "nodes")
 
 
 def _switch_netns(v: str, info: ValidationInfo) -> str:
-    ctx = _topology(info)
-    prefix = names.netns_prefix(ctx.name)
-    if not (v.startswith(prefix) and v[len(prefix):] in ctx.switches):
-        raise _fail(f"not the namespace of one of this testbed's switches ({prefix}SWITCH)", v)
-    return v
+    return _netns_of(v, info, "switches")
 
 
 def _worker_netns(v: str, info: ValidationInfo) -> str:
-    ctx = _topology(info)
-    prefix = names.netns_prefix(ctx.name)
-    if not (v.startswith(prefix) and v[len(prefix):] in ctx.workers):
-        raise _fail(f"not the namespace of one of this testbed's workers ({prefix}WORKER)", v)
-    return v
+    return _netns_of(v, info, "workers")
 
 
 def _a_worker(v: str, info: ValidationInfo) -> str:

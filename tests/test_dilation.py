@@ -62,6 +62,17 @@ def test_auto_counts_ranks_per_core_and_the_traffic():
     assert any("share 2 CPU core" in r for r in c.reasons) and any("network needs" in r for r in c.reasons)
 
 
+def test_phantoms_compute_nothing_but_still_send():
+    """up --real-ranks 1: compute counts one rank (2 cores: no sharing), the traffic all 16, so
+    the factor is the network's and every worker's CPU is capped (compute slows by s too)."""
+    t, plan = _ft()
+    c = choose("auto", t, plan, n_gpus=0, n_cpus=2, constants=HOST_BOUND, real_ranks=1)
+    assert c.compute == 1.0 and c.network == pytest.approx(8.0, rel=0.02) and c.factor == pytest.approx(8.0, rel=0.02)
+    assert c.cap_cpu and any("phantoms" in r for r in c.reasons)
+    with pytest.raises(ValueError, match="real ranks"):
+        choose("auto", t, plan, n_gpus=0, n_cpus=2, constants=HOST_BOUND, real_ranks=17)
+
+
 def test_auto_without_calibration_says_so():
     t, plan = _ft()
     c = choose("auto", t, plan, n_gpus=0, n_cpus=2)

@@ -143,6 +143,10 @@ def up_cmd(
     ranks: Optional[int] = typer.Option(None, "--ranks", min=1,
                                         help="How many ranks your jobs will run, for `auto` (default: one per "
                                              "worker); a run with another count is judged against it."),
+    real_ranks: Optional[int] = typer.Option(None, "--real-ranks", min=1,
+                                             help="How many of those ranks compute, for `auto`, when the others "
+                                                  "will be phantoms (testbed run --real): compute counts these, "
+                                                  "the traffic counts every rank."),
     allow_gpu_sharing: bool = typer.Option(False, "--allow-gpu-sharing",
                                            help="Let several workers share a GPU when there are too few."),
     net_admin: bool = typer.Option(False, "--net-admin",
@@ -166,7 +170,7 @@ def up_cmd(
     progress = _DelayedProgress()
     try:
         st = lifecycle.up(topo, name, progress=progress, runtime=runtime, time_dilation=setting,
-                          allow_gpu_sharing=allow_gpu_sharing, machine=machine, ranks=ranks,
+                          allow_gpu_sharing=allow_gpu_sharing, machine=machine, ranks=ranks, real_ranks=real_ranks,
                           net_admin=net_admin)
     finally:
         progress.stop()

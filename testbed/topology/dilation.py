@@ -121,22 +121,31 @@ def _round_up(x: float) -> float:
 
 
 def choose(setting: float | str | None, topo: Topology, plan: NetworkPlan, n_gpus: int, n_cpus: int,
-           constants: MachineConstants | None = None, ranks: int | None = None) -> Choice:
+           constants: MachineConstants | None = None, ranks: int | None = None,
+           real_ranks: int | None = None) -> Choice:
     """The factor for a `time_dilation` setting (None, a number, "none" or "auto"), with its reasons.
 
     auto: the smallest factor at which the run is network-bound rather than CPU-bound: the larger
     of what compute needs (ranks per GPU, or per core) and what the traffic needs (network_factor),
     rounded up to a tenth. Without calibrated constants only compute is accounted for. ranks: how
     many ranks the jobs will run, spread over the workers (default: one on every worker).
+    real_ranks: how many of them compute (`testbed run --real`: the others are phantoms, which
+    compute nothing but still send); compute counts these, the traffic counts all ranks.
     """
     workers = topo.workers
     if ranks is not None and ranks < 1:
         raise ValueError(f"ranks must be >= 1 (got {ranks})")
     rank_workers = list(workers) if ranks is None else spread(workers, ranks)
     devices = f"{n_gpus} GPU(s)" if n_gpus else f"{n_cpus} CPU core(s)"
-    compute = auto_factor(len(rank_workers), n_gpus, n_cpus)
+    if real_ranks is not None and not 1 <= real_ranks <= len(rank_workers):
+        raise ValueError(f"real ranks must be between 1 and the {len(rank_workers)} ranks (got {real_ranks})")
+    computing = len(rank_workers) if real_ranks is None else real_ranks
+    compute = auto_factor(computing, n_gpus, n_cpus)
     how = "one per worker" if ranks is None else f"as asked, over {len(set(rank_workers))} worker(s)"
     why_compute = f"{len(rank_workers)} ranks ({how}) share {devices}: compute needs s >= {compute:.3g}"
+    if real_ranks is not None:
+        why_compute = (f"{real_ranks} of {len(rank_workers)} ranks ({how}) compute, the others are phantoms; "
+                       f"{real_ranks} share {devices}: compute needs s >= {compute:.3g}")
     if setting is None or (isinstance(setting, str) and setting.strip().lower() in ("none", "off")):
         why = [why_compute] if compute > 1 else []
         return Choice(1.0, "none", compute, None, tuple(["no dilation (real time)", *why]))
