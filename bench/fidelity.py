@@ -425,10 +425,12 @@ def _phantom_targets(d: dict[str, Any]) -> list[str]:
             it, exp = p.get("iter_p50_s"), p.get("expected_iter_s")
             err = f"{100 * (it / exp - 1):+.1f}% against the model" if it and exp else "no iteration time"
             rss = p.get("phantom_rss_mb")
+            fixed = f" --scale-dilation {r['dilation']:g}" if "fixed" in r["topology"] else ""
+            why = f": {p['reasons'][0]}" if p.get("verdict") != "faithful" and p.get("reasons") else ""
             out.append(f"- Phantom ranks at scale, {r['topology']} ({r['workers']} workers, s={r.get('dilation'):g}, "
-                       f"`bench/phantom_agreement.py --scale-only`): 1 real + {r['workers'] - 1} phantoms, "
-                       f"rc {p.get('rc')}, {p.get('wall_s', 0):.0f} s, iteration "
-                       f"{(it or 0) * 1e3:.1f} ms, {err}; verdict {p.get('verdict')} (target: faithful, "
+                       f"`sudo .venv/bin/python bench/phantom_agreement.py --scale-only{fixed}`): 1 real + "
+                       f"{r['workers'] - 1} phantoms, rc {p.get('rc')}, {p.get('wall_s', 0):.0f} s, iteration "
+                       f"{(it or 0) * 1e3:.1f} ms, {err}; verdict {p.get('verdict')}{why} (target: faithful, "
                        f"{'met' if p.get('verdict') == 'faithful' else 'MISSED'})"
                        + (f"; {rss:.0f} MiB resident per phantom" if rss else "") + f"{late_txt}.")
     return out

@@ -87,7 +87,8 @@ def case(key: str, steps: int, machine, scale: bool = False, dilation: str = "au
 
     name = f"pa{uuid.uuid4().hex[:5]}"
     topo = load_topology_text(TOPOLOGIES[key], f"<{key}>")
-    out: dict = {"topology": key, "workers": len(topo.workers)}
+    out: dict = {"topology": key if dilation == "auto" else f"{key} (fixed s={dilation})",
+                 "workers": len(topo.workers)}
     t0 = time.time()
     with lifecycle.running(topo, name, time_dilation=dilation, machine=machine,
                            real_ranks=1 if scale else None):
