@@ -142,3 +142,49 @@ def test_real_must_name_a_run_worker(star, tmp_path):
         run(star, ["true"], real=["w0", "w1", "w2", "w3"], base_dir=tmp_path, echo=False)
     with pytest.raises(RunError, match="not torchrun"):
         run(star, ["torchrun", "x.py"], real=["w0"], base_dir=tmp_path, echo=False)
+
+
+def test_record_then_replay_reproduces_the_bytes_on_every_link(star, testbed, tmp_path):
+    """An all-real DDP run records rank 0's operations (--record-ops); replaying them with every
+    rank a phantom puts the same bytes on every link (within 1%, control traffic aside), and the
+    replay runs on another topology too."""
+    from testbed.jobs.run import cluster_from_state, run
+    from testbed.topology.loader import load_topology_text
+
+    cmd = [sys.executable, "examples/train_ddp.py", "--steps", "20", "--model", "mlp", "--hidden", "512"]
+    rec = run(star, cmd, echo=False, base_dir=tmp_path, workdir=str(REPO), monitor=False, timeout=300,
+              record_ops=True)
+    assert rec.rc == 0, _log(rec)[-3000:]
+    assert (rec.run_dir / "probe" / "ops-0.jsonl").is_file()
+    rep = run(star, [], echo=False, base_dir=tmp_path, workdir=str(REPO), monitor=False, timeout=300,
+              replay=rec.run_dir)
+    assert rep.rc == 0, _log(rep)[-3000:]
+    assert rep.summary["replay"]["ops"] > 20 and [r["phantom"] for r in rep.summary["ranks"]] == [True] * 4
+    by_link = {(lk["a"], lk["b"]): lk for lk in rec.summary["links"]}
+    for lk in rep.summary["links"]:
+        ref = by_link[(lk["a"], lk["b"])]
+        for d in ("bytes_ab", "bytes_ba"):
+            assert abs(lk[d] - ref[d]) <= 0.01 * ref[d] + 30_000, (lk["a"], lk["b"], d, lk[d], ref[d])
+    # the same job's traffic on a leaf-spine, without the job
+    ls = testbed(load_topology_text("name: ls\ngenerator: leaf-spine\nparams: {leaves: 2, spines: 2, "
+                                    "hosts_per_leaf: 2}\n", "<replay>"), time_dilation="none")
+    other = run(cluster_from_state(ls["name"]), [], echo=False, base_dir=tmp_path, monitor=False, timeout=300,
+                replay=rec.run_dir / "probe" / "ops-0.jsonl")
+    assert other.rc == 0, _log(other)[-3000:]
+    _no_orphans(other)
+
+
+def test_replay_checks_its_trace(star, tmp_path):
+    from testbed.jobs.run import RunError, run
+
+    bad = tmp_path / "ops-0.jsonl"
+    bad.write_text('{"ev": "op", "op": "allreduce", "t": 1}\n')
+    with pytest.raises(RunError, match="before the init record"):
+        run(star, [], replay=bad, base_dir=tmp_path, echo=False)
+    bad.write_text('{"ev": "init", "backend": "gloo", "t": 1, "world": 8, "rank": 0}\n')
+    with pytest.raises(RunError, match="8-rank job; this run has 4 ranks"):
+        run(star, [], replay=bad, base_dir=tmp_path, echo=False)
+    with pytest.raises(RunError, match="no recorded operations"):
+        run(star, [], replay=tmp_path, base_dir=tmp_path, echo=False)
+    with pytest.raises(RunError, match="either a command or --replay"):
+        run(star, ["true"], replay=bad, base_dir=tmp_path, echo=False)

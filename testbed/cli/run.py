@@ -12,7 +12,8 @@ from testbed.cli.common import NameOption, console, resolve_name
 def register(app: typer.Typer) -> None:
     @app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
     def run_cmd(
-        cmd: List[str] = typer.Argument(..., help="The command (after --), e.g. python train.py or torchrun train.py"),
+        cmd: Optional[List[str]] = typer.Argument(None, help="The command (after --), e.g. python train.py or "
+                                                             "torchrun train.py"),
         name: Optional[str] = NameOption,
         workers: str = typer.Option("all", "--workers", "-w", help="all, or a comma list: w0,w3"),
         nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Ranks per worker"),
@@ -31,6 +32,11 @@ def register(app: typer.Typer) -> None:
                                            "other rank is a phantom that computes nothing and mirrors the real "
                                            "rank's collectives, so the links carry the job's real traffic "
                                            "(gloo, data-parallel jobs)"),
+        record_ops: bool = typer.Option(False, "--record-ops", help="Record rank 0's collectives (probe/ops-0.jsonl) "
+                                        "for a later --replay (gloo jobs; runs with --real always record)"),
+        replay: Optional[str] = typer.Option(None, "--replay", help="Replay a recorded run (its directory or "
+                                             "ops-N.jsonl) with every rank a phantom: the job's traffic without "
+                                             "the job, e.g. on another topology or under a scenario"),
     ) -> None:
         """Start CMD on every selected worker the torchrun way; logs and probe data go to runs/<time>-<testbed>/.
 
@@ -50,10 +56,11 @@ def register(app: typer.Typer) -> None:
             extra[k] = v
         cluster = cluster_from_state(resolve_name(name))
         machine = calibration.constants_or_none(progress=lambda m: err_console.print(m, highlight=False))
-        result = run(cluster, cmd, workers=workers, nproc_per_node=nproc_per_node, master=master, port=port,
+        result = run(cluster, cmd or [], workers=workers, nproc_per_node=nproc_per_node, master=master, port=port,
                      timeout=timeout, env=extra, probe=not no_probe, grace=grace, machine=machine,
                      emulated_clock=not real_clock,
-                     real=[w.strip() for w in real.split(",") if w.strip()] if real is not None else None)
+                     real=[w.strip() for w in real.split(",") if w.strip()] if real is not None else None,
+                     record_ops=record_ops, replay=replay)
         from testbed.report import report as make_report
 
         text, a, plots = make_report(result.run_dir, plots=report)

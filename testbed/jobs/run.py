@@ -62,7 +62,7 @@ from testbed.jobs.probe import PROBE_PATH
 
 DEFAULT_GRACE_S = 5.0
 PHANTOM_GRACE_S = 10.0     # after the real ranks ended: time for the phantoms to read "end" and leave
-PROBE_FILE = re.compile(r"^rank-[A-Za-z0-9_]{1,32}\.jsonl$")
+PROBE_FILE = re.compile(r"^(rank-[A-Za-z0-9_]{1,32}|ops-\d{1,6})\.jsonl$")   # ranks' records, recorded operations
 PROBE_FILE_MAX_BYTES = 512 << 20
 KILL_AFTER_S = 2.0
 # torchrun --tee: every line of a local rank starts with this (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE)
@@ -277,7 +277,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         workdir: str | None = None, echo: Callable[[str], None] | None | bool = True,
         on_start: Callable[[Path], None] | None = None, machine: Any = None,
         monitor: bool = True, emulated_clock: bool = True, stop: threading.Event | None = None,
-        real: Sequence[str] | None = None) -> RunResult:
+        real: Sequence[str] | None = None, record_ops: bool = False,
+        replay: str | os.PathLike | None = None) -> RunResult:
     """Run CMD across the cluster; return the exit status and the run directory.
 
     machine: the calibrated MachineConstants, recorded for the verdict (testbed.report.verdict);
@@ -285,10 +286,24 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     emulated_clock: under dilation the probe slows the ranks' clocks by the factor;
     stop: when set (from another thread), the ranks are stopped as on a timeout (exit 143);
     real: the workers whose ranks run CMD; every other rank is a phantom (testbed.jobs.phantom)
-    mirroring the lowest real rank's collectives (None: every rank is real)."""
+    mirroring the lowest real rank's collectives (None: every rank is real);
+    record_ops: rank 0 records every operation of its process groups (probe/ops-0.jsonl, as
+    phantoms would be told them; gloo jobs); with `real`, the leader always records;
+    replay: a recorded run directory (or its ops-N.jsonl): no command runs, every rank is a
+    phantom fed that sequence with its recorded gaps (scaled to this testbed's dilation)."""
     cmd = list(cmd)
+    trace = None
+    if replay is not None:
+        if cmd:
+            raise RunError("--replay runs no command: give either a command or --replay")
+        if real is not None or record_ops:
+            raise RunError("--replay plays a recorded run to phantoms only: no --real, no --record-ops")
+        trace = load_trace(replay)
+        cmd = ["<replay>"]
     if not cmd:
         raise RunError("nothing to run: give a command after --")
+    if record_ops and (not probe or is_torchrun(cmd)):
+        raise RunError("--record-ops needs the probe (no --no-probe) and the env launcher (not torchrun)")
     if nproc_per_node < 1:
         raise RunError("--nproc-per-node must be >= 1")
     chosen = select_workers(cluster, workers)
@@ -376,8 +391,17 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                     "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
                     "TORCHELASTIC_MAX_RESTARTS": "0"}
             ranks.append(Rank(w, node_rank, lr, rank, f"{w}:r{rank}", list(cmd), renv))
+    feeds: list[str] = []
     if real is not None:
-        _make_phantoms(ranks, set(real), shared / "phantom", cluster.runtime)
+        feeds = _make_phantoms(ranks, set(real), shared / "phantom", cluster.runtime)
+    elif trace is not None:
+        if trace.world != world:
+            raise RunError(f"{trace.source} is a {trace.world}-rank job; this run has {world} ranks "
+                           f"(--workers, --nproc-per-node)")
+        feeds = _make_phantoms(ranks, set(), shared / "phantom", cluster.runtime, leader_rank=trace.rank)
+    if record_ops or real is not None:
+        lead = min((r for r in ranks if not r.phantom), key=lambda r: r.rank)
+        lead.env["TESTBED_OPS_TRACE"] = str(probe_dir / f"ops-{lead.rank}.jsonl")
 
     logs: dict[str, Any] = {w: open(rd / "logs" / f"{w}.log", "a", buffering=1) for w in chosen}
     log_lock = threading.Lock()
@@ -418,6 +442,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     if on_start is not None:
         on_start(rd)
 
+    stop_feed = threading.Event()
     first_fail: Rank | None = None
     reason = "completed"
     rc = 0
@@ -450,6 +475,10 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                 t = threading.Thread(target=pump, args=(r,), daemon=True)
                 t.start()
                 readers.append(t)
+            if trace is not None:
+                feeder = threading.Thread(target=_feed, args=(trace, feeds, float(cluster.time_dilation or 1.0),
+                                                              stop_feed), daemon=True)
+                feeder.start()
             while True:
                 now = time.monotonic()
                 alive = 0
@@ -523,7 +552,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             except Exception as exc:   # like a monitor that did not start: the verdict says what it lacks
                 if echo is not None:
                     echo(f"[testbed] monitor samples lost ({exc})")
-        phantom_stats = _phantom_stats(shared / "phantom") if real is not None else None
+        stop_feed.set()
+        phantom_stats = _phantom_stats(shared / "phantom") if feeds else None
         _uncap(cluster, capped, echo)
         _collect_probe(rd, shared)
         if old_term is not None:
@@ -542,8 +572,10 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                    "duration_s": (r.ended or ended) - r.started if r.started else None,
                    "argv": r.argv if r is ranks[0] else None, "phantom": r.phantom} for r in ranks],
         "leftover_pids": leftovers,
-        "phantoms": None if real is None else {
-            "real_workers": list(real), "real_ranks": [r.rank for r in ranks if not r.phantom],
+        "replay": None if trace is None else {"source": str(trace.source), "ops": len(trace.lines),
+                                               "recorded_dilation": trace.dilation},
+        "phantoms": None if not feeds else {
+            "real_workers": list(real or []), "real_ranks": [r.rank for r in ranks if not r.phantom],
             "phantom_ranks": [r.rank for r in ranks if r.phantom], **(phantom_stats or {})},
     })
     if topo is not None:
@@ -552,11 +584,15 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     return RunResult(rc, rd, summary)
 
 
-def _make_phantoms(ranks: list[Rank], real: set[str], chan: Path, runtime: str) -> None:
+def _make_phantoms(ranks: list[Rank], real: set[str], chan: Path, runtime: str,
+                   leader_rank: int | None = None) -> list[str]:
     """Turn the ranks of workers not in `real` into phantoms: same environment, the phantom module
-    as the command, and a FIFO each on which the lowest real rank announces its operations."""
+    as the command, and a FIFO each on which the lowest real rank announces its operations (with
+    no real rank, a replay: the launcher feeds them; leader_rank is the recorded rank). Returns
+    the FIFOs."""
     chan.mkdir(mode=0o755)
-    leader = min((r for r in ranks if r.worker in real), key=lambda r: r.rank)
+    leader = min((r for r in ranks if r.worker in real), key=lambda r: r.rank) if real else None
+    leader_rank = leader.rank if leader is not None else int(leader_rank or 0)
     fifos = []
     pkg_root = str(Path(__file__).resolve().parents[2])
     python = sys.executable
@@ -576,8 +612,96 @@ def _make_phantoms(ranks: list[Rank], real: set[str], chan: Path, runtime: str) 
         env = {k: v for k, v in r.env.items() if k not in ("TESTBED_PROBE_DIR", "PYTHONPATH")}
         r.env = {**env, "PYTHONPATH": pkg_root, "TESTBED_PHANTOM_IN": str(fifo),
                  "TESTBED_PHANTOM_STATS": str(chan / f"stats-{r.rank}.json"),
-                 "TESTBED_PHANTOM_LEADER": str(leader.rank)}
-    leader.env["TESTBED_PHANTOM_OUT"] = os.pathsep.join(fifos)
+                 "TESTBED_PHANTOM_LEADER": str(leader_rank)}
+    if leader is not None:
+        leader.env["TESTBED_PHANTOM_OUT"] = os.pathsep.join(fifos)
+    return fifos
+
+
+@dataclass
+class Trace:
+    """A recorded sequence of operations (what the mirror announced), for --replay."""
+    source: Path
+    lines: list[bytes]
+    times: list[float]     # each line's recorded wall time
+    world: int
+    rank: int
+    dilation: float        # of the recorded run (1 when unknown)
+
+
+TRACE_MAX_BYTES = 256 << 20
+
+
+def load_trace(path: str | os.PathLike) -> Trace:
+    """A trace from a run directory (its probe/ops-N.jsonl) or the file itself, checked line by
+    line: JSON objects with the fields the phantoms read, an init first, at most 256 MiB."""
+    p = Path(path)
+    run_dir = None
+    if p.is_dir():
+        run_dir = p
+        found = sorted((p / "probe").glob("ops-*.jsonl")) if (p / "probe").is_dir() else []
+        if not found:
+            raise RunError(f"{p}: no recorded operations (probe/ops-N.jsonl): record a run with "
+                           "`testbed run --record-ops -- ...` (or --real) first")
+        p = found[0]
+    if not p.is_file() or p.is_symlink() or p.stat().st_size > TRACE_MAX_BYTES:
+        raise RunError(f"{p}: not a plain trace file of at most {TRACE_MAX_BYTES >> 20} MiB")
+    lines, times = [], []
+    world = rank = None
+    for i, raw in enumerate(p.read_bytes().splitlines(), 1):
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            raise RunError(f"{p}:{i}: not JSON") from None
+        if not isinstance(obj, dict) or obj.get("ev") not in ("init", "op", "new_group", "end"):
+            raise RunError(f"{p}:{i}: not an operation record (ev init, op, new_group or end)")
+        t = obj.get("t")
+        if obj["ev"] != "new_group" and not isinstance(t, (int, float)):
+            raise RunError(f"{p}:{i}: field t: not a time ({t!r})")
+        if obj["ev"] == "init":
+            world, rank = obj.get("world"), obj.get("rank", 0)
+        elif world is None:
+            raise RunError(f"{p}:{i}: an operation before the init record")
+        if obj["ev"] == "end":
+            break
+        lines.append(raw)
+        times.append(float(t) if isinstance(t, (int, float)) else (times[-1] if times else 0.0))
+    if not isinstance(world, int) or world < 2 or not isinstance(rank, int) or not 0 <= rank < world:
+        raise RunError(f"{p}: the init record names no world size and rank (world {world!r}, rank {rank!r})")
+    s = 1.0
+    if run_dir is not None:
+        summary = rundir.read_json(run_dir / "summary.json") or {}
+        f = (summary.get("time_dilation") or {}).get("factor") if isinstance(summary, dict) else None
+        s = float(f) if isinstance(f, (int, float)) and f >= 1 else 1.0
+    return Trace(p, lines, times, world, rank, s)
+
+
+def _feed(trace: Trace, fifos: Sequence[str], s_now: float, stop: threading.Event) -> None:
+    """Play the trace to every phantom: each line at its recorded offset, in emulated time (the
+    recorded gap / its run's factor x this run's factor), with its time field set to when it is
+    sent (the phantoms' lateness is measured against it); then the end."""
+    fds = [os.open(f, os.O_RDWR | os.O_CLOEXEC) for f in fifos]
+    try:
+        scale = s_now / trace.dilation
+        t0, first = time.monotonic(), trace.times[0] if trace.times else 0.0
+        for raw, t in zip(trace.lines + [b'{"ev":"end"}'], trace.times + [trace.times[-1] if trace.times else 0.0]):
+            wait = t0 + (t - first) * scale - time.monotonic()
+            if wait > 0 and stop.wait(wait):
+                return
+            obj = json.loads(raw)
+            obj["t"] = time.time()
+            line = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+            for fd in fds:
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view):]
+            if stop.is_set():
+                return
+    except OSError:
+        return   # the run is ending: the phantoms' FIFOs went with it
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _cap_real_workers(cluster: Cluster, real: Sequence[str], nproc: int, capped: list[str],

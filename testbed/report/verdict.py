@@ -166,8 +166,8 @@ def _recording(summary: dict[str, Any], world: int) -> int:
     """How many ranks ran the job (and have probe records): the real ones when there were phantoms
     (they compute nothing; their traffic is the network's to carry, which the model accounts)."""
     ph = summary.get("phantoms")
-    if isinstance(ph, dict) and isinstance(ph.get("real_ranks"), list) and ph["real_ranks"]:
-        return len(ph["real_ranks"])
+    if isinstance(ph, dict) and isinstance(ph.get("real_ranks"), list) and (ph["real_ranks"] or summary.get("replay")):
+        return len(ph["real_ranks"])   # a replay: none computes
     return world
 
 
@@ -180,6 +180,9 @@ def phantom_check(summary: dict[str, Any], rows: list["ClassRow"], s: float) -> 
         return None
     real, phantoms = ph.get("real_ranks") or [], ph.get("phantom_ranks") or []
     who = f"ranks {', '.join(map(str, real))} real, {len(phantoms)} phantom(s) mirroring rank {min(real, default='?')}"
+    replay = summary.get("replay")
+    if isinstance(replay, dict):
+        who = f"a replay of {replay.get('source')} ({replay.get('ops')} records) by {len(phantoms)} phantom(s)"
     if ph.get("errors"):
         return Check("phantoms", False, f"{who}; a phantom fell out of step: {ph['errors'][0]}")
     late = ph.get("announce_late_p50_s")

@@ -1,7 +1,9 @@
 """The real rank's side of phantom ranks: announce every collective before it runs.
 
 Loaded by the probe when TESTBED_PHANTOM_OUT names the FIFOs of this run's
-phantoms (os.pathsep-separated; see testbed/jobs/phantom.py for the other side).
+phantoms (os.pathsep-separated; see testbed/jobs/phantom.py for the other side),
+or TESTBED_OPS_TRACE a file to record the same lines in (`testbed run
+--record-ops`; `testbed run --replay` plays them back to phantoms only).
 The job's gloo process groups are wrapped in a Python ProcessGroup
 (`MirrorGroup`): every operation a group runs, whoever issues it (the script
 through torch.distributed, DDP's reducer in C++, its constructor's parameter
@@ -36,6 +38,9 @@ _next_group = [1]
 _installed = False
 
 
+_trace = None   # TESTBED_OPS_TRACE: the same lines, kept for `testbed run --replay`
+
+
 def _announce(obj: dict) -> None:
     line = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
     with _lock:
@@ -44,6 +49,8 @@ def _announce(obj: dict) -> None:
             while view:
                 n = os.write(fd, view)
                 view = view[n:]
+        if _trace is not None:
+            _trace.write(line)
 
 
 def _open_channels(spec: str) -> None:
@@ -198,6 +205,9 @@ def install(torch) -> None:
     import torch.distributed.distributed_c10d as c10d
 
     _open_channels(os.environ.get("TESTBED_PHANTOM_OUT", ""))
+    if os.environ.get("TESTBED_OPS_TRACE"):
+        global _trace
+        _trace = open(os.environ["TESTBED_OPS_TRACE"], "ab")
     MirrorGroup = _make_group_class(dist)
     dist.Backend.register_backend(BACKEND, _create(dist, MirrorGroup), devices=["cpu"])
     orig_init = c10d.init_process_group
@@ -212,7 +222,10 @@ def install(torch) -> None:
                                "run it without --real, or with gloo")
         _tls.gid = 0
         # before: the phantoms must join the rendezvous this call waits in
-        _announce({"ev": "init", "backend": "gloo", "t": time.time()})
+        world = kwargs.get("world_size", -1)
+        world = int(world if world not in (None, -1) else os.environ.get("WORLD_SIZE", -1))
+        _announce({"ev": "init", "backend": "gloo", "t": time.time(), "world": world,
+                   "rank": int(kwargs.get("rank", -1) if kwargs.get("rank", -1) != -1 else os.environ.get("RANK", -1))})
         return orig_init(BACKEND, *args, **kwargs)
 
     @functools.wraps(orig_new_group)
@@ -238,4 +251,10 @@ def install(torch) -> None:
             mod.new_group = new_group
         if getattr(mod, "get_backend", None) is orig_get_backend:
             mod.get_backend = get_backend
-    atexit.register(lambda: _announce({"ev": "end", "t": time.time()}))
+    atexit.register(_end)
+
+
+def _end() -> None:
+    _announce({"ev": "end", "t": time.time()})
+    if _trace is not None:
+        _trace.close()

@@ -331,7 +331,8 @@ def _patch_torch(torch) -> None:
         sys.stderr.write(f"testbed probe: optimizer steps not recorded ({exc!r})\n")
     _patch_collectives(torch)
     _patch_ddp(torch)
-    if os.environ.get("TESTBED_PHANTOM_OUT"):   # a real rank whose peers are phantoms (testbed run --real)
+    if os.environ.get("TESTBED_PHANTOM_OUT") or os.environ.get("TESTBED_OPS_TRACE"):
+        # a real rank whose peers are phantoms (testbed run --real), or one recording its operations
         try:
             import _testbed_mirror
 
