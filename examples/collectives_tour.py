@@ -33,6 +33,11 @@ def main() -> int:
     outs = [torch.empty(512) for _ in range(world)]
     dist.all_gather(outs, torch.full((512,), float(rank)))
     check("all_gather", outs[0][0].item() == 0.0)
+    flat = torch.empty(world * 2048)                        # FSDP's parameter gather
+    dist.all_gather_into_tensor(flat, torch.full((2048,), float(rank)))
+    check("all_gather_into_tensor", flat[0].item() == 0.0)
+    shard = torch.empty(4096)                                # FSDP's gradient reduce-scatter
+    dist.reduce_scatter_tensor(shard, torch.ones(world * 4096))
     rs = torch.empty(256)
     dist.reduce_scatter(rs, [torch.ones(256) for _ in range(world)])
     dist.reduce(torch.ones(128), dst=0)

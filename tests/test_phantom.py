@@ -68,6 +68,9 @@ def test_ddp_with_phantoms_puts_the_same_bytes_on_every_link(star, tmp_path):
 def test_every_collective_kind_is_mirrored(star, tmp_path):
     from testbed.jobs.run import run
 
+    full = run(star, [sys.executable, "examples/collectives_tour.py"], echo=False, base_dir=tmp_path,
+               workdir=str(REPO), monitor=False, timeout=180)
+    assert full.rc == 0 and "tour: ok" in _log(full), _log(full)[-3000:]   # the script itself is sound
     res = run(star, [sys.executable, "examples/collectives_tour.py"], echo=False, base_dir=tmp_path,
               workdir=str(REPO), monitor=False, timeout=180, real=["w0"])
     log = _log(res)

@@ -16,7 +16,8 @@ TESTBED_PHANTOM_STATS, for the run's summary.
 
 Mirrors what data-parallel jobs issue: all_reduce (DDP's buckets, its
 parameter verification and broadcast, the bucket rebuild), broadcast,
-all_gather, reduce_scatter, reduce, gather, scatter, all_to_all_single,
+all_gather, all_gather_into_tensor and reduce_scatter_tensor (as FSDP and
+ZeRO issue them), reduce_scatter, reduce, gather, scatter, all_to_all_single,
 barrier, new_group. Point-to-point (send/recv) cannot be mirrored: the real
 rank fails with a message saying so.
 
@@ -150,6 +151,12 @@ class Mirror:
         elif name == "reduce_scatter":
             extra = [[self.zeros(t.numel(), dtype) for _ in range(size)] for t in ts]
             work = pg.reduce_scatter(ts, extra, self.reduction(self.opts.ReduceScatterOptions(), msg))
+        elif name == "allgather_single":
+            extra = self.zeros(ts[0].numel() * size, dtype)
+            work = pg._allgather_base(extra, ts[0], self.opts.AllgatherOptions())
+        elif name == "reduce_scatter_single":
+            extra = self.zeros(ts[0].numel() * size, dtype)
+            work = pg._reduce_scatter_base(ts[0], extra, self.reduction(self.opts.ReduceScatterOptions(), msg))
         elif name == "reduce":
             o = self.reduction(self.opts.ReduceOptions(), msg)
             o.rootRank = int(msg["root"])

@@ -148,6 +148,17 @@ def _make_group_class(dist):
             self._say("reduce_scatter", dtype=_dtype(outputs), n=_counts(outputs), red=_red(opts))
             return self.inner.reduce_scatter(outputs, input_lists, opts)
 
+        def all_gather_single(self, output, input, opts=None):
+            # all_gather_into_tensor (FSDP, ZeRO): torch calls this method of the group from Python
+            self._say("allgather_single", dtype=_dtype([input]), n=[int(input.numel())], data=_data([input]))
+            return self.inner._allgather_base(output, input, opts or C.AllgatherOptions())
+
+        def reduce_scatter_single(self, output, input, opts=None):
+            # reduce_scatter_tensor (FSDP's gradients, ZeRO)
+            opts = opts or C.ReduceScatterOptions()
+            self._say("reduce_scatter_single", dtype=_dtype([output]), n=[int(output.numel())], red=_red(opts))
+            return self.inner._reduce_scatter_base(output, input, opts)
+
         def reduce(self, tensors, opts=None):
             opts = opts or C.ReduceOptions()
             self._say("reduce", dtype=_dtype(tensors), n=_counts(tensors), root=opts.rootRank, data=_data(tensors),
