@@ -65,6 +65,27 @@ def test_ddp_with_phantoms_puts_the_same_bytes_on_every_link(star, tmp_path):
     _no_orphans(ph)
 
 
+def test_fsdp_with_phantoms_puts_the_same_bytes_on_every_link(star, tmp_path):
+    """FSDP2 (fully_shard): per-layer all_gather_into_tensor and reduce_scatter_tensor, through
+    DeviceMesh groups, with rank 0 real: the links carry what the all-real run put on them."""
+    from testbed.jobs.run import run
+
+    cmd = [sys.executable, "examples/train_fsdp.py", "--steps", "8", "--hidden", "768"]
+    full = run(star, cmd, echo=False, base_dir=tmp_path, workdir=str(REPO), monitor=False, timeout=300)
+    assert full.rc == 0, _log(full)[-3000:]
+    ph = run(star, cmd, echo=False, base_dir=tmp_path, workdir=str(REPO), monitor=False, timeout=300, real=["w0"])
+    assert ph.rc == 0 and not ph.summary["phantoms"]["errors"], _log(ph)[-3000:]
+    by_link = {(lk["a"], lk["b"]): lk for lk in full.summary["links"]}
+    total = 0
+    for lk in ph.summary["links"]:
+        ref = by_link[(lk["a"], lk["b"])]
+        for d in ("bytes_ab", "bytes_ba"):
+            total += ref[d]
+            assert abs(lk[d] - ref[d]) <= 0.05 * ref[d] + 20_000, (lk["a"], lk["b"], d, lk[d], ref[d])
+    assert total > 8 * 4 * 4_000_000
+    _no_orphans(ph)
+
+
 def test_every_collective_kind_is_mirrored(star, tmp_path):
     from testbed.jobs.run import run
 

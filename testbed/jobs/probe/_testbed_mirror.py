@@ -118,6 +118,12 @@ def _make_group_class(dist):
         def getBackendName(self):
             return BACKEND
 
+        @property
+        def group_name(self):
+            # a group made by a backend plugin has no name of its own; c10d's table knows it
+            # (DeviceMesh, FSDP2 and functional collectives look groups up by name)
+            return dist.distributed_c10d._world.pg_names.get(self, "")
+
         def _say(self, op: str, **kw) -> None:
             _announce({"ev": "op", "op": op, "g": self.gid, "t": time.time(), **kw})
 
