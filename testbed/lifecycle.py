@@ -79,7 +79,10 @@ def cores() -> int:
 
 
 def _checkpoint(phase: str) -> None:
-    """Test hooks: TESTBED_FAIL_AT=PHASE raises there; TESTBED_PAUSE_AT=PHASE:SECONDS sleeps there."""
+    """Between the phases of `up`: a TERM/HUP whose exception was swallowed where it landed is
+    raised again here. Test hooks: TESTBED_FAIL_AT=PHASE raises there; TESTBED_PAUSE_AT=
+    PHASE:SECONDS sleeps there."""
+    _raise_if_signalled()
     fail = os.environ.get("TESTBED_FAIL_AT")
     if fail and fail == phase:
         raise TestbedError(f"injected failure at {phase} (TESTBED_FAIL_AT)")
@@ -88,6 +91,7 @@ def _checkpoint(phase: str) -> None:
         p, _, secs = pause.partition(":")
         if p == phase:
             time.sleep(float(secs or 5))
+            _raise_if_signalled()
 
 
 def _runtime_kind(topo: Topology, requested: str | None) -> str:
@@ -161,8 +165,19 @@ class _Terminated(KeyboardInterrupt):
     pass
 
 
+_signalled: list[int] = []   # TERM/HUP received during this `up`
+
+
 def _raise_terminated(signum: int, frame: Any) -> None:
+    # Raised where the main thread is; where Python swallows it (a weakref callback, a __del__,
+    # an event loop's internals), the flag makes the next checkpoint raise it again.
+    _signalled.append(signum)
     raise _Terminated(f"signal {signum}")
+
+
+def _raise_if_signalled() -> None:
+    if _signalled:
+        raise _Terminated(f"signal {_signalled[0]}")
 
 
 def up(topo: Topology, name: str | None = None, *, progress: Progress | None = None,
@@ -269,6 +284,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     # SIGTERM and SIGHUP roll back like Ctrl-C; signals can only be handled in the main thread,
     # so a caller in another thread keeps its own handling.
     main = threading.current_thread() is threading.main_thread()
+    _signalled.clear()
     old_term = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
     old_hup = signal.signal(signal.SIGHUP, _raise_terminated) if main else None
     builder = Builder(name, topo, plan, caps, record=record, owner_label=owner_label(name), progress=progress)
@@ -323,7 +339,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
             progress("workers", len(workers), len(workers))
         t0 -= t_launch  # launching + waiting; the inits' own start-up overlapped the fabric
         timings["start workers"] = time.perf_counter() - t0
-        _checkpoint("started")
+        _checkpoint("started")   # (also: the last chance for a swallowed TERM to roll back)
         timings.update(builder.timings)
         timings["total"] = time.perf_counter() - t_start
         st["status"] = UP

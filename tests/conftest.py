@@ -52,8 +52,22 @@ def state_dir(tmp_path, monkeypatch) -> Any:
 
 
 @pytest.fixture
-def tb_name() -> str:
-    return f"t{uuid.uuid4().hex[:6]}"
+def tb_name(request) -> Iterator[str]:
+    """A fresh testbed name; whatever a test that failed half-way left under it goes afterwards
+    (the test's state dir is deleted by pytest later: left alone, it would strand live workers)."""
+    name = f"t{uuid.uuid4().hex[:6]}"
+    if "state_dir" not in request.fixturenames:
+        yield name
+        return
+    request.getfixturevalue("state_dir")   # set up first, so torn down after this
+    yield name
+    from testbed import lifecycle, store
+
+    try:
+        if store.exists(name):
+            lifecycle.down(name)
+    finally:
+        lifecycle.cleanup()
 
 
 @pytest.fixture
