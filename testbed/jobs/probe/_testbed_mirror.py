@@ -118,6 +118,14 @@ def _make_group_class(dist):
         def getBackendName(self):
             return BACKEND
 
+        def shutdown(self):
+            # destroy_process_group shuts a group down: the gloo group inside goes then too, as it
+            # would without the mirror (not at the interpreter's exit, after its peers left)
+            self.inner.shutdown()
+
+        def abort(self):
+            self.inner.abort()
+
         @property
         def group_name(self):
             # a group made by a backend plugin has no name of its own; c10d's table knows it
