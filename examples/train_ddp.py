@@ -128,6 +128,7 @@ def main() -> int:
             sps = args.steps * args.batch_size * world / elapsed if elapsed > 0 else 0.0
             print(f"done: {args.steps} steps in {elapsed:.2f}s ({sps:.0f} samples/s); parameters not compared",
                   flush=True)
+        dist.barrier()   # every rank done before any tears gloo down (its teardown races otherwise)
         dist.destroy_process_group()
         return 0
     flat = torch.cat([p.detach().flatten() for p in model.parameters()]).to(device)
@@ -141,6 +142,7 @@ def main() -> int:
         sps = args.steps * args.batch_size * world / elapsed if elapsed > 0 else 0.0
         print(f"done: {args.steps} steps in {elapsed:.2f}s ({sps:.0f} samples/s); "
               f"parameters {'IDENTICAL' if identical else 'DIFFER'} on all {world} ranks", flush=True)
+    dist.barrier()   # every rank done before any tears gloo down (its teardown races otherwise)
     dist.destroy_process_group()
     return 0 if identical else 3
 

@@ -55,6 +55,7 @@ def main() -> int:
             print(f"step {step}/{args.steps} loss {loss.item():.4f}", flush=True)
     if rank == 0:
         print(f"done: {args.steps} steps in {time.time() - t0:.2f}s", flush=True)
+    dist.barrier()   # every rank done before any tears gloo down (its teardown races otherwise)
     dist.destroy_process_group()
     return 0
 

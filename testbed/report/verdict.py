@@ -400,8 +400,10 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
                      f"--time-dilation (about {math.ceil(s * ratio)}) gives the emulation more room; "
                      "docs/fidelity.md says what the model does not capture")
     elif any(c.name == "model" for c in failed) and ratio < 1 - TOLERANCE:
-        fixes.append(f"the collectives ran faster than the model ({ratio:.2f}x): docs/fidelity.md says where "
-                     "this machine's emulation is optimistic (latency-bound messages)")
+        fixes.append(f"the collectives ran faster than the model ({ratio:.2f}x): if they were large, this machine "
+                     "moves bytes faster than when it was calibrated (`testbed calibrate --refresh` on a quiet "
+                     "machine); if small, docs/fidelity.md says where the emulation is optimistic (latency-bound "
+                     "messages)")
     if failed:
         status = "not faithful"
     elif verified:
