@@ -214,22 +214,19 @@ def _a_node(v: str, info: ValidationInfo) -> str:
     return v
 
 
-def _env_name(v: str) -> str:
-    if not ENV_NAME_RE.match(v):
-        raise _fail("not an environment variable name", v)
-    return v
+def _matching(regex: "re.Pattern[str]", what: str):
+    """A validator: the value must match `regex`, else it is not `what`."""
+    def check(v: str) -> str:
+        if not regex.match(v):
+            raise _fail(f"not {what}", v)
+        return v
+
+    return check
 
 
-def _docker_host(v: str) -> str:
-    if not DOCKER_HOST_RE.match(v):
-        raise _fail("not a Docker endpoint (unix:///PATH or tcp://HOST:PORT)", v)
-    return v
-
-
-def _container_id(v: str) -> str:
-    if not CONTAINER_ID_RE.match(v):
-        raise _fail("not a container id (64 hex digits)", v)
-    return v
+_env_name = _matching(ENV_NAME_RE, "an environment variable name")
+_docker_host = _matching(DOCKER_HOST_RE, "a Docker endpoint (unix:///PATH or tcp://HOST:PORT)")
+_container_id = _matching(CONTAINER_ID_RE, "a container id (64 hex digits)")
 
 
 Pid = Annotated[StrictInt, Field(ge=1)]
