@@ -219,6 +219,10 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
                          "refusing to adopt it")
     gplan = gpu.plan_topology(topo, allow_sharing=allow_gpu_sharing)  # refuses too few GPUs, before anything
     setting = time_dilation if time_dilation is not None else topo.time_dilation
+    n_ranks = ranks if ranks is not None else len(topo.workers)
+    if real_ranks is not None and not 1 <= real_ranks <= n_ranks:
+        raise TestbedError(f"--real-ranks {real_ranks}: between 1 and the {n_ranks} ranks the jobs will run "
+                           "(--ranks; default one per worker)")
     try:
         dilation = choose_dilation(setting, topo, plan, n_gpus=len(gplan.used), n_cpus=cores(), constants=machine,
                                    ranks=ranks, real_ranks=real_ranks)
