@@ -105,6 +105,46 @@ def test_every_collective_kind_is_mirrored(star, tmp_path):
     _no_orphans(res)
 
 
+def _cfs_quota(name: str, worker: str) -> int:
+    """The CFS quota (us) the kernel enforces on a worker now; -1 when unlimited."""
+    from testbed import store
+
+    for p in map(Path, store.load(name)["runtime"]["workers"][worker]["cgroups"]):
+        if (p / "cpu.cfs_quota_us").exists():
+            return int((p / "cpu.cfs_quota_us").read_text())
+        if (p / "cpu.max").exists():
+            q = (p / "cpu.max").read_text().split()[0]
+            return -1 if q == "max" else int(q)
+    raise AssertionError(f"{worker} has no CPU cgroup")
+
+
+def test_phantoms_keep_ups_cpu_cap_and_node_restore_gives_it_back(testbed, tmp_path):
+    """At s above what sharing the CPUs gives, `up` caps every worker at 1/s of a core, phantoms
+    included: their per-message work then slows by s like the real rank's (lifting it, a 64-rank
+    all_reduce ran 0.87x the model: docs/fidelity.md). `node restore` after `node slow` gives a
+    worker that cap back (it raised TypeError once)."""
+    from testbed.faults import control
+    from testbed.jobs.run import cluster_from_state, run
+    from testbed.runtime import cgroups
+    from testbed.topology.loader import load_topology_text
+
+    st = testbed(load_topology_text(STAR, "<test_phantom>"), time_dilation="8")
+    assert st["dilation"]["cap_cpu"], st["dilation"]
+    cl = cluster_from_state(st["name"])
+    capped = cgroups.cfs(1 / 8)[0]
+    workers = ("w0", "w1", "w2", "w3")
+    during: dict[str, int] = {}
+    res = run(cl, [sys.executable, "-c", "import time; time.sleep(0.1)"], echo=False, base_dir=tmp_path,
+              workdir=str(REPO), monitor=False, timeout=120, real=["w0"],
+              on_start=lambda _rd: during.update({w: _cfs_quota(cl.name, w) for w in workers}))
+    assert res.rc == 0, _log(res)[-2000:]
+    assert during == {w: capped for w in workers}
+    control.node_slow(cl.name, "w1", 0.5)
+    assert _cfs_quota(cl.name, "w1") == cgroups.cfs(0.5)[0]
+    control.node_restore(cl.name, "w1")
+    assert {w: _cfs_quota(cl.name, w) for w in workers} == {w: capped for w in workers}
+
+
 def test_point_to_point_is_refused_clearly(star, tmp_path):
     from testbed.jobs.run import run
 

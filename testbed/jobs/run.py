@@ -710,36 +710,41 @@ def _cap_real_workers(cluster: Cluster, real: Sequence[str], nproc: int, capped:
     would have: with phantoms (which compute nothing) a real rank would otherwise get a whole core
     and compute s times faster than its emulated server. The same cgroup quota as `testbed node
     slow`, for the run only; workers already slowed keep their limit. Appends what it capped."""
-    from testbed import store
     from testbed.faults import control
 
     cpus = nproc / float(cluster.time_dilation or 1.0)
     if cpus >= _cores() or cluster.dilation.get("cap_cpu"):   # capped at `up` already: 1/s each
         return None
-    for w in real:
-        try:
-            slowed = ((store.load(cluster.name).get("faults") or {}).get("nodes") or {}).get(w) or {}
-            if "cpus" in slowed:
-                continue   # the user's own `node slow`: theirs to undo
-            control.node_slow(cluster.name, w, cpus)
-            capped.append(w)
-        except TestbedError as exc:
-            if echo is not None:
-                echo(f"[testbed] could not limit {w} to {cpus:g} CPUs ({exc}): its rank computes faster "
-                     "than under dilation")
-            return None
+    mine = [w for w in real if w not in _user_slowed(cluster)]
+    try:
+        control.nodes_slow(cluster.name, mine, cpus)
+    except TestbedError as exc:
+        if echo is not None:
+            echo(f"[testbed] could not limit {', '.join(mine)} to {cpus:g} CPUs ({exc}): their ranks compute "
+                 "faster than under dilation")
+        return None
+    capped.extend(mine)
     return cpus
+
+
+def _user_slowed(cluster: Cluster) -> set[str]:
+    """Workers under the user's own `node slow`: theirs to undo, the run leaves them alone."""
+    from testbed import store
+
+    nodes = (store.load(cluster.name).get("faults") or {}).get("nodes") or {}
+    return {w for w, f in nodes.items() if "cpus" in (f or {})}
 
 
 def _uncap(cluster: Cluster, capped: list[str], echo: Callable[[str], None] | None) -> None:
     from testbed.faults import control
 
-    for w in capped:
-        try:
-            control.node_restore(cluster.name, w)
-        except TestbedError as exc:
-            if echo is not None:
-                echo(f"[testbed] {w} keeps the run's CPU limit ({exc}): testbed node restore {w}")
+    if not capped:
+        return
+    try:
+        control.nodes_restore(cluster.name, capped)
+    except TestbedError as exc:
+        if echo is not None:
+            echo(f"[testbed] {', '.join(capped)} keep the run's CPU limit ({exc}): testbed node restore NODE")
 
 
 def _phantom_stats(chan: Path) -> dict[str, Any]:
