@@ -72,6 +72,28 @@ def test_ddp_with_phantoms_puts_the_same_bytes_on_every_link(star, tmp_path):
     _no_orphans(ph)
 
 
+def test_torchrun_with_phantoms_puts_the_same_bytes_on_every_link(star, tmp_path):
+    """The same job launched by torchrun: the real worker's agent runs the script, the others'
+    agents run the phantom module with the job's torchrun options; which global ranks were
+    phantoms is the rendezvous' choice, read back from the phantoms."""
+    from testbed.jobs.run import run
+
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    cmd = [torchrun, "examples/train_ddp.py", "--steps", "20", "--model", "mlp", "--hidden", "512", "--no-check"]
+    full = run(star, cmd, echo=False, base_dir=tmp_path, workdir=str(REPO), monitor=False, timeout=300)
+    assert full.rc == 0, _log(full)[-3000:]
+    ph = run(star, cmd, echo=False, base_dir=tmp_path, workdir=str(REPO), monitor=False, timeout=300, real=["w0"])
+    assert ph.rc == 0, _log(ph)[-3000:]
+    info = ph.summary["phantoms"]
+    assert len(info["real_ranks"]) == 1 and len(info["phantom_ranks"]) == 3 and not info["errors"], info
+    assert sorted(info["real_ranks"] + info["phantom_ranks"]) == [0, 1, 2, 3]
+    assert len(set(info["ops_mirrored"])) == 1 and info["ops_mirrored"][0] > 20
+    _same_bytes_on_every_link(full, ph, 0.05, 20_000)
+    assert len(list((ph.run_dir / "probe").glob("rank-*.jsonl"))) == 1
+    assert [p.name for p in (ph.run_dir / "probe").glob("ops-*.jsonl")] == [f"ops-{info['real_ranks'][0]}.jsonl"]
+    _no_orphans(ph)
+
+
 def test_fsdp_with_phantoms_puts_the_same_bytes_on_every_link(star, tmp_path):
     """FSDP2 (fully_shard): per-layer all_gather_into_tensor and reduce_scatter_tensor, through
     DeviceMesh groups, with rank 0 real: the links carry what the all-real run put on them."""
@@ -205,22 +227,24 @@ def test_real_must_name_a_run_worker(star, tmp_path):
         run(star, ["true"], real=["w9"], base_dir=tmp_path, echo=False)
     with pytest.raises(RunError, match="at least one real worker and one phantom"):
         run(star, ["true"], real=["w0", "w1", "w2", "w3"], base_dir=tmp_path, echo=False)
-    with pytest.raises(RunError, match="not torchrun"):
-        run(star, ["torchrun", "x.py"], real=["w0"], base_dir=tmp_path, echo=False)
+    with pytest.raises(RunError, match="needs the probe"):
+        run(star, ["true"], real=["w0"], probe=False, base_dir=tmp_path, echo=False)
 
 
 def test_record_then_replay_reproduces_the_bytes_on_every_link(star, testbed, tmp_path):
-    """An all-real DDP run records rank 0's operations (--record-ops); replaying them with every
-    rank a phantom puts the same bytes on every link (within 1%, control traffic aside), and the
-    replay runs on another topology too."""
+    """An all-real DDP run under torchrun records one rank's operations (--record-ops); replaying
+    them with every rank a phantom puts the same bytes on every link (within 1%, control traffic
+    aside), and the replay runs on another topology too."""
     from testbed.jobs.run import cluster_from_state, run
     from testbed.topology.loader import load_topology_text
 
-    cmd = [sys.executable, "examples/train_ddp.py", "--steps", "20", "--model", "mlp", "--hidden", "512"]
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    cmd = [torchrun, "examples/train_ddp.py", "--steps", "20", "--model", "mlp", "--hidden", "512"]
     rec = run(star, cmd, echo=False, base_dir=tmp_path, workdir=str(REPO), monitor=False, timeout=300,
               record_ops=True)
     assert rec.rc == 0, _log(rec)[-3000:]
-    assert (rec.run_dir / "probe" / "ops-0.jsonl").is_file()
+    traces = list((rec.run_dir / "probe").glob("ops-*.jsonl"))
+    assert len(traces) == 1, traces
     rep = run(star, [], echo=False, base_dir=tmp_path, workdir=str(REPO), monitor=False, timeout=300,
               replay=rec.run_dir)
     assert rep.rc == 0, _log(rep)[-3000:]
@@ -230,7 +254,7 @@ def test_record_then_replay_reproduces_the_bytes_on_every_link(star, testbed, tm
     ls = testbed(load_topology_text("name: ls\ngenerator: leaf-spine\nparams: {leaves: 2, spines: 2, "
                                     "hosts_per_leaf: 2}\n", "<replay>"), time_dilation="none")
     other = run(cluster_from_state(ls["name"]), [], echo=False, base_dir=tmp_path, monitor=False, timeout=300,
-                replay=rec.run_dir / "probe" / "ops-0.jsonl")
+                replay=traces[0])
     assert other.rc == 0, _log(other)[-3000:]
     _no_orphans(other)
 

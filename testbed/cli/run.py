@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
                                            "other rank is a phantom that computes nothing and mirrors the real "
                                            "rank's collectives, so the links carry the job's real traffic "
                                            "(gloo, data-parallel jobs)"),
-        record_ops: bool = typer.Option(False, "--record-ops", help="Record rank 0's collectives (probe/ops-0.jsonl) "
+        record_ops: bool = typer.Option(False, "--record-ops", help="Record the first rank's collectives (probe/ops-N.jsonl) "
                                         "for a later --replay (gloo jobs; runs with --real always record)"),
         replay: Optional[str] = typer.Option(None, "--replay", help="Replay a recorded run (its directory or "
                                              "ops-N.jsonl) with every rank a phantom: the job's traffic without "

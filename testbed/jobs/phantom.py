@@ -202,7 +202,7 @@ class Mirror:
 
 
 def _write_stats(mirror: Mirror | None, error: str | None) -> None:
-    path = os.environ.get("TESTBED_PHANTOM_STATS")
+    path = _mine(os.environ.get("TESTBED_PHANTOM_STATS"))
     if not path:
         return
     late = sorted(mirror.late) if mirror else []
@@ -218,8 +218,13 @@ def _write_stats(mirror: Mirror | None, error: str | None) -> None:
         pass
 
 
+def _mine(path: str | None) -> str | None:
+    """A path the launcher gave every local rank of a torchrun agent: {LOCAL_RANK} is this one's."""
+    return None if path is None else path.replace("{LOCAL_RANK}", os.environ.get("LOCAL_RANK", "0"))
+
+
 def main() -> int:
-    channel = os.environ.get("TESTBED_PHANTOM_IN")
+    channel = _mine(os.environ.get("TESTBED_PHANTOM_IN"))
     if not channel:
         sys.stderr.write("testbed phantom: TESTBED_PHANTOM_IN is not set (testbed run --real starts phantoms)\n")
         return 2
@@ -236,6 +241,8 @@ def main() -> int:
             if ev == "init":
                 if msg.get("backend") != "gloo":
                     raise PhantomError(f"backend {msg.get('backend')!r}: phantoms mirror gloo jobs only")
+                if isinstance(msg.get("rank"), int) and msg["rank"] >= 0:   # under torchrun only it knows
+                    os.environ.setdefault("TESTBED_PHANTOM_LEADER", str(msg["rank"]))
                 dist.init_process_group("gloo")
                 mirror = Mirror(torch, dist)
             elif mirror is None:

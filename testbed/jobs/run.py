@@ -302,8 +302,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         cmd = ["<replay>"]
     if not cmd:
         raise RunError("nothing to run: give a command after --")
-    if record_ops and (not probe or is_torchrun(cmd)):
-        raise RunError("--record-ops needs the probe (no --no-probe) and the env launcher (not torchrun)")
+    if record_ops and not probe:
+        raise RunError("--record-ops needs the probe (it records the operations): drop --no-probe")
     if nproc_per_node < 1:
         raise RunError("--nproc-per-node must be >= 1")
     chosen = select_workers(cluster, workers)
@@ -314,8 +314,6 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             raise RunError(f"--real {', '.join(unknown)}: not among the run's workers ({', '.join(chosen)})")
         if not real or len(real) == len(chosen):
             raise RunError("--real needs at least one real worker and one phantom among the run's workers")
-        if is_torchrun(cmd):
-            raise RunError("--real works with the env launcher (testbed run -- python SCRIPT), not torchrun yet")
         if not probe:
             raise RunError("--real needs the probe (it announces the real rank's collectives): drop --no-probe")
     master = master or chosen[0]
@@ -400,8 +398,10 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                            f"(--workers, --nproc-per-node)")
         feeds = _make_phantoms(ranks, set(), shared / "phantom", cluster.runtime, leader_rank=trace.rank)
     if record_ops or real is not None:
-        lead = min((r for r in ranks if not r.phantom), key=lambda r: r.rank)
-        lead.env["TESTBED_OPS_TRACE"] = str(probe_dir / f"ops-{lead.rank}.jsonl")
+        lead = next(r for r in ranks if not r.phantom)   # the lowest real rank, or torchrun's agent there
+        lead.env["TESTBED_OPS_TRACE"] = str(probe_dir / f"ops-{'{RANK}' if lead.rank is None else lead.rank}.jsonl")
+        if lead.rank is None:
+            lead.env["TESTBED_PHANTOM_LEADER_LOCAL_RANK"] = "0"   # one of the agent's ranks records
 
     logs: dict[str, Any] = {w: open(rd / "logs" / f"{w}.log", "a", buffering=1) for w in chosen}
     log_lock = threading.Lock()
@@ -414,7 +414,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             line = raw.decode(errors="replace").rstrip("\n")
             if r.local_rank is None:   # torchrun: "[rN]:line" is rank N's
                 m = _TORCHRUN_PREFIX.match(line)
-                label = f"{r.worker}:r{m.group(1)}" if m else r.label
+                label = f"{r.worker}:{'p' if r.phantom else 'r'}{m.group(1)}" if m else r.label
                 if m:
                     line = line[m.end():]
             with log_lock:
@@ -575,8 +575,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         "replay": None if trace is None else {"source": str(trace.source), "ops": len(trace.lines),
                                                "recorded_dilation": trace.dilation},
         "phantoms": None if not feeds else {
-            "real_workers": list(real or []), "real_ranks": [r.rank for r in ranks if not r.phantom],
-            "phantom_ranks": [r.rank for r in ranks if r.phantom], **(phantom_stats or {})},
+            "real_workers": list(real or []), **_real_and_phantom_ranks(ranks, world, phantom_stats),
+            **{k: v for k, v in (phantom_stats or {}).items() if k != "ranks"}},
     })
     if topo is not None:
         summary["links"] = counters.link_bytes(topo, before, after)
@@ -589,9 +589,14 @@ def _make_phantoms(ranks: list[Rank], real: set[str], chan: Path, runtime: str,
     """Turn the ranks of workers not in `real` into phantoms: same environment, the phantom module
     as the command, and a FIFO each on which the lowest real rank announces its operations (with
     no real rank, a replay: the launcher feeds them; leader_rank is the recorded rank). Returns
-    the FIFOs."""
+    the FIFOs.
+
+    Under torchrun a worker's Rank is its agent, and which global ranks it gets is the rendezvous'
+    choice: FIFOs are named by worker and local rank, the phantom agent runs the phantom module
+    with the job's torchrun options, and the real agent's local rank 0 leads."""
     chan.mkdir(mode=0o755)
-    leader = min((r for r in ranks if r.worker in real), key=lambda r: r.rank) if real else None
+    reals = [r for r in ranks if r.worker in real]
+    leader = reals[0] if reals else None
     leader_rank = leader.rank if leader is not None else int(leader_rank or 0)
     fifos = []
     pkg_root = str(Path(__file__).resolve().parents[2])
@@ -603,19 +608,67 @@ def _make_phantoms(ranks: list[Rank], real: set[str], chan: Path, runtime: str,
     for r in ranks:
         if r.worker in real:
             continue
-        fifo = chan / f"rank-{r.rank}.fifo"
-        os.mkfifo(fifo, 0o600)
-        fifos.append(str(fifo))
         r.phantom = True
-        r.label = f"{r.worker}:p{r.rank}"
-        r.argv = [python, "-m", "testbed.jobs.phantom"]
         env = {k: v for k, v in r.env.items() if k not in ("TESTBED_PROBE_DIR", "PYTHONPATH")}
-        r.env = {**env, "PYTHONPATH": pkg_root, "TESTBED_PHANTOM_IN": str(fifo),
-                 "TESTBED_PHANTOM_STATS": str(chan / f"stats-{r.rank}.json"),
-                 "TESTBED_PHANTOM_LEADER": str(leader_rank)}
+        if r.local_rank is None:   # a torchrun agent: one FIFO per local rank
+            nproc = int(r.env.get("LOCAL_WORLD_SIZE", "1"))
+            names = [f"{r.worker}-{lr}" for lr in range(nproc)]
+            r.label = f"{r.worker}:torchrun-phantoms"
+            r.argv = torchrun_module_argv(r.argv, "testbed.jobs.phantom")
+            stem = f"{r.worker}-{{LOCAL_RANK}}"
+        else:
+            names = [f"rank-{r.rank}"]
+            r.label = f"{r.worker}:p{r.rank}"
+            r.argv = [python, "-m", "testbed.jobs.phantom"]
+            stem = names[0]
+        for n in names:
+            os.mkfifo(chan / f"{n}.fifo", 0o600)
+            fifos.append(str(chan / f"{n}.fifo"))
+        r.env = {**env, "PYTHONPATH": pkg_root, "TESTBED_PHANTOM_IN": str(chan / f"{stem}.fifo"),
+                 "TESTBED_PHANTOM_STATS": str(chan / f"stats-{stem}.json")}
+        if leader_rank is not None:
+            r.env["TESTBED_PHANTOM_LEADER"] = str(leader_rank)
     if leader is not None:
         leader.env["TESTBED_PHANTOM_OUT"] = os.pathsep.join(fifos)
+        if leader.local_rank is None:
+            leader.env["TESTBED_PHANTOM_LEADER_LOCAL_RANK"] = "0"   # its other local ranks do not announce
     return fifos
+
+
+# torchrun options that take no value: the first other word not starting with "-" is the script
+_TORCHRUN_FLAGS = {"--standalone", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
+                   "--virtual-local-rank", "--virtual_local_rank"}
+
+
+def torchrun_module_argv(argv: Sequence[str], module: str) -> list[str]:
+    """A torchrun command line with its script (and the script's arguments) replaced by `python -m
+    module`: the same launcher, rendezvous and local ranks, another program."""
+    argv = list(argv)
+    i = 3 if not os.path.basename(argv[0]).startswith("torchrun") else 1
+    opts: list[str] = []
+    while i < len(argv):
+        a = argv[i]
+        if not a.startswith("-"):
+            break
+        i += 1
+        if a in _TORCHRUN_FLAGS:
+            continue   # how to run the script: ours is a module
+        opts.append(a)
+        if "=" not in a and i < len(argv):
+            opts.append(argv[i])
+            i += 1
+    head = argv[:3] if not os.path.basename(argv[0]).startswith("torchrun") else argv[:1]
+    return head + opts + ["-m", module]
+
+
+def _real_and_phantom_ranks(ranks: list[Rank], world: int, stats: dict[str, Any] | None) -> dict[str, list[int]]:
+    """Which global ranks were real and which phantom. Under torchrun the rendezvous chose: the
+    phantoms say theirs in their stats, the rest were real."""
+    if all(r.rank is not None for r in ranks):
+        return {"real_ranks": [r.rank for r in ranks if not r.phantom],
+                "phantom_ranks": [r.rank for r in ranks if r.phantom]}
+    phantom = sorted({int(x) for x in (stats or {}).get("ranks") or [] if isinstance(x, int) and 0 <= x < world})
+    return {"real_ranks": [x for x in range(world) if x not in phantom], "phantom_ranks": phantom}
 
 
 @dataclass
@@ -760,7 +813,8 @@ def _phantom_stats(chan: Path) -> dict[str, Any]:
     late = [r["announce_late_s"] for r in rows if isinstance(r.get("announce_late_s"), dict)
             and isinstance(r["announce_late_s"].get("p50"), (int, float))]
     warnings = sorted({str(w) for r in rows if isinstance(r.get("warnings"), list) for w in r["warnings"]})
-    return {"ops_mirrored": [r.get("ops") for r in rows], "errors": [r["error"] for r in rows if r.get("error")],
+    return {"ranks": [r.get("rank") for r in rows],
+            "ops_mirrored": [r.get("ops") for r in rows], "errors": [r["error"] for r in rows if r.get("error")],
             "warnings": warnings[:20],
             # the median: the first announcements wait for the phantoms' own start (torch's import)
             "announce_late_p50_s": statistics.median(x["p50"] for x in late) if late else None,

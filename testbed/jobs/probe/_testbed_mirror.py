@@ -232,7 +232,7 @@ def install(torch) -> None:
     _open_channels(os.environ.get("TESTBED_PHANTOM_OUT", ""))
     if os.environ.get("TESTBED_OPS_TRACE"):
         global _trace
-        _trace = open(os.environ["TESTBED_OPS_TRACE"], "ab")
+        _trace = open(os.environ["TESTBED_OPS_TRACE"].replace("{RANK}", os.environ.get("RANK", "0")), "ab")
     MirrorGroup = _make_group_class(dist)
     dist.Backend.register_backend(BACKEND, _create(dist, MirrorGroup), devices=["cpu"])
     orig_init = c10d.init_process_group

@@ -331,7 +331,9 @@ def _patch_torch(torch) -> None:
         sys.stderr.write(f"testbed probe: optimizer steps not recorded ({exc!r})\n")
     _patch_collectives(torch)
     _patch_ddp(torch)
-    if os.environ.get("TESTBED_PHANTOM_OUT") or os.environ.get("TESTBED_OPS_TRACE"):
+    lead = os.environ.get("TESTBED_PHANTOM_LEADER_LOCAL_RANK")   # under torchrun: one local rank announces
+    if (os.environ.get("TESTBED_PHANTOM_OUT") or os.environ.get("TESTBED_OPS_TRACE")) \
+            and (lead is None or lead == os.environ.get("LOCAL_RANK")):
         # a real rank whose peers are phantoms (testbed run --real), or one recording its operations
         try:
             import _testbed_mirror
