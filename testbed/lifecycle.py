@@ -41,7 +41,7 @@ from contextlib import ExitStack, contextmanager, suppress
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, Sequence
 
-from testbed import paths, procs, store
+from testbed import events, paths, procs, store
 from testbed.errors import CapabilityError, StateError, TestbedError
 from testbed.net import names, netns
 from testbed.topology.model import LinkProfile, Topology
@@ -349,6 +349,10 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         st["status"] = UP
         st["timings"] = timings
         store.save(name, st)
+        events.emit(name, "up", f"up: {len(topo.workers)} workers, {len(topo.switches)} switches, "
+                    f"{len(topo.links)} links, runtime {kind}, time dilation {dilation.factor:g} "
+                    f"({timings['total']:.1f} s)", workers=len(topo.workers), switches=len(topo.switches),
+                    links=len(topo.links))
         return st
     except BaseException:
         if main:   # a second Ctrl-C or TERM must not stop the rollback
@@ -467,6 +471,7 @@ def down(name: str) -> list[str]:
                              "wait for it, or interrupt that `testbed up`")
         st["status"] = REMOVING
         store.save(name, st)
+        events.emit(name, "down", "down: removing the testbed (its event stream ends here)")
         refused: list[str] = []
         left = _remove(st, refused)
     if left:

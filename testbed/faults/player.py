@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from testbed import events as tb_events
 from testbed.faults import control
 from testbed.faults.scenario import Plan, Scenario, plan_scenario
+from testbed.jobs.rundir import StepReader
 
 EXIT_CODES = {"completed": 0, "failed": 1, "hung": 124}
 _ERROR_RE = re.compile(r"\b([A-Za-z_][\w.]*(Error|Exception)|error|Traceback|terminate called)\b")
@@ -83,40 +85,6 @@ def preflight(h: "control.Handle", scenario: Scenario, plan: Plan) -> None:
             if prof.loss > 0 and not caps.can_lose:
                 raise ScenarioError("this kernel can drop packets neither with netem nor with cls_bpf",
                                     file=scenario.source, path=f"{path}.loss", value=changes.get("loss"))
-
-
-class _Steps:
-    """Incremental reader of the probe's rank-*.jsonl: time of the last step seen."""
-
-    def __init__(self, probe_dir: Path):
-        self.dir = probe_dir
-        self.offsets: dict[Path, int] = {}
-        self.last_step_t: float | None = None
-        self.steps = 0
-
-    def poll(self) -> None:
-        if not self.dir.is_dir():
-            return
-        for f in self.dir.glob("rank-*.jsonl"):
-            off = self.offsets.get(f, 0)
-            try:
-                with open(f, "rb") as fh:
-                    fh.seek(off)
-                    data = fh.read()
-            except OSError:
-                continue
-            end = data.rfind(b"\n")
-            if end < 0:
-                continue
-            self.offsets[f] = off + end + 1
-            for line in data[: end + 1].splitlines():
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if ev.get("ev") == "step":
-                    self.steps += 1
-                    self.last_step_t = max(self.last_step_t or 0.0, float(ev.get("t", 0.0)))
 
 
 def _first_error_line(run_dir: Path, failure: dict[str, Any] | None) -> str | None:
@@ -176,7 +144,7 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
     def player(rd: Path) -> None:
         t0: float | None = None
         log = open(rd / "events.jsonl", "a", buffering=1)
-        steps = _Steps(rd / "probe")
+        steps = StepReader(rd / "probe")
         pending = list(plan.steps)
         try:
             while not stop.is_set():
@@ -204,6 +172,9 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
                     rec["t"] = time.time()
                     events.append(rec)
                     log.write(json.dumps(rec) + "\n")
+                    tb_events.emit(name, "scenario", f"{scenario.name} #{step.event} at {rec['applied_s']:.3f}s: "
+                                   f"{rec['what']}" + (f" (error: {rec['error']})" if "error" in rec else ""),
+                                   scenario=scenario.name, event=step.event, applied_s=rec["applied_s"])
                     if say:
                         say(f"[scenario] {rec['applied_s']:8.3f}s  #{step.event} {rec['what']}"
                             + (f"  ERROR: {rec['error']}" if "error" in rec else ""))
@@ -220,6 +191,7 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
                             "stopping it")
                     run_id = (json.loads((rd / "summary.json").read_text()) or {}).get("run_id")
                     if run_id:
+                        hung["stacks"] = jobrun._save_stacks(rd, name, run_id, say)
                         jobrun._signal_all([], run_id, signal.SIGKILL)
                 stop.wait(0.02)
         finally:
@@ -236,6 +208,8 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
         t.start()
         threads.append(t)
 
+    tb_events.emit(name, "scenario", f"{scenario.name} started: {len(plan.steps)} steps, job on "
+                   f"{', '.join(plan.workers)}", scenario=scenario.name)
     if say:
         say(f"[scenario] {scenario.name}: {len(plan.steps)} steps, job on {', '.join(plan.workers)}"
             + (f", time dilation {s:g}" if s != 1 else ""))
@@ -272,6 +246,8 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
            "timeout_s": timeout_s / s, "events": events, "restored": restored, "plan": plan.to_json(),
            "job_status": summary.get("status"), "first_failure": summary.get("first_failure")}
     (rd / "scenario.json").write_text(json.dumps(doc, indent=1))
+    tb_events.emit(name, "scenario", f"{scenario.name} ended: {outcome}" + (f" ({error})" if error else ""),
+                   scenario=scenario.name, outcome=outcome, run_dir=str(rd))
     try:
         plot(rd, doc, ctx.get("t0_events_wall") or ctx.get("t0_wall"))
     except Exception as exc:  # a missing plot must not hide the outcome

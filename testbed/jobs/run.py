@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from testbed import procs
+from testbed import events, procs
 from testbed.errors import TestbedError
 from testbed.jobs import counters, rundir
 from testbed.jobs.probe import PROBE_PATH
@@ -439,6 +439,11 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     if real is not None:
         summary["real_cpu_cap"] = _cap_real_workers(cluster, real, nproc_per_node, capped, echo)
     rundir.write_json(rd / "summary.json", {**summary, "status": "running"})
+    events.emit(cluster.name, "run", f"run {run_id} started: {world} rank(s) on {len(chosen)} worker(s)"
+                + (f", {len(feeds)} phantom(s)" if feeds else "") + f": {shlex.join(cmd)[:200]}",
+                run_id=run_id, run_dir=str(rd))
+    steps = rundir.StepReader(probe_dir)
+    next_poll, milestone = 0.0, 1
     if on_start is not None:
         on_start(rd)
 
@@ -502,10 +507,15 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                 if real is not None and stop_at is None and all(r.rc is not None for r in ranks if not r.phantom):
                     # the real ranks are done: a phantom has nothing left to mirror
                     reason, stop_at = ("completed" if rc == 0 else reason), now + PHANTOM_GRACE_S
+                if now >= next_poll:
+                    next_poll = now + 1.0
+                    milestone = _step_milestones(cluster.name, run_id, steps, milestone)
                 if timeout is not None and stop_at is None and now - t_start > timeout:
                     reason, rc, stop_at = "timeout", 124, now
                     if echo is not None:
-                        echo(f"[testbed] timeout after {timeout:g}s: stopping all ranks")
+                        echo(f"[testbed] timeout after {timeout:g}s: taking every rank's stack, then stopping "
+                             "all ranks")
+                    summary["stacks"] = _save_stacks(rd, cluster.name, run_id, echo)
                 if stop is not None and stop_at is None and stop.is_set():
                     reason, rc, stop_at = "stopped", 143, now
                     if echo is not None:
@@ -562,6 +572,9 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     after = counters.snapshot(cluster.name, nodes, cluster.netns_of)
     rundir.write_json(rd / "counters-after.json", after)
     ended = time.time()
+    _step_milestones(cluster.name, run_id, steps, milestone)
+    events.emit(cluster.name, "run", f"run {run_id} ended: {reason}, exit status {rc}, "
+                f"{ended - summary['started']:.1f} s", run_id=run_id, status=reason, rc=rc)
     summary.update({
         "status": reason, "rc": rc, "ended": ended, "duration_s": ended - summary["started"],
         "first_failure": None if first_fail is None else {"label": first_fail.label, "worker": first_fail.worker,
@@ -798,6 +811,26 @@ def _uncap(cluster: Cluster, capped: list[str], echo: Callable[[str], None] | No
     except TestbedError as exc:
         if echo is not None:
             echo(f"[testbed] {', '.join(capped)} keep the run's CPU limit ({exc}): testbed node restore NODE")
+
+
+def _step_milestones(name: str, run_id: str, steps: rundir.StepReader, milestone: int) -> int:
+    """Tell the event stream of steps 1, 10, 100, 1,000 and every 1,000th after, once each, as the
+    probe records them; returns the next milestone."""
+    steps.poll()
+    while steps.max_rank_steps >= milestone:
+        events.emit(name, "run", f"run {run_id}: step {milestone}", run_id=run_id, step=milestone)
+        milestone = milestone * 10 if milestone < 1000 else milestone + 1000
+    return milestone
+
+
+def _save_stacks(rd: Path, name: str, run_id: str, echo: Callable[[str], None] | None) -> str | None:
+    """Every rank's stack into the run directory (a hung or timed-out job); its path, or None."""
+    from testbed.jobs import stacks
+
+    path = stacks.save(rd, name, run_id)
+    if echo is not None:
+        echo(f"[testbed] stacks of the ranks: {path}" if path else "[testbed] no rank stack taken")
+    return str(path) if path else None
 
 
 def _phantom_stats(chan: Path) -> dict[str, Any]:

@@ -1,0 +1,71 @@
+"""Stacks of a stalled job (testbed/jobs/stacks.py, `testbed stacks`): kernel test with real ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
+
+# Rank 1 is stuck "loading data"; the others wait for it in all_reduce.
+STALL = ("import time, torch, torch.distributed as dist\n"
+         "dist.init_process_group('gloo')\n"
+         "def load_batch():\n"
+         "    time.sleep(600)\n"
+         "if dist.get_rank() == 1:\n"
+         "    load_batch()\n"
+         "dist.all_reduce(torch.ones(4))\n")
+
+
+def test_ranks_and_groups_pure():
+    from testbed.jobs.stacks import RankStack, _ranges, groups, render
+
+    assert _ranges([0, 2, 3, 4, 7]) == "0, 2-4, 7"
+    c10d = "/x/site-packages/torch/distributed/distributed_c10d.py"
+    waiting = [("all_reduce", c10d, 10), ("wrapper", "/x/site-packages/torch/distributed/c10d_logger.py", 5),
+               ("<module>", "job.py", 7)]
+    stacks = [RankStack(p, r, "w", False, list(waiting)) for p, r in ((10, 0), (12, 2), (13, 3))]
+    stacks.append(RankStack(11, 1, "w1", False, [("load_batch", "job.py", 4), ("<module>", "job.py", 6)]))
+    g = groups(stacks)
+    assert [len(x) for x in g] == [3, 1]
+    text = render(stacks)
+    assert "3 ranks (0, 2-3) in all_reduce:" in text and "1 rank (1):" in text and "load_batch (job.py:4)" in text
+
+
+def test_a_stalled_job_shows_who_waits_where(testbed, tmp_path):
+    from testbed.jobs.run import cluster_from_state, run
+    from testbed.topology.loader import load_topology_text
+
+    st = testbed(load_topology_text("name: st\ngenerator: star\nparams: {n: 4}\n", "<test_stacks>"),
+                 time_dilation="none")
+    cl = cluster_from_state(st["name"])
+    live: dict[str, str] = {}
+
+    def look(_rd) -> None:
+        def later() -> None:
+            time.sleep(10)
+            r = subprocess.run([sys.executable, "-m", "testbed", "stacks", "--name", cl.name], capture_output=True,
+                               text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+            live["out"], live["err"], live["rc"] = r.stdout, r.stderr, str(r.returncode)
+        threading.Thread(target=later, daemon=True).start()
+
+    res = run(cl, [sys.executable, "-c", STALL], echo=False, base_dir=tmp_path, workdir=str(REPO), monitor=False,
+              timeout=25, on_start=look)
+    assert res.summary["status"] == "timeout"
+    assert live.get("rc") == "0", live
+    assert "3 ranks (0, 2-3) in all_reduce:" in live["out"], live["out"]
+    assert "1 rank (1):" in live["out"] and "load_batch" in live["out"], live["out"]
+    # the timeout saved the same into the run directory
+    saved = (res.run_dir / "stacks.txt").read_text()
+    assert res.summary["stacks"] == str(res.run_dir / "stacks.txt")
+    assert "3 ranks (0, 2-3) in all_reduce:" in saved and "load_batch" in saved, saved
+    doc = json.loads((res.run_dir / "stacks.json").read_text())
+    assert sorted(d["rank"] for d in doc) == [0, 1, 2, 3]
