@@ -24,7 +24,7 @@ def test_fat_tree_json():
     r = cli("topo", "fat-tree", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert set(doc) == {"name", "workers", "switches", "links", "addresses"}
+    assert set(doc) == {"name", "workers", "switches", "links", "addresses", "routes"}
     assert doc["name"] == "fat-tree"
     assert len(doc["workers"]) == 16 and len(doc["switches"]) == 20 and len(doc["links"]) == 48
     assert doc["workers"][0] == "w0" and "core0" in doc["switches"]
@@ -36,6 +36,12 @@ def test_fat_tree_json():
     assert len(doc["addresses"]["w0"]) == 1
     ips = [a.split("/")[0] for addrs in doc["addresses"].values() for a in addrs]
     assert len(ips) == len(set(ips))
+    # routes per switch: edges only a default, aggregations their pod's 2 edges too, cores 3 pods of 4
+    routes = doc["routes"]
+    assert routes["total"] == 48 and routes["unsummarised"] == 152
+    assert [(r["layer"], r["switches"], r["min"], r["max"]) for r in routes["layers"]] == [
+        (1, 8, 1, 1), (2, 8, 3, 3), (3, 4, 4, 4)]
+    assert routes["per_switch"]["edge0-0"] == 1 and sum(routes["per_switch"].values()) == 48
 
 
 def test_json_reverse_only_when_asymmetric(tmp_path):
@@ -68,6 +74,7 @@ def test_describe_text():
     assert "16 workers, 6 switches, 24 links" in out
     assert "leaf-spine" in out and "5gbit" in out
     assert "bisection bandwidth: 20gbit" in out
+    assert "routes: 12 on 6 switches" in out and "routes per switch" in out
     assert "4:1" in out
 
 

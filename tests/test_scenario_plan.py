@@ -12,6 +12,7 @@ import yaml
 from testbed.faults.scenario import (ScenarioError, load_scenario, plan_scenario, scenario_from_data,
                                      parse_link_changes)
 from testbed.topology.loader import load_topology
+from testbed.topology.plan import NextHop, Route
 
 REPO = Path(__file__).resolve().parent.parent
 ISSUE_EXAMPLE = """
@@ -353,27 +354,38 @@ def test_example_plans(path):
 # -- reconvergence after link failures (pure part of testbed.faults.control) ----------------------------------
 
 
-def test_converged_routes_match_plan_and_avoid_dead_links(fat_tree):
-    from testbed.faults.control import converged_routes
+def test_tables_after_link_down_avoid_dead_links(fat_tree):
     from testbed.topology.plan import plan_network
 
     plan = plan_network(fat_tree)
-    sw = fat_tree.switches
-    base = converged_routes(plan, sw, set())
-    for s in sw:   # with nothing down: exactly the plan's routes
-        assert base[s] == {r.dst: tuple(sorted((h.via, h.ifname) for h in r.nexthops)) for r in plan.routes[s]}
+    base = plan.next_hops(set())
     dead = fat_tree.link_index("agg0-0", "core0")
-    after = converged_routes(plan, sw, {dead})
+    after = plan.next_hops({dead})
     pod0 = [plan.subnets[e].network for e in ("edge0-0", "edge0-1")]
-    # core0 lost its only way into pod 0 ...
-    assert all(n not in after["core0"] or len(after["core0"][n]) for n in pod0)
-    assert all(after["core0"].get(n) != base["core0"][n] for n in pod0)
+    # core0 lost its direct way into pod 0 (it goes round through another pod now) ...
+    core0_down = next(lp for lp in plan.links if lp.index == dead).port("core0").ifname
+    assert all([h.ifname for h in base["core0"][n]] == [core0_down] for n in pod0)
+    assert all(after["core0"][n] and core0_down not in [h.ifname for h in after["core0"][n]] for n in pod0)
     # ... so pod 1's agg0 (agg1-0, joined to core0 and core1) no longer sends pod-0 traffic to core0
     core0_port = next(lp for lp in plan.links
                       if {lp.a.node, lp.b.node} == {"agg1-0", "core0"}).port("agg1-0").ifname
     for n in pod0:
-        assert base["agg1-0"][n] and any(ifn == core0_port for _, ifn in base["agg1-0"][n])
-        assert after["agg1-0"][n] and all(ifn != core0_port for _, ifn in after["agg1-0"][n])
-    # every switch still reaches every subnet (the fat-tree has other paths)
-    for s in sw:
-        assert set(after[s]) == set(base[s])
+        assert base["agg1-0"][n] and any(h.ifname == core0_port for h in base["agg1-0"][n])
+        assert after["agg1-0"][n] and all(h.ifname != core0_port for h in after["agg1-0"][n])
+    # every other switch still reaches every subnet (the fat-tree has other paths)
+    assert all(hops for s, table in after.items() if s != "core0" for hops in table.values())
+    # the installed tables: nothing down is the plan's; after, core0's default takes pod 0 round
+    assert plan.switch_routes(set()) == {s: plan.routes[s] for s in fat_tree.switches}
+    [default] = [r for r in plan.switch_routes({dead})["core0"] if r.dst == "10.0.0.0/16"]
+    assert default.nexthops == after["core0"][pod0[0]]
+
+
+def test_route_changes_replace_what_differs_and_delete_what_vanished():
+    from testbed.faults.control import route_changes
+
+    a, b = NextHop("10.255.0.1", "eth1"), NextHop("10.255.0.3", "eth2")
+    old = [Route("default", (a, b)), Route("10.0.2.0/23", (a,)), Route("10.0.4.0/24", ())]
+    new = [Route("default", (b,)), Route("10.0.2.0/23", (a,)), Route("10.0.6.0/23", (a,))]
+    assert route_changes(old, new) == ([Route("default", (b,)), Route("10.0.6.0/23", (a,))], ["10.0.4.0/24"])
+    assert route_changes(new, new) == ([], [])
+    assert route_changes([], new) == (new, [])

@@ -27,8 +27,30 @@ def _bw(bps: float | None) -> str:
     return format_bandwidth(bps)
 
 
+def route_counts(topo, plan) -> dict[str, Any]:
+    """How many routes each switch gets (the plan summarises them): the total, what one route per foreign
+    worker subnet would be, min/median/max per switch layer (hops to the nearest worker), per switch."""
+    from statistics import median
+
+    from testbed.topology.analysis import switch_layers
+
+    per_switch = {sw: len(plan.routes[sw]) for sw in topo.switches}
+    layer_of = switch_layers(topo)
+    layers: dict[int | None, list[int]] = {}
+    for sw, n in per_switch.items():
+        layers.setdefault(layer_of.get(sw), []).append(n)
+    return {
+        "total": sum(per_switch.values()),
+        "unsummarised": sum(len(plan.subnets) - (sw in plan.subnets) for sw in topo.switches),
+        "layers": [{"layer": lay, "switches": len(ns), "min": min(ns), "median": median(ns), "max": max(ns)}
+                   for lay, ns in sorted(layers.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))],
+        "per_switch": per_switch,
+    }
+
+
 def topology_json(topo, plan=None) -> dict[str, Any]:
-    """The --json document: name, workers, switches, links (a->b profile, reverse if asymmetric), addresses."""
+    """The --json document: name, workers, switches, links (a->b profile, reverse if asymmetric), addresses,
+    routes (route_counts)."""
     from testbed.topology.plan import plan_network
 
     plan = plan or plan_network(topo)
@@ -44,6 +66,7 @@ def topology_json(topo, plan=None) -> dict[str, Any]:
         "switches": topo.switches,
         "links": links,
         "addresses": {node: plan.addresses(node) for node in topo.nodes},
+        "routes": route_counts(topo, plan),
     }
 
 
@@ -100,6 +123,17 @@ def describe(topo, warnings: list[str], plan=None) -> None:
         nets = [s.network for s in plan.subnets.values()]
         console.print(f"worker subnets: {len(nets)} ({nets[0]}{' .. ' + nets[-1] if len(nets) > 1 else ''})",
                       highlight=False)
+    if plan is not None and topo.switches:
+        r = route_counts(topo, plan)
+        console.print(f"routes: {r['total']} on {len(topo.switches)} switches (summarised; one per foreign "
+                      f"worker subnet: {r['unsummarised']})", highlight=False)
+        rt = Table(title="routes per switch, by switch layer", title_justify="left")
+        for col in ("layer", "switches", "min", "median", "max"):
+            rt.add_column(col, justify="left" if col == "layer" else "right")
+        for row in r["layers"]:
+            rt.add_row(str(row["layer"] if row["layer"] is not None else "no worker"), str(row["switches"]),
+                       str(row["min"]), f"{row['median']:g}", str(row["max"]))
+        console.print(rt)
     e = analysis.ecmp_summary(topo)
     if e.histogram:
         hist = ", ".join(f"{paths} path{'s' if paths != 1 else ''}: {pairs} pairs"

@@ -14,9 +14,11 @@ and records what it did in the state, under:
 
 Link down/up sets both ends of the link admin down/up in their namespaces.
 On switches `ignore_routes_with_linkdown=1` and dead ECMP next hops make
-traffic fail over with no control plane; admin-down also flushes routes and
-neighbour entries that used the interface, so `up` re-installs the plan's
-routes and permanent neighbours on both endpoints (idempotent `replace`).
+traffic fail over with no control plane; then the switches' routes converge
+to the plan's tables for the links down now (`NetworkPlan.switch_routes`;
+only the routes that differ are replaced or deleted). Admin-down also flushes
+routes and neighbour entries that used the interface, so `up` re-installs
+all routes and permanent neighbours on both endpoints (idempotent `replace`).
 
 Shaping changes honour the testbed's time-dilation factor: the user speaks
 in emulated units, the kernel gets `dilate(profile, s)`.
@@ -36,9 +38,10 @@ import time
 from typing import Any, Iterator, Sequence
 
 from testbed.errors import CapabilityError, StateError, TestbedError
-from testbed import procs, store
+from testbed import events, procs, store
 from testbed.net import names, netns
 from testbed.topology.model import LinkProfile, Topology
+from testbed.topology.plan import Route
 
 PROFILE_FIELDS = ("bandwidth_bps", "delay_s", "jitter_s", "loss", "queue")
 NFT_TABLE = "testbed_partition"
@@ -135,9 +138,13 @@ class Handle:
         return link.ab, link.ba
 
     def log(self, what: str) -> None:
+        """Record a change in the state's fault log and the testbed's event stream."""
         f = self.faults()
         f["log"].append({"t": time.time(), "what": what})
         del f["log"][:-LOG_KEEP]
+        word = what.split(" ", 1)[0]
+        events.emit(self.name, {"node": "node", "partition": "partition", "heal": "partition"}.get(word, "link"),
+                    what)
 
 
 def dilation_of(st: dict[str, Any], topo: Topology | None = None) -> float:
@@ -219,47 +226,22 @@ def _down_ifnames(h: Handle) -> set[tuple[str, str]]:
     return out
 
 
-def converged_routes(plan: Any, switches: Sequence[str], down: set[int]) -> dict[str, dict[str, tuple]]:
-    """switch -> {subnet: ((via, ifname), ...)}: ECMP over the shortest paths of the fabric without
-    the links in `down` (what a routing protocol converges to). With nothing down it is the plan's."""
-    adj: dict[str, list[str]] = {s: [] for s in switches}
-    hops: dict[str, list[tuple[str, tuple[str, str]]]] = {s: [] for s in switches}
-    for lp in plan.links:
-        if lp.kind != "fabric" or lp.index in down:
-            continue
-        a, b = lp.a, lp.b
-        adj[a.node].append(b.node)
-        adj[b.node].append(a.node)
-        hops[a.node].append((b.node, (b.address.split("/")[0], a.ifname)))
-        hops[b.node].append((a.node, (a.address.split("/")[0], b.ifname)))
-    out: dict[str, dict[str, tuple]] = {s: {} for s in switches}
-    for owner, subnet in plan.subnets.items():
-        dist = {owner: 0}
-        queue = [owner]
-        for u in queue:
-            for v in adj[u]:
-                if v not in dist:
-                    dist[v] = dist[u] + 1
-                    queue.append(v)
-        for sw in switches:
-            if sw == owner or sw not in dist:
-                continue
-            hs = tuple(sorted(hp for peer, hp in hops[sw] if dist.get(peer) == dist[sw] - 1))
-            if hs:
-                out[sw][subnet.network] = hs
-    return out
+def route_changes(old: Sequence[Route], new: Sequence[Route]) -> tuple[list[Route], list[str]]:
+    """What turns routing table `old` into `new`: (routes to put in with `replace`, destinations to delete)."""
+    before = {r.dst: r for r in old}
+    after = {r.dst for r in new}
+    return [r for r in new if before.get(r.dst) != r], [dst for dst in before if dst not in after]
 
 
 def _sync_routes(h: Handle, old_down: set[int], touched: Sequence[str] = ()) -> None:
-    """After links went down or up: converge the switches' routes (only those that changed), and
-    re-install routes and permanent neighbours on `touched` nodes (endpoints of links that came up:
-    admin-down flushed what used their interfaces)."""
-    from testbed.net.builder import Builder
+    """After links went down or up: converge the switches' routes to the plan's tables for the links
+    down now (only what changed), and re-install routes and permanent neighbours on `touched` nodes
+    (endpoints of links that came up: admin-down flushed what used their interfaces)."""
+    from testbed.net.builder import Builder, install_route, remove_route
 
     new_down = _down_set(h)
-    switches = h.topo.switches
-    old_r = converged_routes(h.plan, switches, old_down)
-    new_r = converged_routes(h.plan, switches, new_down)
+    old_r = h.plan.switch_routes(old_down)
+    new_r = h.plan.switch_routes(new_down)
     touched = set(touched)
     down_if = _down_ifnames(h)
     neigh = Builder(h.name, h.topo, h.plan)._neighbours() if touched else {}
@@ -277,31 +259,23 @@ def _sync_routes(h: Handle, old_down: set[int], touched: Sequence[str] = ()) -> 
                     with contextlib.suppress(Exception):
                         ipr.neigh("replace", dst=ip, lladdr=mac, ifindex=index[ifname], state="permanent")
             if is_switch:
-                for dst, hs in new_r[node].items():
-                    if not full and old_r[node].get(dst) == hs:
-                        continue
+                put, gone = route_changes(old_r[node], new_r[node])
+                if full:
+                    put = new_r[node]
+                for route in put:
                     try:
-                        if len(hs) == 1:
-                            ipr.route("replace", dst=dst, gateway=hs[0][0], oif=index[hs[0][1]])
-                        else:
-                            ipr.route("replace", dst=dst,
-                                      multipath=[{"gateway": via, "oif": index[ifn]} for via, ifn in hs])
+                        install_route(ipr, route, index, "replace")
                     except Exception as exc:  # pragma: no cover - reported, the rest still goes in
-                        h.log(f"route {dst} on {node} not installed: {exc}")
-                for dst in set(old_r[node]) - set(new_r[node]):
-                    with contextlib.suppress(Exception):
-                        ipr.route("del", dst=dst)
+                        h.log(f"route {route.dst} on {node} not installed: {exc}")
+                for dst in gone:
+                    with contextlib.suppress(Exception):   # admin-down may have flushed it already
+                        remove_route(ipr, dst)
             else:
                 for route in h.plan.routes.get(node, []):
-                    dst = "0.0.0.0/0" if route.dst == "default" else route.dst
-                    hops_ = [hp for hp in route.nexthops if (node, hp.ifname) not in down_if and hp.ifname in index]
-                    if len(hops_) == 1:
+                    hops = tuple(hp for hp in route.nexthops if (node, hp.ifname) not in down_if and hp.ifname in index)
+                    if hops:
                         with contextlib.suppress(Exception):
-                            ipr.route("replace", dst=dst, gateway=hops_[0].via, oif=index[hops_[0].ifname])
-                    elif hops_:
-                        with contextlib.suppress(Exception):
-                            ipr.route("replace", dst=dst, multipath=[{"gateway": hp.via, "oif": index[hp.ifname]}
-                                                                     for hp in hops_])
+                            install_route(ipr, Route(route.dst, hops), index, "replace")
 
 
 def _down_reasons(rec: dict[str, Any]) -> list[str]:
@@ -644,63 +618,83 @@ def _own_cgroup_release(ns: dict[str, Any]) -> None:
 
 def node_slow(name: str, node: str, cpus: float) -> None:
     """Make worker `node` a straggler: at most `cpus` CPUs (cgroup CPU quota)."""
+    nodes_slow(name, [node], cpus)
+
+
+def nodes_slow(name: str, nodes: Sequence[str], cpus: float) -> None:
+    """`node_slow` for several workers under one lock (a run caps all its real workers at once)."""
     if not (cpus > 0):
         raise FaultError(f"--cpus must be positive (got {cpus})")
     with locked(name) as h:
-        n = h.node(node)
-        if not n.is_worker:
-            raise FaultError(f"node: {node} is a switch; slow acts on workers")
-        ns = h.faults()["nodes"].setdefault(node, {})
-        rt = _runtime(h)
-        rec = _worker_record(h, node)
-        done = False
-        if not ns.get("cgroup"):
-            try:
-                done = _try(rt.set_limits, node, rec, cpus=cpus)
-            except CapabilityError:
-                done = False
-            paths = rec.get("cgroups") or []
-            if done and paths:
-                from testbed.runtime import cgroups
+        for node in nodes:
+            _slow(h, node, cpus)
 
-                for pid in _strays(h, rt, node, rec):   # everything in the worker is slowed
-                    with contextlib.suppress(OSError):
-                        cgroups.add(paths, pid)
-            elif done:
-                done = False
-        if not done:
-            _own_cgroup_slow(h, node, cpus, ns)
-        ns["cpus"] = cpus
-        h.log(f"node slow {node} cpus={cpus:g}")
+
+def _slow(h: Handle, node: str, cpus: float) -> None:
+    n = h.node(node)
+    if not n.is_worker:
+        raise FaultError(f"node: {node} is a switch; slow acts on workers")
+    ns = h.faults()["nodes"].setdefault(node, {})
+    rt = _runtime(h)
+    rec = _worker_record(h, node)
+    done = False
+    if not ns.get("cgroup"):
+        try:
+            done = _try(rt.set_limits, node, rec, cpus=cpus)
+        except CapabilityError:
+            done = False
+        paths = rec.get("cgroups") or []
+        if done and paths:
+            from testbed.runtime import cgroups
+
+            for pid in _strays(h, rt, node, rec):   # everything in the worker is slowed
+                with contextlib.suppress(OSError):
+                    cgroups.add(paths, pid)
+        elif done:
+            done = False
+    if not done:
+        _own_cgroup_slow(h, node, cpus, ns)
+    ns["cpus"] = cpus
+    h.log(f"node slow {node} cpus={cpus:g}")
 
 
 def node_restore(name: str, node: str) -> None:
     """Undo `node slow`: the worker's CPU limit back to the topology's (or none)."""
-    with locked(name) as h:
-        n = h.node(node)
-        ns = h.faults()["nodes"].setdefault(node, {})
-        if "cpus" not in ns and not ns.get("cgroup"):
-            return
-        if ns.get("cgroup"):
-            _own_cgroup_release(ns)
-        else:
-            rt = _runtime(h)
-            rec = _worker_record(h, node)
-            cpus = n.cpus
-            if (h.st.get("dilation") or {}).get("cap_cpu"):   # what `up` gave it: 1/s of its CPUs
-                cpus = (n.cpus or 1.0) / h.dilation()
-            if cpus is not None:
-                _try(rt.set_limits, node, rec, cpus=cpus)
-            else:
-                from testbed.runtime import cgroups
+    nodes_restore(name, [node])
 
-                paths = rec.get("cgroups") or []
-                if paths:
-                    cgroups.set_limits(paths, clear=True)
-                    if n.memory_bytes is not None:
-                        cgroups.set_limits(paths, memory_bytes=n.memory_bytes)
-        ns.pop("cpus", None)
-        h.log(f"node restore {node}")
+
+def nodes_restore(name: str, nodes: Sequence[str]) -> None:
+    """`node_restore` for several workers under one lock."""
+    with locked(name) as h:
+        for node in nodes:
+            _restore(h, node)
+
+
+def _restore(h: Handle, node: str) -> None:
+    n = h.node(node)
+    ns = h.faults()["nodes"].setdefault(node, {})
+    if "cpus" not in ns and not ns.get("cgroup"):
+        return
+    if ns.get("cgroup"):
+        _own_cgroup_release(ns)
+    else:
+        rt = _runtime(h)
+        rec = _worker_record(h, node)
+        cpus = n.cpus
+        if (h.st.get("dilation") or {}).get("cap_cpu"):   # what `up` gave it: 1/s of its CPUs
+            cpus = (n.cpus or 1.0) / h.dilation
+        if cpus is not None:
+            _try(rt.set_limits, node, rec, cpus=cpus)
+        else:
+            from testbed.runtime import cgroups
+
+            paths = rec.get("cgroups") or []
+            if paths:
+                cgroups.set_limits(paths, clear=True)
+                if n.memory_bytes is not None:
+                    cgroups.set_limits(paths, memory_bytes=n.memory_bytes)
+    ns.pop("cpus", None)
+    h.log(f"node restore {node}")
 
 
 # -- partitions -------------------------------------------------------------------------------------------------------

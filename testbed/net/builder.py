@@ -16,8 +16,9 @@ switch namespaces are made here. Then, phase by phase (timed, see
   configure  per namespace, with one IPRoute socket opened inside it: lo up,
              the bridge with the gateway address (switches that serve
              workers), ports up/enslaved/addressed, shaping (one call per
-             interface end), permanent neighbour entries, routes (static ECMP
-             from the plan, default route on workers).
+             interface end), permanent neighbour entries, routes (the plan's
+             summarised static ECMP tables on switches, a default route on
+             workers).
 
 Permanent neighbour entries: every address on every L2 segment is known from
 the plan and every MAC is chosen here, so ARP is never needed. Permanent
@@ -45,7 +46,7 @@ from typing import Any, Callable, Iterable
 from testbed import paths, procs
 from testbed.net import names, netns, shaping
 from testbed.topology.model import LinkProfile, Topology
-from testbed.topology.plan import BRIDGE, LinkPlan, NetworkPlan
+from testbed.topology.plan import BRIDGE, LinkPlan, NetworkPlan, Route
 
 COMMON_SYSCTLS = {
     "net/ipv6/conf/all/disable_ipv6": "1",
@@ -78,6 +79,28 @@ def mac_for(testbed: str, key: str) -> str:
 
 def _plain(cidr: str) -> str:
     return cidr.split("/")[0]
+
+
+def install_route(ipr: Any, route: Route, index: dict[str, int], command: str = "add") -> None:
+    """One planned route into the kernel (`command`: add or replace). No next hop: an `unreachable`
+    route, so a sender gets an error at once instead of the default route taking its packets."""
+    dst = _kernel_dst(route.dst)
+    if not route.nexthops:
+        ipr.route(command, dst=dst, type="unreachable")
+    elif len(route.nexthops) == 1:
+        h = route.nexthops[0]
+        ipr.route(command, dst=dst, gateway=h.via, oif=index[h.ifname])
+    else:
+        ipr.route(command, dst=dst, multipath=[{"gateway": h.via, "oif": index[h.ifname]} for h in route.nexthops])
+
+
+def remove_route(ipr: Any, dst: str) -> None:
+    """Delete the route to `dst` (a network or "default"), whatever its type."""
+    ipr.route("del", dst=_kernel_dst(dst))
+
+
+def _kernel_dst(dst: str) -> str:
+    return "0.0.0.0/0" if dst == "default" else dst
 
 
 def no_delay_element(topo: Topology, caps: Any) -> list[dict[str, Any]]:
@@ -277,13 +300,7 @@ class Builder:
         for ifname, ip, mac in neigh:
             ipr.neigh("add", dst=ip, lladdr=mac, ifindex=index[ifname], state="permanent")
         for route in self.plan.routes.get(node, []):
-            dst = "0.0.0.0/0" if route.dst == "default" else route.dst
-            if len(route.nexthops) == 1:
-                h = route.nexthops[0]
-                ipr.route("add", dst=dst, gateway=h.via, oif=index[h.ifname])
-            else:
-                ipr.route("add", dst=dst,
-                          multipath=[{"gateway": h.via, "oif": index[h.ifname]} for h in route.nexthops])
+            install_route(ipr, route, index)
         self.timings["routes+neigh"] = self.timings.get("routes+neigh", 0.0) + (t() - t2)
 
     def _neighbours(self) -> dict[str, list[tuple[str, str, str]]]:

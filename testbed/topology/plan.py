@@ -2,19 +2,39 @@
 
 Layout (DESIGN.md, data-plane decisions): a switch that serves workers holds
 one subnet and its gateway address on a bridge; workers get addresses in it
-and a default route to it. Links between switches are routed /31s. Every
-switch has, for every worker subnet it does not own, the set of equal-cost
-next hops over all shortest switch paths (static ECMP, no control plane).
-Workers never forward.
+and a default route to it. Links between switches are routed /31s. Workers
+never forward.
+
+Addresses are laid out so that routes can be summarised like a real fabric's:
+switches that serve workers and have the same neighbouring switches (a
+fat-tree pod's edge switches, a leaf-spine's leaves) form a group, and each
+group's subnets sit in one block aligned to its size rounded up to a power of
+two, so one prefix covers the group. When the padding does not fit the pool,
+subnets are packed one after another (still correct, just less summarised).
+
+Routes (`NetworkPlan.switch_routes`, the one place they are computed, also for
+a fabric with links down): a switch's exact table is, for every worker subnet
+it does not serve, the set of equal-cost next hops over all shortest switch
+paths (static ECMP, no control plane); empty when the subnet is out of reach.
+Its installed table says the same in fewer routes: the most common next-hop
+set becomes the route for the whole worker pool (not a default route: an
+address outside the pool fails at once rather than circling the fabric), and
+a walk down a binary trie of the pool emits one route where all the subnets
+below a prefix share a set other than the pool route's. A subnet out of reach
+gets an `unreachable` route (never the pool route's hops), so senders get an
+error at once. Longest-prefix match over the
+installed table gives exactly the exact table's next hops (tests/test_plan.py
+checks it); a k=16 fat-tree needs 2,304 routes instead of 40,832.
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 from testbed.errors import TopologyError
 from testbed.topology.model import Topology
@@ -70,7 +90,7 @@ class NextHop:
 @dataclass(frozen=True)
 class Route:
     dst: str                    # a network, or "default"
-    nexthops: tuple[NextHop, ...]
+    nexthops: tuple[NextHop, ...]  # () on a switch: the network is out of reach (an `unreachable` route)
 
 
 @dataclass
@@ -81,6 +101,8 @@ class NetworkPlan:
     _ports: dict[str, list[Port]] = field(default_factory=dict, repr=False)
     _switch_adj: dict[str, list[str]] = field(default_factory=dict, repr=False)
     _subnet_of_worker: dict[str, str] = field(default_factory=dict, repr=False)
+    _fabric_hops: dict[str, list[tuple[int, str, NextHop]]] = field(default_factory=dict, repr=False)
+    _pool: str = field(default=DEFAULT_POOL, repr=False)   # the worker pool: the root of the route trie
 
     def ports(self, node: str) -> list[Port]:
         return self._ports.get(node, [])
@@ -138,6 +160,26 @@ class NetworkPlan:
         walk([s])
         return out
 
+    def next_hops(self, down: Collection[int] = frozenset()) -> dict[str, dict[str, tuple[NextHop, ...]]]:
+        """The exact tables: switch -> {every worker subnet it does not serve: its ECMP next hops over all
+        shortest switch paths of the fabric without the links (indices) in `down`; () if out of reach}."""
+        adj = {sw: [peer for i, peer, _ in hops if i not in down] for sw, hops in self._fabric_hops.items()}
+        out: dict[str, dict[str, tuple[NextHop, ...]]] = {sw: {} for sw in adj}
+        for owner, subnet in self.subnets.items():
+            dist = hop_distances(adj, [owner])
+            for sw, table in out.items():
+                if sw == owner:
+                    continue
+                d = dist.get(sw)
+                table[subnet.network] = () if d is None else tuple(
+                    h for i, peer, h in self._fabric_hops[sw] if i not in down and dist.get(peer) == d - 1)
+        return out
+
+    def switch_routes(self, down: Collection[int] = frozenset()) -> dict[str, list[Route]]:
+        """Every switch's installed routing table with the links in `down` down (nothing down: the
+        plan's): its exact table summarised (module docstring)."""
+        return {sw: summarise(table, self._pool) for sw, table in self.next_hops(down).items()}
+
     def to_json(self) -> dict[str, Any]:
         return {
             "links": [asdict(lp) for lp in self.links],
@@ -165,27 +207,32 @@ def plan_network(topo: Topology, pool: str | None = None, fabric_pool: str | Non
         elif kb == "switch" and ka == "worker":
             served.setdefault(link.b, []).append((i, link.a))
 
-    # One subnet per serving switch, sized for its workers (at least a /24, easy to read).
+    # One subnet per serving switch, sized for its workers (at least a /24, easy to read), laid out
+    # by groups (module docstring); packed as before when the padded groups do not fit.
+    prefixes = {sw: min(24, 32 - math.ceil(math.log2(len(served[sw]) + 3)))  # + network, gateway, broadcast
+                for sw in topo.switches if sw in served}
+    neighbour_switches: dict[str, set[str]] = {sw: set() for sw in prefixes}
+    for link in topo.links:
+        if nodes[link.a].is_switch and nodes[link.b].is_switch:
+            for sw, peer in ((link.a, link.b), (link.b, link.a)):
+                if sw in neighbour_switches:
+                    neighbour_switches[sw].add(peer)
+    groups: dict[frozenset[str], list[str]] = {}
+    for sw in prefixes:
+        groups.setdefault(frozenset(neighbour_switches[sw]), []).append(sw)
+    networks = _lay_out(list(groups.values()), prefixes, pool_net)
+    if networks is None:   # the padding does not fit: one subnet after the other
+        networks = _lay_out([[sw] for sw in prefixes], prefixes, pool_net)
+    if networks is None:
+        raise TopologyError("the address pool is too small for the worker subnets", file=topo.source,
+                            path="addressing.pool", value=str(pool_net))
     subnets: dict[str, Subnet] = {}
     host_addr: dict[int, str] = {}  # link index -> the worker's CIDR on it
-    cursor = int(pool_net.network_address)
-    pool_end = int(pool_net.broadcast_address)
-    for sw in topo.switches:
-        if sw not in served:
-            continue
-        need = len(served[sw]) + 3  # network, gateway, broadcast
-        prefix = min(24, 32 - math.ceil(math.log2(need)))
-        size = 2 ** (32 - prefix)
-        cursor = (cursor + size - 1) // size * size  # align
-        if cursor + size - 1 > pool_end:
-            raise TopologyError("the address pool is too small for the worker subnets", file=topo.source,
-                                path="addressing.pool", value=str(pool_net))
-        net = ipaddress.IPv4Network((cursor, prefix))
-        cursor += size
-        gw = net.network_address + 1
-        subnets[sw] = Subnet(sw, str(net), f"{gw}/{prefix}")
+    for sw in prefixes:   # in switch order, as before
+        net = networks[sw]
+        subnets[sw] = Subnet(sw, str(net), f"{net.network_address + 1}/{net.prefixlen}")
         for n, (link_index, _w) in enumerate(served[sw]):
-            host_addr[link_index] = f"{net.network_address + 2 + n}/{prefix}"
+            host_addr[link_index] = f"{net.network_address + 2 + n}/{net.prefixlen}"
 
     # Ports, link by link; fabric and direct links get /31s from the fabric pool.
     fab_cursor = int(fabric_net.network_address)
@@ -194,7 +241,7 @@ def plan_network(topo: Topology, pool: str | None = None, fabric_pool: str | Non
     ports: dict[str, list[Port]] = {n: [] for n in nodes}
     plans: list[LinkPlan] = []
     switch_adj: dict[str, list[str]] = {s: [] for s in topo.switches}
-    fabric_hops: dict[str, list[tuple[str, NextHop]]] = {s: [] for s in topo.switches}
+    fabric_hops: dict[str, list[tuple[int, str, NextHop]]] = {s: [] for s in topo.switches}
     subnet_of_worker: dict[str, str] = {}
     for i, link in enumerate(topo.links):
         ifa, ifb = ifname(counters[link.a]), ifname(counters[link.b])
@@ -220,23 +267,14 @@ def plan_network(topo: Topology, pool: str | None = None, fabric_pool: str | Non
             if kind == "fabric":
                 switch_adj[link.a].append(link.b)
                 switch_adj[link.b].append(link.a)
-                fabric_hops[link.a].append((link.b, NextHop(str(ab), ifa)))
-                fabric_hops[link.b].append((link.a, NextHop(str(aa), ifb)))
+                fabric_hops[link.a].append((i, link.b, NextHop(str(ab), ifa)))
+                fabric_hops[link.b].append((i, link.a, NextHop(str(aa), ifb)))
         plans.append(LinkPlan(i, pa, pb, kind))
         ports[link.a].append(pa)
         ports[link.b].append(pb)
 
-    # Routes. Switches: ECMP over all shortest switch paths to each foreign subnet.
+    # Routes. Workers: a default route to the switch of their first access link; switches: their tables.
     routes: dict[str, list[Route]] = {n: [] for n in nodes}
-    for owner, subnet in subnets.items():
-        dist = hop_distances(switch_adj, [owner])
-        for sw in topo.switches:
-            if sw == owner or sw not in dist:
-                continue
-            hops = tuple(h for peer, h in fabric_hops[sw] if dist.get(peer) == dist[sw] - 1)
-            if hops:
-                routes[sw].append(Route(subnet.network, hops))
-    # Workers: a default route to the switch of their first access link.
     for w in topo.workers:
         sw = subnet_of_worker.get(w)
         if sw is None:
@@ -244,8 +282,78 @@ def plan_network(topo: Topology, pool: str | None = None, fabric_pool: str | Non
         wport = next(p for lp in plans if lp.kind == "access" for p in (lp.a, lp.b)
                      if p.node == w and lp.port(sw).node == sw)
         routes[w].append(Route("default", (NextHop(subnets[sw].gateway.split("/")[0], wport.ifname),)))
+    plan = NetworkPlan(plans, subnets, routes, ports, switch_adj, subnet_of_worker, fabric_hops, str(pool_net))
+    routes.update(plan.switch_routes())
+    return plan
 
-    return NetworkPlan(plans, subnets, routes, ports, switch_adj, subnet_of_worker)
+
+def _lay_out(groups: list[list[str]], prefixes: dict[str, int], pool: ipaddress.IPv4Network
+             ) -> dict[str, ipaddress.IPv4Network] | None:
+    """Subnets for the serving switches, group after group, each subnet aligned to its size and each
+    group in a block of its own aligned to its size rounded up to a power of two (one prefix covers
+    it). None when the pool is too small."""
+    cursor, end = int(pool.network_address), int(pool.broadcast_address) + 1
+    out: dict[str, ipaddress.IPv4Network] = {}
+    for group in groups:
+        span = 0   # the group's extent from an aligned start
+        for sw in group:
+            span = _align(span, 2 ** (32 - prefixes[sw])) + 2 ** (32 - prefixes[sw])
+        block = 1 << (span - 1).bit_length()
+        start = _align(cursor, block)
+        if start + block > end:
+            return None
+        cursor = start
+        for sw in group:
+            cursor = _align(cursor, 2 ** (32 - prefixes[sw]))
+            out[sw] = ipaddress.IPv4Network((cursor, prefixes[sw]))
+            cursor += 2 ** (32 - prefixes[sw])
+        cursor = start + block
+    return out
+
+
+def _align(n: int, size: int) -> int:
+    return (n + size - 1) // size * size
+
+
+def summarise(table: dict[str, tuple[NextHop, ...]], pool: str) -> list[Route]:
+    """A switch's exact table (subnet -> next hops, its own subnet left out) as few routes as say the
+    same under longest-prefix match: the most common reachable next-hop set as the route for the
+    whole worker `pool` (when it serves at least 2 subnets), then, walking down a binary trie of
+    `pool`, a route at the top-most prefix whose subnets all share one set, none where that set is
+    the pool route's. The pool route, not a default route: an address outside the pool (a fabric
+    /31, anything else) has no route on any switch and fails at once instead of circling the
+    fabric until its TTL runs out."""
+    entries = sorted(((_span(net), hops) for net, hops in table.items()), key=lambda e: e[0])   # ((first, last), hops)
+    counts = Counter(hops for _span_, hops in entries if hops)
+    default = None
+    if counts:
+        hops, n = counts.most_common(1)[0]   # ties: the set met first in address order
+        if n >= 2:
+            default = hops
+    root = ipaddress.IPv4Network(pool)
+    routes = [Route(str(root), default)] if default is not None else []
+
+    def walk(first: int, prefixlen: int, below: list[tuple[tuple[int, int], tuple[NextHop, ...]]]) -> None:
+        if not below:
+            return   # no subnet here: whatever covers it is fine
+        sets = {hops for _span_, hops in below}
+        if len(sets) == 1:
+            (hops,) = sets
+            if hops != default:
+                routes.append(Route(str(ipaddress.IPv4Network((first, prefixlen))), hops))
+            return
+        middle = first + 2 ** (31 - prefixlen)   # more than one subnet below: prefixlen < 32
+        walk(first, prefixlen + 1, [e for e in below if e[0][1] < middle])
+        walk(middle, prefixlen + 1, [e for e in below if e[0][0] >= middle])
+
+    walk(int(root.network_address), root.prefixlen, entries)
+    return routes
+
+
+@functools.lru_cache(maxsize=4096)   # every switch's table names the same subnets: parse each once
+def _span(network: str) -> tuple[int, int]:
+    net = ipaddress.IPv4Network(network)
+    return int(net.network_address), int(net.broadcast_address)
 
 
 def _network(text: str, path: str, topo: Topology) -> ipaddress.IPv4Network:
