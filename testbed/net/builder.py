@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from testbed import paths, procs
-from testbed.net import names, netns, shaping
+from testbed.net import fanout, names, netns, shaping
 from testbed.topology.model import LinkProfile, Topology
 from testbed.topology.plan import BRIDGE, LinkPlan, NetworkPlan, Route
 
@@ -253,19 +253,36 @@ class Builder:
             if lp.index in delayed_links:
                 delayed_ports[lp.a.node].add(lp.a.ifname)
                 delayed_ports[lp.b.node].add(lp.b.ifname)
-        total = len(self.topo.nodes)
-        with netns.Home() as home:
-            for n, node in enumerate(self.topo.nodes):
-                ipr = self._iproute_in(home, node)
-                try:
-                    self._configure_node(ipr, node, ports[node], neigh.get(node, []), delayed_ports[node])
-                finally:
-                    ipr.close()
-                self._tick("configure", n + 1, total)
+        nodes = list(self.topo.nodes)
+        homes: dict[int, netns.Home] = {}   # per process: the namespace to come back to
+
+        def work(node: str) -> dict[str, float]:
+            home = homes.get(os.getpid()) or homes.setdefault(os.getpid(), netns.Home())
+            ipr = self._iproute_in(home, node)
+            try:
+                return self._configure_node(ipr, node, ports[node], neigh.get(node, []), delayed_ports[node])
+            finally:
+                ipr.close()
+
+        done = [0]
+
+        def tally(_i: int, spent: dict[str, float]) -> None:
+            for k, v in spent.items():
+                self.timings[k] = self.timings.get(k, 0.0) + float(v)
+            done[0] += 1
+            self._tick("configure", done[0], len(nodes))
+
+        try:
+            fanout.each(nodes, work, name=lambda n: f"configure {n}", on_done=tally)
+        finally:
+            home = homes.pop(os.getpid(), None)   # only this process's (inline work): a child's went with it
+            if home is not None:
+                home.close()
         self._timed("configure", t0)
 
     def _configure_node(self, ipr: Any, node: str, ports: list[tuple[Any, LinkProfile, str]],
-                        neigh: list[tuple[str, str, str]], delayed: set[str]) -> None:
+                        neigh: list[tuple[str, str, str]], delayed: set[str]) -> dict[str, float]:
+        """Everything inside one namespace; returns the seconds spent shaping and on routes+neigh."""
         t = time.perf_counter
         index = {link.get_attr("IFLA_IFNAME"): link["index"] for link in ipr.get_links()}
         lo = index["lo"]
@@ -296,12 +313,11 @@ class Builder:
         for port, profile, _mac in ports:
             shape(ipr, index[port.ifname], profile, self.caps)
         t2 = t()
-        self.timings["shaping"] = self.timings.get("shaping", 0.0) + (t2 - t1)
         for ifname, ip, mac in neigh:
             ipr.neigh("add", dst=ip, lladdr=mac, ifindex=index[ifname], state="permanent")
         for route in self.plan.routes.get(node, []):
             install_route(ipr, route, index)
-        self.timings["routes+neigh"] = self.timings.get("routes+neigh", 0.0) + (t() - t2)
+        return {"shaping": t2 - t1, "routes+neigh": t() - t2}
 
     def _neighbours(self) -> dict[str, list[tuple[str, str, str]]]:
         """node -> [(ifname, ip, mac)]: every neighbour each node can have, from the plan."""

@@ -1,0 +1,57 @@
+"""testbed/net/fanout.py: per-item work over forked processes (no kernel state needed)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from testbed.net import fanout
+
+
+def test_every_item_once_with_results_in_this_process():
+    seen: dict[int, dict] = {}
+    fanout.each(list(range(50)), lambda x: {"sq": x * x, "pid": os.getpid()}, procs=3,
+                on_done=lambda i, r: seen.__setitem__(i, r))
+    assert sorted(seen) == list(range(50))
+    assert all(r["sq"] == i * i for i, r in seen.items())
+    pids = {r["pid"] for r in seen.values()}
+    assert len(pids) == 3 and os.getpid() not in pids     # the work ran in three children
+
+
+def test_the_first_failing_item_is_named():
+    def work(x: int) -> dict:
+        if x in (17, 30):
+            raise RuntimeError(f"boom {x}")
+        return {}
+
+    with pytest.raises(fanout.FanoutError, match=r"^node17: boom 17$"):
+        fanout.each(list(range(40)), work, name=lambda x: f"node{x}", procs=2)
+
+
+def test_inline_gives_the_same_error():
+    with pytest.raises(fanout.FanoutError, match=r"^node3: boom$"):
+        fanout.each([1, 2, 3], lambda x: (_ for _ in ()).throw(ValueError("boom")) if x == 3 else {},
+                    name=lambda x: f"node{x}", procs=1)
+
+
+def test_a_child_that_dies_silently_is_an_error_not_a_success():
+    def work(x: int) -> dict:
+        if x == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {}
+
+    with pytest.raises(fanout.FanoutError, match="ended before reporting"):
+        fanout.each(list(range(20)), work, name=lambda x: f"n{x}", procs=2)
+
+
+def test_no_child_is_left_behind():
+    fanout.each(list(range(40)), lambda x: {}, procs=4)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)
+
+
+def test_small_jobs_stay_inline():
+    assert fanout.procs_for(3) == 1
+    assert 1 <= fanout.procs_for(10_000) <= fanout.MAX_PROCS
