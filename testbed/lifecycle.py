@@ -180,6 +180,23 @@ def _raise_if_signalled() -> None:
         raise _Terminated(f"signal {_signalled[0]}")
 
 
+def _raise_open_files_limit(nodes: int) -> None:
+    """The build holds a descriptor per namespace at once (linking them): a shell's usual soft limit
+    of 1,024 is too few for a k=16 fat-tree's 1,344 nodes. Raise it to the hard limit, for us only,
+    or say what to run when even that is too few."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = nodes + 256
+    if soft >= want:
+        return
+    if hard != resource.RLIM_INFINITY and hard < want:
+        raise CapabilityError(f"{nodes} nodes need about {want} open files; the hard limit is {hard}: "
+                              f"raise it (ulimit -Hn {want * 2}, or LimitNOFILE= for a service) and retry")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(want, soft)) if hard != resource.RLIM_INFINITY
+                                                else max(want, soft), hard))
+
+
 def up(topo: Topology, name: str | None = None, *, progress: Progress | None = None,
        runtime: str | None = None, caps: Any = None, allow_gpu_sharing: bool = False,
        time_dilation: float | str | None = None, machine: Any = None, ranks: int | None = None,
@@ -204,6 +221,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     name = name or topo.name
+    _raise_open_files_limit(len(topo.nodes))
     if not names.valid_testbed_name(name):
         raise TestbedError(f"invalid testbed name {name!r}: letters, digits, '.', '_', '-' "
                            "(at most 40, starting with a letter or digit)")

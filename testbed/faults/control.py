@@ -236,8 +236,10 @@ def route_changes(old: Sequence[Route], new: Sequence[Route]) -> tuple[list[Rout
 def _sync_routes(h: Handle, old_down: set[int], touched: Sequence[str] = ()) -> None:
     """After links went down or up: converge the switches' routes to the plan's tables for the links
     down now (only what changed), and re-install routes and permanent neighbours on `touched` nodes
-    (endpoints of links that came up: admin-down flushed what used their interfaces)."""
-    from testbed.net.builder import Builder, install_route, remove_route
+    (endpoints of links that came up: admin-down flushed what used their interfaces). The nodes
+    are independent: spread over the cores (a link of a k=16 fat-tree changes 144 switches' tables)."""
+    from testbed.net import fanout
+    from testbed.net.builder import Builder
 
     new_down = _down_set(h)
     old_r = h.plan.switch_routes(old_down)
@@ -245,37 +247,47 @@ def _sync_routes(h: Handle, old_down: set[int], touched: Sequence[str] = ()) -> 
     touched = set(touched)
     down_if = _down_ifnames(h)
     neigh = Builder(h.name, h.topo, h.plan)._neighbours() if touched else {}
-    for node in h.topo.nodes:
-        is_switch = node in new_r
-        full = node in touched
-        if not full and (not is_switch or old_r[node] == new_r[node]):
-            continue
-        with _ipr(h.netns(node)) as ipr:
-            index = {l.get_attr("IFLA_IFNAME"): l["index"] for l in ipr.get_links()}
-            if full:
-                for ifname, ip, mac in neigh.get(node, []):
-                    if (node, ifname) in down_if or ifname not in index:
-                        continue
+    nodes = [n for n in h.topo.nodes if n in touched or (n in new_r and old_r[n] != new_r[n])]
+
+    def work(node: str) -> dict[str, Any]:
+        return {"problems": _sync_node(h, node, old_r.get(node), new_r.get(node), node in touched, down_if,
+                                       neigh.get(node, []))}
+
+    fanout.each(nodes, work, name=lambda n: f"routes of {n}",
+                on_done=lambda _i, r: [h.log(p) for p in r.get("problems") or []])
+
+
+def _sync_node(h: Handle, node: str, old: list[Route] | None, new: list[Route] | None, full: bool,
+               down_if: set[tuple[str, str]], neigh: list[tuple[str, str, str]]) -> list[str]:
+    """One node's part of _sync_routes; returns what could not be installed, to log."""
+    from testbed.net.builder import install_route, remove_route
+
+    problems = []
+    with _ipr(h.netns(node)) as ipr:
+        index = {l.get_attr("IFLA_IFNAME"): l["index"] for l in ipr.get_links()}
+        if full:
+            for ifname, ip, mac in neigh:
+                if (node, ifname) in down_if or ifname not in index:
+                    continue
+                with contextlib.suppress(Exception):
+                    ipr.neigh("replace", dst=ip, lladdr=mac, ifindex=index[ifname], state="permanent")
+        if new is not None:   # a switch
+            put, gone = route_changes(old or [], new)
+            for route in new if full else put:
+                try:
+                    install_route(ipr, route, index, "replace")
+                except Exception as exc:  # reported, the rest still goes in
+                    problems.append(f"route {route.dst} on {node} not installed: {exc}")
+            for dst in gone:
+                with contextlib.suppress(Exception):   # admin-down may have flushed it already
+                    remove_route(ipr, dst)
+        else:
+            for route in h.plan.routes.get(node, []):
+                hops = tuple(hp for hp in route.nexthops if (node, hp.ifname) not in down_if and hp.ifname in index)
+                if hops:
                     with contextlib.suppress(Exception):
-                        ipr.neigh("replace", dst=ip, lladdr=mac, ifindex=index[ifname], state="permanent")
-            if is_switch:
-                put, gone = route_changes(old_r[node], new_r[node])
-                if full:
-                    put = new_r[node]
-                for route in put:
-                    try:
-                        install_route(ipr, route, index, "replace")
-                    except Exception as exc:  # pragma: no cover - reported, the rest still goes in
-                        h.log(f"route {route.dst} on {node} not installed: {exc}")
-                for dst in gone:
-                    with contextlib.suppress(Exception):   # admin-down may have flushed it already
-                        remove_route(ipr, dst)
-            else:
-                for route in h.plan.routes.get(node, []):
-                    hops = tuple(hp for hp in route.nexthops if (node, hp.ifname) not in down_if and hp.ifname in index)
-                    if hops:
-                        with contextlib.suppress(Exception):
-                            install_route(ipr, Route(route.dst, hops), index, "replace")
+                        install_route(ipr, Route(route.dst, hops), index, "replace")
+    return problems
 
 
 def _down_reasons(rec: dict[str, Any]) -> list[str]:

@@ -50,7 +50,9 @@ SPAWN_COMM = "tb-spawn"     # comm of the spawner
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x20000, 0x04000000, 0x08000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_SLAVE = 32, 4096, 16384, 1 << 19
+MS_REMOUNT, MS_BIND, MS_REC, MS_SLAVE, MS_PRIVATE = 32, 4096, 16384, 1 << 19, 1 << 18
+MNT_DETACH = 2
+NETNS_DIR = "/run/netns"
 PR_SET_NAME, PR_CAPBSET_READ, PR_CAPBSET_DROP = 15, 23, 24
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
@@ -189,6 +191,7 @@ def libc():
         lib.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
                               ctypes.c_char_p]
         lib.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+        lib.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
         _libc = lib
     return _libc
 
@@ -300,10 +303,23 @@ def open_dir(path: str) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
 
 
+def drop_netns_mounts() -> None:
+    """Detach our copy of /run/netns and the namespace mounts under it. A worker needs none of
+    them, and as a slave of the host's shared /run/netns it would receive every namespace mount
+    made after it: each switch of a k=16 fat-tree's was copied into 1,024 workers (50 ms a
+    switch), and a copy pins its namespace after `down`."""
+    with open("/proc/self/mountinfo") as fh:
+        if not any(mp == NETNS_DIR for mp, _opts in mount_points(fh.read())):
+            return
+    mount(None, NETNS_DIR, None, MS_REC | MS_PRIVATE)   # the detach must not travel back
+    check(libc().umount2(NETNS_DIR.encode(), MNT_DETACH), f"umount {NETNS_DIR}")
+
+
 def setup_mounts(cfg: dict) -> int:
     """Build the worker's mount namespace (see the module's docstring); returns an fd of its init
     log, opened before the state root is hidden. Runs in stage B, after unshare(CLONE_NEWNS)."""
     mount(None, "/", None, MS_REC | MS_SLAVE)
+    drop_netns_mounts()
     # what lies in the state dir (maybe under /tmp, in tests) is opened before /tmp is replaced
     # and the state root hidden
     logfd = os.open(cfg["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

@@ -103,6 +103,7 @@ class NetworkPlan:
     _subnet_of_worker: dict[str, str] = field(default_factory=dict, repr=False)
     _fabric_hops: dict[str, list[tuple[int, str, NextHop]]] = field(default_factory=dict, repr=False)
     _pool: str = field(default=DEFAULT_POOL, repr=False)   # the worker pool: the root of the route trie
+    _tables: dict[frozenset[int], dict[str, list[Route]]] = field(default_factory=dict, repr=False)
 
     def ports(self, node: str) -> list[Port]:
         return self._ports.get(node, [])
@@ -177,8 +178,12 @@ class NetworkPlan:
 
     def switch_routes(self, down: Collection[int] = frozenset()) -> dict[str, list[Route]]:
         """Every switch's installed routing table with the links in `down` down (nothing down: the
-        plan's): its exact table summarised (module docstring)."""
-        return {sw: summarise(table, self._pool) for sw, table in self.next_hops(down).items()}
+        plan's): its exact table summarised (module docstring). Kept per down-set: a fault compares
+        the tables before and after, and the plan itself was built with nothing down."""
+        key = frozenset(down)
+        if key not in self._tables:
+            self._tables[key] = {sw: summarise(table, self._pool) for sw, table in self.next_hops(key).items()}
+        return self._tables[key]
 
     def to_json(self) -> dict[str, Any]:
         return {
