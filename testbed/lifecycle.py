@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from testbed import events, paths, procs, store
 from testbed.errors import CapabilityError, StateError, TestbedError
-from testbed.net import names, netns
+from testbed.net import limits, names, netns
 from testbed.topology.model import LinkProfile, Topology
 
 Progress = Callable[[str, int, int], None]
@@ -182,19 +182,14 @@ def _raise_if_signalled() -> None:
 
 def _raise_open_files_limit(nodes: int) -> None:
     """The build holds a descriptor per namespace at once (linking them): a shell's usual soft limit
-    of 1,024 is too few for a k=16 fat-tree's 1,344 nodes. Raise it to the hard limit, for us only,
-    or say what to run when even that is too few."""
+    of 1,024 is too few for a k=16 fat-tree's 1,344 nodes. Raise it toward the hard limit, for
+    this process only (testbed.net.limits refuses a hard limit that is too low)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = nodes + 256
-    if soft >= want:
-        return
-    if hard != resource.RLIM_INFINITY and hard < want:
-        raise CapabilityError(f"{nodes} nodes need about {want} open files; the hard limit is {hard}: "
-                              f"raise it (ulimit -Hn {want * 2}, or LimitNOFILE= for a service) and retry")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(want, soft)) if hard != resource.RLIM_INFINITY
-                                                else max(want, soft), hard))
+    want = nodes + limits.FILES_SLACK
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(hard, want), hard))
 
 
 def up(topo: Topology, name: str | None = None, *, progress: Progress | None = None,
@@ -221,6 +216,9 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     name = name or topo.name
+    bad = limits.refusals(limits.check(len(topo.nodes), len(topo.workers), ranks))
+    if bad:
+        raise CapabilityError(f"this machine cannot hold {len(topo.nodes)} nodes: " + "; ".join(bad))
     _raise_open_files_limit(len(topo.nodes))
     if not names.valid_testbed_name(name):
         raise TestbedError(f"invalid testbed name {name!r}: letters, digits, '.', '_', '-' "

@@ -12,13 +12,28 @@ from testbed.cli.common import console
 
 def register(app: typer.Typer) -> None:
     @app.command("doctor")
-    def doctor(as_json: bool = typer.Option(False, "--json", help="Print the capabilities as JSON.")) -> None:
+    def doctor(as_json: bool = typer.Option(False, "--json", help="Print the capabilities as JSON."),
+               scale: str = typer.Option("fat-tree --set params.k=16", "--for",
+                                         help="Check the machine's limits (namespaces, open files, PIDs, "
+                                              "memory) for this topology (as `testbed up` takes it, with "
+                                              "--set overrides after it).")) -> None:
         """Probe the kernel and machine: netem, HTB, TAP delay line, BPF loss, Docker, GPUs, latency floor."""
-        from testbed.net.capabilities import probe
+        import shlex
 
+        from testbed.net import limits
+        from testbed.net.capabilities import probe
+        from testbed.topology.loader import load_topology
+
+        words = shlex.split(scale)
+        overrides = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--set"]
+        topo = load_topology(words[0], overrides) if words else None
+        checked = limits.check(len(topo.nodes), len(topo.workers)) if topo is not None else []
         caps = probe(measure_floor=True, refresh=True)
         if as_json:
-            print(json.dumps(caps.to_json(), indent=2, sort_keys=True))
+            print(json.dumps({**caps.to_json(), "limits": {
+                "for": scale, "nodes": len(topo.nodes) if topo else None,
+                "checks": [{"name": c.name, "have": c.have, "need": c.need, "ok": c.ok, "blocks_up": c.hard,
+                            "fix": c.fix} for c in checked]}}, indent=2, sort_keys=True))
             return
         table = Table(title=f"testbed doctor (kernel {caps.kernel})")
         table.add_column("capability")
@@ -34,6 +49,15 @@ def register(app: typer.Typer) -> None:
                           + ("cls_bpf" if caps.bpf else "[red]unavailable[/]"))
         else:
             console.print("[red]delay/jitter unavailable[/]: install sch_netem or enable /dev/net/tun")
+        if topo is not None:
+            lt = Table(title=f"limits for {scale} ({len(topo.workers)} workers, {len(topo.nodes)} nodes)")
+            for col in ("limit", "here", "needed", "fix"):
+                lt.add_column(col)
+            for c in checked:
+                mark = "[green]" if c.ok else ("[red]" if c.hard else "[yellow]")
+                lt.add_row(c.name, f"{mark}{'?' if c.have is None else c.have}[/]", str(c.need),
+                           "" if c.ok else c.fix)
+            console.print(lt)
         from testbed.jobs import calibration
 
         cal = calibration.cached()
