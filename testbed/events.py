@@ -2,8 +2,11 @@
 
 <root>/NAME/events.jsonl, appended by whoever changes the testbed: `up` (built),
 the fault layer (every link, node and partition change it logs), scenarios
-(start, each event, end), `testbed run` (start, step milestones, end, verdict)
-and `down` (the last line before the directory goes). `testbed events` prints
+(start, each event, end), `testbed run` (start, step milestones, end, verdict),
+`testbed capture` (start and end, with the file) and `down` (the last line
+before the directory goes). A run keeps the events of its own time span in its
+directory (testbed-events.jsonl), so its report can list them after the testbed
+is gone. `testbed events` prints
 it from the start and can follow it; `top` and `graph` can read it too.
 
 A record: {"t": unix time, "kind": KIND, "what": one line for people, ...}
@@ -24,7 +27,7 @@ from typing import Any
 
 from testbed import paths
 
-KINDS = ("up", "down", "link", "node", "partition", "scenario", "run", "verdict")
+KINDS = ("up", "down", "link", "node", "partition", "scenario", "run", "verdict", "capture")
 MAX_LINE = 16384   # a longer line is not one we wrote
 
 

@@ -138,3 +138,37 @@ def test_a_testbed_tells_its_story(testbed, tmp_path):
     assert recs[-1]["kind"] == "verdict" and recs[-1]["status"] in ("faithful", "not faithful", "unverified")
     lifecycle.down(name)
     assert not events.path(name).exists()
+
+
+@pytest.mark.root
+def test_a_runs_report_lists_what_happened_during_it(testbed, tmp_path):
+    """A link flap and a capture taken while a run goes are in its directory (testbed-events.jsonl)
+    and its report, also after the testbed is down."""
+    from testbed import lifecycle
+    from testbed.faults import control
+    from testbed.jobs.run import cluster_from_state, run
+    from testbed.report import report
+    from testbed.topology.loader import load_topology_text
+
+    st = testbed(load_topology_text("name: ev\ngenerator: star\nparams: {n: 2}\n", "<test_events>"),
+                 time_dilation="none")
+    name = st["name"]
+    pcap = tmp_path / "w1.pcap"
+
+    def meanwhile(_rd) -> None:
+        def act() -> None:
+            time.sleep(1)
+            control.link_down(name, "w0", "s0")
+            control.link_up(name, "w0", "s0")
+            subprocess.run([sys.executable, "-m", "testbed", "capture", "--name", name, "w1", "s0", "--duration", "1",
+                            "-w", str(pcap)], env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                           timeout=60)
+        threading.Thread(target=act, daemon=True).start()
+
+    res = run(cluster_from_state(name), [sys.executable, "-c", "import time; time.sleep(6)"], echo=False,
+              base_dir=tmp_path, workdir=str(REPO), monitor=False, timeout=120, on_start=meanwhile)
+    assert res.rc == 0
+    lifecycle.down(name)
+    text, _a, _plots = report(res.run_dir, plots=False)
+    assert "during the run" in text and "link down w0 s0" in text and "link up w0 s0" in text, text
+    assert f"captures taken: {pcap}" in text, text

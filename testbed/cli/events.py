@@ -15,7 +15,7 @@ def events_cmd(name: Optional[str] = NameOption,
                                                                          "Ctrl-C or `testbed down`."),
                as_json: bool = typer.Option(False, "--json", help="One JSON object per line, as stored."),
                kind: Optional[str] = typer.Option(None, "--kind", help="Only these kinds (comma list): "
-                                                  "up, down, link, node, partition, scenario, run, verdict.")) -> None:
+                                                  "up, down, link, node, partition, scenario, run, verdict, capture.")) -> None:
     """Print the testbed's events from the start: up, link and node changes, partitions, scenario steps, runs and their verdicts (-f: keep following).
 
     Runs report their start, step milestones (1, 10, 100, ... and every 1,000th) and end. Stored

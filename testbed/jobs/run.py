@@ -575,6 +575,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     _step_milestones(cluster.name, run_id, steps, milestone)
     events.emit(cluster.name, "run", f"run {run_id} ended: {reason}, exit status {rc}, "
                 f"{ended - summary['started']:.1f} s", run_id=run_id, status=reason, rc=rc)
+    _keep_events(rd, cluster.name, summary["started"], time.time())
     summary.update({
         "status": reason, "rc": rc, "ended": ended, "duration_s": ended - summary["started"],
         "first_failure": None if first_fail is None else {"label": first_fail.label, "worker": first_fail.worker,
@@ -811,6 +812,15 @@ def _uncap(cluster: Cluster, capped: list[str], echo: Callable[[str], None] | No
     except TestbedError as exc:
         if echo is not None:
             echo(f"[testbed] {', '.join(capped)} keep the run's CPU limit ({exc}): testbed node restore NODE")
+
+
+def _keep_events(rd: Path, name: str, t0: float, t1: float) -> None:
+    """The testbed's events of the run's time span (faults, captures, scenario steps), into the run
+    directory: the report lists them, also once the testbed is down."""
+    kept = [e for e in events.read(name) if t0 - 1 <= e["t"] <= t1]
+    with open(rd / "testbed-events.jsonl", "w") as f:
+        for e in kept:
+            f.write(json.dumps(e) + "\n")
 
 
 def _step_milestones(name: str, run_id: str, steps: rundir.StepReader, milestone: int) -> int:

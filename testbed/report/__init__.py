@@ -22,6 +22,7 @@ def report(run: str | Path, plots: bool = True, expected_iteration_s: float | No
     summary = rundir.read_json(run / "summary.json", {}) or {}
     summary["verdict"] = v.to_json()
     rundir.write_json(run / "summary.json", summary)
+    a["events"] = run_events(run)
     text = render(a)
     (run / "report.txt").write_text(text + "\n")
     made: list[Path] = []
@@ -33,3 +34,16 @@ def report(run: str | Path, plots: bool = True, expected_iteration_s: float | No
         if topo and a["links"]:
             made.append(p.links(a, topo, run / "links.png"))
     return text, a, made
+
+
+def run_events(run: Path) -> list[dict[str, Any]]:
+    """The testbed's events of the run's span (testbed-events.jsonl, kept by `testbed run`): link and
+    node changes, captures, scenario steps. Lines that are not events are passed over."""
+    from testbed import events
+
+    try:
+        data = (run / "testbed-events.jsonl").read_bytes()
+    except OSError:
+        return []
+    return [e for e in map(events.parse, data.splitlines()) if e is not None]
+

@@ -36,6 +36,16 @@ def render(a: dict[str, Any]) -> str:
               f"{'tier':>12} {'links':>6} {'bytes':>12} {'peak util %':>12}"]
     for tier, t in a["tiers"].items():
         lines.append(f"{tier:>12} {t['links']:>6} {format_size(t['bytes']):>12} {100 * t['max_util']:>12.2f}")
+    happened = [e for e in a.get("events") or [] if e["kind"] not in ("run", "verdict")]
+    if happened:
+        t0 = s.get("started") or happened[0]["t"]
+        lines += ["", f"during the run ({len(happened)} event(s), testbed-events.jsonl; times from the start, wall clock)"]
+        lines += [f"{e['t'] - t0:>9.2f} s  {e['kind']:<9} {e['what']}" for e in happened[:20]]
+        if len(happened) > 20:
+            lines.append(f"  ... {len(happened) - 20} more")
+        files = sorted({e["file"] for e in happened if e["kind"] == "capture" and isinstance(e.get("file"), str)})
+        if files:
+            lines.append("captures taken: " + ", ".join(files))
     v = a.get("verdict")
     if v is not None:
         if v.classes:

@@ -1,0 +1,1 @@
+"""Watching a running testbed from outside: live counters (top), packet capture."""
