@@ -50,7 +50,7 @@ def _psi_some_us() -> int | None:
     return None
 
 
-class _Qdiscs:
+class Qdiscs:
     """Root qdisc counters of every interface of some namespaces, one netlink socket each."""
 
     def __init__(self, netns_of: Mapping[str, str]):
@@ -129,7 +129,7 @@ class Monitor:
         self.last: dict[str, Any] = {}
 
     def start(self) -> "Monitor":
-        self._qd = _Qdiscs(self.netns_of)
+        self._qd = Qdiscs(self.netns_of)
         self.first = {"t": time.time(), "psi_some_us": _psi_some_us(), "qdiscs": self._qd.sample(),
                       "delay_lines": _delay_line_stats(self.delay_lines)}
         self._thread = threading.Thread(target=self._loop, name="testbed-monitor", daemon=True)

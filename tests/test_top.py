@@ -1,0 +1,487 @@
+"""`testbed top` (testbed.observe.top, testbed.cli.top).
+
+Pure tests: rates, utilisation, queue and CPU from two made-up readings (wrapped and restarted
+counters, interfaces that cannot be read), sorting and tiers, the model read from a state, the
+active run found from its probe files, the JSON fields against the module's documentation.
+
+Kernel tests (root): a star shaped at 100 Mbit/s with iperf3 flows between its workers;
+`top --once --json` reads the rates iperf3 sees (within 10%), utilisation near 100% and a queue
+on the bottleneck, the same under time dilation 2 in emulated units, a downed link as down,
+a busy worker's CPU; the live view exits cleanly on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from testbed.observe import top
+from testbed.observe.top import Direction, Model, Worker, compute, counter_delta, select
+
+IS_ROOT = os.geteuid() == 0
+REPO = Path(__file__).resolve().parents[1]
+
+LINK_FIELDS = {"index", "name", "from", "to", "tier", "ifname", "state", "down_by", "bandwidth_bps", "rate_bps",
+               "wire_rate_bps", "packets_per_s", "util", "backlog_bytes", "backlog_packets", "drops", "overlimits"}
+WORKER_FIELDS = {"name", "state", "cpu", "memory_bytes"}
+DOC_FIELDS = {"testbed", "t", "interval_s", "read_s", "time", "dilation", "links", "workers", "run"}
+RUN_FIELDS = {"run_id", "dir", "status", "world_size", "ranks", "ranks_ended", "step", "step_min", "last_step_s",
+              "last_step_max_s", "last_step_age_s"}
+
+
+# -- pure: counters, rates, utilisation ----------------------------------------------------------------------
+
+
+def test_counter_delta_growth_wrap_and_restart():
+    assert counter_delta(100, 250) == 150
+    assert counter_delta(5, 5) == 0
+    assert counter_delta(2**32 - 10, 5, bits=32) == 15               # a u32 qdisc counter wrapped
+    assert counter_delta(2**64 - 1000, 24, bits=64) == 1024
+    assert counter_delta(1_000_000, 10, bits=32) is None             # restarted (qdisc replaced), not a wrap
+    assert counter_delta(5000, 10) is None                           # a 64-bit counter never wraps back
+    assert counter_delta(None, 10) is None and counter_delta(10, None) is None
+
+
+def _model(dilation=1.0, bw_ab=100e6, bw_ba=None, state="up"):
+    dirs = (Direction(0, "w0", "s0", "host", "eth0", "eth0", bw_ab, state, ("link",) if state == "down" else ()),
+            Direction(0, "s0", "w0", "host", "eth0", "eth0", bw_ba, state, ("link",) if state == "down" else ()))
+    return Model(name="tb", created="x", dilation=dilation, netns_of={"w0": "tb-tb-w0", "s0": "tb-tb-s0"},
+                 directions=dirs, workers=(Worker("w0", "up", (("/nope",),)),), tiers=("host",))
+
+
+def _reading(t, w0_tx=0, w0_rx=0, s0_tx=0, s0_rx=0, q=None, usage=None, nodes=("w0", "s0")):
+    ifs = {}
+    if "w0" in nodes:
+        ifs["w0"] = {"t": t, "ifs": {"eth0": {"tx_bytes": w0_tx, "tx_packets": w0_tx // 1000,
+                                              "rx_bytes": w0_rx, "rx_packets": w0_rx // 1000}}}
+    if "s0" in nodes:
+        ifs["s0"] = {"t": t, "ifs": {"eth0": {"tx_bytes": s0_tx, "tx_packets": s0_tx // 1000,
+                                              "rx_bytes": s0_rx, "rx_packets": s0_rx // 1000}}}
+    return {"t": 1000.0 + t, "read_s": 0.01, "ifs": ifs, "qdiscs": {"w0": {"eth0": q}} if q else {},
+            "cpu": {"w0": {"t": t, "usage_s": usage}}, "memory": {"w0": 123}}
+
+
+def test_rate_and_utilisation_from_two_readings():
+    q0 = {"backlog": 0, "qlen": 0, "drops": 10, "overlimits": 2**32 - 5}
+    q1 = {"backlog": 30_000, "qlen": 20, "drops": 25, "overlimits": 95}
+    prev = _reading(10.0, w0_tx=1_000_000, s0_rx=1_000_000, s0_tx=0, q=q0, usage=3.0)
+    cur = _reading(12.0, w0_tx=26_000_000, s0_rx=26_000_000, s0_tx=500_000, q=q1, usage=4.5)
+    doc = compute(_model(), prev, cur)
+    ab, ba = doc["links"]
+    assert ab["name"] == "w0->s0" and ba["name"] == "s0->w0"
+    assert ab["wire_rate_bps"] == pytest.approx(100e6) and ab["rate_bps"] == pytest.approx(100e6)
+    assert ab["util"] == pytest.approx(1.0)
+    assert ab["packets_per_s"] == pytest.approx(12_500)
+    assert (ab["backlog_bytes"], ab["backlog_packets"], ab["drops"], ab["overlimits"]) == (30_000, 20, 15, 100)
+    assert ba["rate_bps"] == pytest.approx(2e6) and ba["util"] is None      # unshaped: no utilisation
+    assert ba["backlog_bytes"] is None and ba["drops"] is None              # no qdisc read at s0
+    assert doc["workers"] == [{"name": "w0", "state": "up", "cpu": pytest.approx(0.75), "memory_bytes": 123}]
+    assert doc["time"] == "real" and doc["dilation"] == 1.0 and doc["interval_s"] == pytest.approx(2.0)
+
+
+def test_dilation_reports_emulated_rates():
+    """Under s = 4 the kernel runs a 100 Mbit/s link at 25: 25 Mbit/s on the wire is 100% of it."""
+    prev = _reading(0.0, w0_tx=0)
+    cur = _reading(1.0, w0_tx=25_000_000 // 8)
+    ab = compute(_model(dilation=4.0), prev, cur)["links"][0]
+    assert ab["wire_rate_bps"] == pytest.approx(25e6)
+    assert ab["rate_bps"] == pytest.approx(100e6) and ab["util"] == pytest.approx(1.0)
+    doc = compute(_model(dilation=4.0), prev, cur)
+    assert doc["time"] == "emulated" and doc["dilation"] == 4.0
+
+
+def test_missing_interfaces_fall_back_or_say_unknown():
+    # w0 cannot be read (its namespace went away): w0->s0 from s0's rx, s0->w0 from s0's tx
+    prev, cur = _reading(0.0, s0_rx=0, s0_tx=0, nodes=("s0",)), _reading(1.0, s0_rx=1_250_000, s0_tx=125_000,
+                                                                          nodes=("s0",))
+    ab, ba = compute(_model(), prev, cur)["links"]
+    assert ab["rate_bps"] == pytest.approx(10e6) and ab["util"] == pytest.approx(0.1)
+    assert ba["rate_bps"] == pytest.approx(1e6)
+    # neither end readable in one of the readings: unknown, not zero
+    prev, cur = _reading(0.0, nodes=()), _reading(1.0, w0_tx=10**6)
+    for l in compute(_model(), prev, cur)["links"]:
+        assert l["rate_bps"] is None and l["wire_rate_bps"] is None and l["util"] is None
+    # an interface missing from a node's dump (renamed, not made yet)
+    cur = _reading(1.0, w0_tx=10**6)
+    del cur["ifs"]["w0"]["ifs"]["eth0"]
+    assert compute(_model(), _reading(0.0), cur)["links"][0]["rate_bps"] == 0.0   # s0's rx: nothing arrived
+
+
+def test_restarted_counters_are_unknown_not_negative():
+    q0 = {"backlog": 0, "qlen": 0, "drops": 500_000, "overlimits": 7}
+    q1 = {"backlog": 0, "qlen": 0, "drops": 3, "overlimits": 1}     # `link set` replaced the qdisc
+    prev = _reading(0.0, w0_tx=10**9, s0_rx=10**9, q=q0, usage=9.0)
+    cur = _reading(1.0, w0_tx=10, s0_rx=10**9 + 1_250_000, q=q1, usage=0.5)   # w0's port made anew; a restarted cgroup
+    doc = compute(_model(), prev, cur)
+    ab = doc["links"][0]
+    assert ab["rate_bps"] == pytest.approx(10e6)        # w0's tx restarted: s0's rx says it
+    assert ab["drops"] is None and ab["overlimits"] is None
+    assert doc["workers"][0]["cpu"] is None
+    doc = compute(_model(), _reading(0.0), _reading(1.0))   # no cgroup
+    assert doc["workers"][0]["cpu"] is None
+
+
+def test_select_sorts_and_filters():
+    links = [
+        {"name": "a", "tier": "host", "util": 0.2, "rate_bps": 2, "drops": 0, "overlimits": 0, "backlog_bytes": 0,
+         "backlog_packets": 0},
+        {"name": "b", "tier": "core", "util": 0.9, "rate_bps": 9, "drops": 5, "overlimits": 1, "backlog_bytes": 10,
+         "backlog_packets": 1},
+        {"name": "c", "tier": "host", "util": None, "rate_bps": 50, "drops": None, "overlimits": None,
+         "backlog_bytes": None, "backlog_packets": None},
+        {"name": "d", "tier": "host", "util": 0.5, "rate_bps": 5, "drops": 7, "overlimits": 0,
+         "backlog_bytes": 99, "backlog_packets": 3},
+    ]
+    assert [l["name"] for l in select(links, "util")] == ["b", "d", "a", "c"]
+    assert [l["name"] for l in select(links, "drops")] == ["d", "b", "a", "c"]
+    assert [l["name"] for l in select(links, "queue")] == ["d", "b", "a", "c"]
+    assert [l["name"] for l in select(links, "util", "host")] == ["d", "a", "c"]
+    with pytest.raises(ValueError, match="util, drops, queue"):
+        select(links, "rate")
+
+
+def test_model_of_state():
+    st = {
+        "name": "tb", "created": "now", "time_dilation": {"factor": 3.0},
+        "topology": {"nodes": [{"name": "w0", "kind": "worker"}, {"name": "w1", "kind": "worker"},
+                               {"name": "s0", "kind": "switch"}],
+                     "links": [{"endpoints": ["w0", "s0"], "tier": "host", "ab": {"bandwidth_bps": 1e9},
+                                "ba": {"bandwidth_bps": 1e9}},
+                               {"endpoints": ["w1", "s0"], "tier": "host", "ab": {"bandwidth_bps": 1e9},
+                                "ba": {"bandwidth_bps": None}}]},
+        "links": [{"index": 0, "endpoints": ["w0", "s0"], "tier": "host", "ifnames": ["eth0", "eth0"],
+                   "state": "down", "down_by": ["link"],
+                   "profile": {"ab": {"bandwidth_bps": 5e8}, "ba": {"bandwidth_bps": 2e8}}},
+                  {"index": 1, "endpoints": ["w1", "s0"], "tier": "host", "ifnames": ["eth0", "eth1"]}],
+        "runtime": {"workers": {"w0": {"netns": "tb-tb-w0", "cgroups": ["/sys/fs/cgroup/cpu/testbed/tb/w0"]},
+                                "w1": {"netns": "tb-tb-w1"}}},
+        "faults": {"nodes": {"w1": {"state": "crashed",
+                                    "cgroup": ["/sys/fs/cgroup/cpu/testbed/tb.faults/w1"]}}},
+    }
+    m = top.model_of(st)
+    assert m.dilation == 3.0 and m.tiers == ("host",)
+    d = {(x.src, x.dst): x for x in m.directions}
+    assert [(x.src, x.dst) for x in m.directions] == [("w0", "s0"), ("s0", "w0"), ("w1", "s0"), ("s0", "w1")]
+    assert d["w0", "s0"].bandwidth_bps == 5e8 and d["s0", "w0"].bandwidth_bps == 2e8   # `link set`'s profile
+    assert d["w0", "s0"].state == "down" and d["w0", "s0"].down_by == ("link",)
+    assert d["s0", "w1"].src_if == "eth1" and d["s0", "w1"].bandwidth_bps is None and d["w1", "s0"].state == "up"
+    w = {x.name: x for x in m.workers}
+    assert w["w0"].cgroups == (("/sys/fs/cgroup/cpu/testbed/tb/w0",),) and w["w0"].state == "up"
+    assert w["w1"].cgroups == (("/sys/fs/cgroup/cpu/testbed/tb.faults/w1",),) and w["w1"].state == "crashed"
+    assert m.netns_of == {"w0": "tb-tb-w0", "w1": "tb-tb-w1", "s0": "tb-tb-s0"}
+
+
+def test_json_fields_are_the_documented_ones():
+    doc = compute(_model(), _reading(0.0), _reading(1.0))
+    assert set(doc) == DOC_FIELDS
+    assert set(doc["links"][0]) == LINK_FIELDS and set(doc["workers"][0]) == WORKER_FIELDS
+    text = top.__doc__
+    for f in DOC_FIELDS | LINK_FIELDS | WORKER_FIELDS | RUN_FIELDS:
+        assert re.search(rf"^\s+{re.escape(f)}\b", text, re.MULTILINE) or re.search(rf"\b{re.escape(f)}\b", text), f
+    json.dumps(doc)
+
+
+# -- pure: the active run ------------------------------------------------------------------------------------
+
+
+def _write_run(runs: Path, dirname: str, testbed: str, status: str = "running", factor: float = 2.0) -> Path:
+    d = runs / dirname
+    (d / "probe").mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps({"testbed": testbed, "run_id": dirname[-6:], "status": status,
+                                                "world_size": 2, "time_dilation": {"factor": factor}}))
+    return d
+
+
+def test_run_watch_reads_steps_incrementally(tmp_path, state_dir):
+    runs = tmp_path / "runs"
+    _write_run(runs, "20260101-100000-tb", "tb", status="completed")
+    _write_run(runs, "20260101-110000-tbother", "tbother")           # another testbed, not ours
+    d = _write_run(runs, "20260101-120000-tb.1", "tb")
+    r0, r1 = d / "probe" / "rank-0.jsonl", d / "probe" / "rank-1.jsonl"
+    r0.write_text('{"ev": "start", "t": 1.0}\n{"ev": "step", "t": 10.0, "dur": 0.5, "n": 1}\n'
+                  '{"ev": "coll", "op": "all_reduce", "t": 10.1, "dur": 0.1}\n'
+                  '{"ev": "step", "t": 11.0, "dur": 0.4, "n": 2}\nnot json\n{"ev": "step", "t": 1')
+    r1.write_text('{"ev": "step", "t": 10.5, "dur": 0.8, "n": 1}\n')
+    watch = top.RunWatch("tb", runs)
+    run = watch.poll(now=13.0)
+    assert set(run) == RUN_FIELDS
+    assert run["dir"] == str(d) and run["status"] == "running" and run["world_size"] == 2
+    assert (run["ranks"], run["step"], run["step_min"]) == (2, 2, 1)
+    # rank 0: (11 - 10) / 2 = 0.5 s; rank 1, one step: its duration / 2 = 0.4 s
+    assert run["last_step_s"] == pytest.approx(0.45) and run["last_step_max_s"] == pytest.approx(0.5)
+    assert run["last_step_age_s"] == pytest.approx(2.0)
+    with open(r0, "a") as f:                    # the unfinished line ends; rank 0 ends
+        f.write('3.0, "dur": 0.5, "n": 3}\n{"ev": "end", "t": 13.5}\n')
+    run = watch.poll(now=14.0)
+    assert (run["step"], run["ranks_ended"]) == (3, 1)
+    assert run["last_step_max_s"] == pytest.approx(1.0)   # (13 - 11) / 2
+
+
+def test_run_watch_long_file_reads_its_end(tmp_path, state_dir):
+    runs = tmp_path / "runs"
+    d = _write_run(runs, "20260101-120000-tb", "tb", factor=1.0)
+    with open(d / "probe" / "rank-0.jsonl", "w") as f:
+        f.writelines(json.dumps({"ev": "step", "t": float(n), "dur": 0.9, "n": n, "samples": 32}) + "\n"
+                     for n in range(1, 40_001))
+    assert (d / "probe" / "rank-0.jsonl").stat().st_size > top.PROBE_TAIL_BYTES
+    run = top.RunWatch("tb", runs).poll(now=40_001.0)
+    assert run["step"] == 40_000 and run["last_step_s"] == pytest.approx(1.0)
+
+
+def test_run_watch_exchange_dir_and_none(tmp_path, state_dir):
+    from testbed import paths
+
+    runs = tmp_path / "runs"
+    _write_run(runs, "20260101-120000-tb", "tb", status="failed")
+    assert top.RunWatch("tb", runs).poll() is None
+    assert top.RunWatch("tb", tmp_path / "nowhere").poll() is None
+    probe = paths.directory("tb") / "runs" / "abc123" / "probe"
+    probe.mkdir(parents=True)
+    (probe / "rank-0.jsonl").write_text('{"ev": "step", "t": 5.0, "dur": 0.25, "n": 7}\n')
+    run = top.RunWatch("tb", runs, dilation=1.0).poll(now=6.0)
+    assert (run["run_id"], run["dir"], run["status"], run["step"]) == ("abc123", None, "unknown", 7)
+    assert run["last_step_s"] == pytest.approx(0.25)
+
+
+# -- the CLI without a testbed --------------------------------------------------------------------------------
+
+
+def _cli(*args: str, cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "testbed", *args], check=False, capture_output=True, text=True,
+                          cwd=cwd or REPO, timeout=timeout, env={**os.environ, "COLUMNS": "120"})
+
+
+def test_cli_no_such_testbed(state_dir):
+    r = _cli("top", "--name", "nope", "--once", "--json")
+    if IS_ROOT:
+        assert r.returncode == 4 and "no testbed named 'nope' is up" in r.stderr, r.stderr
+    else:
+        assert r.returncode == 1 and "needs root" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = _cli("top", "--sort", "rate")
+    assert r.returncode == 2 and "util, drops, queue" in r.stderr
+
+
+# -- kernel: a shaped star with traffic ----------------------------------------------------------------------
+
+STAR = ["params.n=3", "tiers.host.bandwidth=100mbit", "tiers.host.delay=0"]
+
+
+def _star(testbed, dilation="none"):
+    from testbed.topology.loader import load_topology
+
+    name = f"tp{uuid.uuid4().hex[:6]}"
+    testbed(load_topology("star", STAR), name, time_dilation=dilation)
+    return name
+
+
+def _addr(name, w):
+    from testbed import store
+
+    st = store.load(name)
+    for lp in st["plan"]["links"]:
+        for side in ("a", "b"):
+            if lp[side]["node"] == w and lp[side].get("address"):
+                return lp[side]["address"].split("/")[0]
+    raise AssertionError(f"no address for {w}")
+
+
+class Flows:
+    """iperf3 flows client -> server between workers, each to a server of its own (ports unique)."""
+
+    def __init__(self, name: str, pairs: list[tuple[str, str]], secs: int):
+        self.procs: list[subprocess.Popen] = []
+        self.clients: list[subprocess.Popen] = []
+        base = 5201 + uuid.uuid4().int % 500
+        for i, (client, server) in enumerate(pairs):
+            port = str(base + i)
+            self.procs.append(subprocess.Popen(["ip", "netns", "exec", f"tb-{name}-{server}", "iperf3", "-s", "-1",
+                                                "-p", port], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(0.3)
+        for i, (client, server) in enumerate(pairs):
+            c = subprocess.Popen(["ip", "netns", "exec", f"tb-{name}-{client}", "iperf3", "-c", _addr(name, server),
+                                  "-p", str(base + i), "-t", str(secs), "-J"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+            self.clients.append(c)
+            self.procs.append(c)
+
+    def results(self) -> list[float]:
+        """Goodput (bit/s) each flow's receiver saw."""
+        out = []
+        for c in self.clients:
+            stdout, stderr = c.communicate(timeout=60)
+            assert c.returncode == 0, f"iperf3 failed: {stderr} {stdout[-400:]}"
+            out.append(json.loads(stdout)["end"]["sum_received"]["bits_per_second"])
+        return out
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(5)
+
+
+def _once(name: str, *extra: str, cwd: Path | None = None) -> dict:
+    r = _cli("top", "--name", name, "--once", "--json", *extra, cwd=cwd)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(not IS_ROOT, reason="needs root (namespaces, tc)")
+def test_once_json_sees_the_flows(testbed):
+    """Two flows into w1 through a 100 Mbit/s star: s0->w1 is the bottleneck (full, with a queue),
+    its rate is what the two receivers got (within 10%: iperf3 counts payload, top frames)."""
+    name = _star(testbed)
+    flows = Flows(name, [("w0", "w1"), ("w2", "w1")], secs=5)
+    try:
+        time.sleep(1.5)
+        doc = _once(name)
+        goodputs = flows.results()
+    finally:
+        flows.close()
+    assert set(doc) == DOC_FIELDS and doc["time"] == "real" and doc["dilation"] == 1.0
+    links = {l["name"]: l for l in doc["links"]}
+    assert len(links) == 6 and all(set(l) == LINK_FIELDS for l in doc["links"])
+    bottleneck = links["s0->w1"]
+    assert bottleneck["rate_bps"] == pytest.approx(sum(goodputs), rel=0.10), (goodputs, bottleneck)
+    assert 0.85 <= bottleneck["util"] <= 1.1, bottleneck
+    assert bottleneck["backlog_bytes"] > 0 or bottleneck["drops"] > 0, bottleneck
+    assert bottleneck["overlimits"] > 0
+    into = links["w0->s0"]["rate_bps"] + links["w2->s0"]["rate_bps"]
+    assert into == pytest.approx(bottleneck["rate_bps"], rel=0.10)
+    assert links["s0->w0"]["util"] < 0.1 and links["w1->s0"]["util"] < 0.1      # acks only
+    assert doc["run"] is None
+    assert doc["read_s"] < 0.5 and doc["interval_s"] == pytest.approx(1.0, abs=0.3)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(not IS_ROOT, reason="needs root (namespaces, tc)")
+def test_dilation_shows_emulated_rates(testbed):
+    """At s = 2 the kernel runs the 100 Mbit/s links at 50: iperf3 sees ~50, top says ~100 and full."""
+    name = _star(testbed, dilation=2)
+    flows = Flows(name, [("w0", "w1")], secs=4)
+    try:
+        time.sleep(1.5)
+        doc = _once(name)
+        (goodput,) = flows.results()
+    finally:
+        flows.close()
+    assert doc["time"] == "emulated" and doc["dilation"] == 2.0
+    l = {l["name"]: l for l in doc["links"]}["w0->s0"]
+    assert goodput == pytest.approx(50e6 * 0.95, rel=0.10)
+    assert l["wire_rate_bps"] == pytest.approx(goodput, rel=0.10)
+    assert l["rate_bps"] == pytest.approx(2 * l["wire_rate_bps"])
+    assert l["bandwidth_bps"] == 100e6 and 0.85 <= l["util"] <= 1.1, l
+
+
+@pytest.mark.root
+@pytest.mark.skipif(not IS_ROOT, reason="needs root (namespaces, tc)")
+def test_down_link_busy_worker_and_run(testbed, tmp_path):
+    """A downed link reads down (both directions, JSON and view); a worker's busy loop shows as its
+    CPU; a run in ./runs shows its step; --tier filters, an unknown tier is refused."""
+    from testbed import lifecycle, store
+    from testbed.faults import control
+
+    name = _star(testbed)
+    control.link_down(name, "w0", "s0")
+    # a run directory as `testbed run` leaves it while the job runs, in this test's working directory
+    d = tmp_path / "runs" / f"20260101-120000-{name}"
+    (d / "probe").mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps({"testbed": name, "run_id": "r1", "status": "running",
+                                                "world_size": 1, "time_dilation": {"factor": 1.0}}))
+    (d / "probe" / "rank-0.jsonl").write_text('{"ev":"step","t":1.0,"dur":0.1,"n":41}\n'
+                                              '{"ev":"step","t":1.25,"dur":0.1,"n":42}\n')
+    argv = lifecycle.exec_argv(store.load(name), "w2", [sys.executable, "-c",
+                                                      "import time\nt=time.time()\nwhile time.time()-t<4: pass"])
+    busy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        doc = _once(name, cwd=tmp_path)
+        view = _cli("top", "--name", name, "--once", "--sort", "drops", cwd=tmp_path)
+    finally:
+        if busy.poll() is None:
+            busy.kill()
+        busy.wait(5)
+    links = {l["name"]: l for l in doc["links"]}
+    for n in ("w0->s0", "s0->w0"):
+        assert links[n]["state"] == "down" and links[n]["down_by"] == ["link"], links[n]
+    assert all(l["state"] == "up" for k, l in links.items() if k not in ("w0->s0", "s0->w0"))
+    workers = {w["name"]: w for w in doc["workers"]}
+    assert workers["w2"]["cpu"] > 0.3 and workers["w0"]["cpu"] < 0.2, workers
+    assert all(w["memory_bytes"] and w["memory_bytes"] > 0 for w in workers.values())
+    run = doc["run"]
+    assert (run["dir"], run["step"], run["last_step_s"]) == (str(d), 42, pytest.approx(0.25))
+    assert view.returncode == 0, view.stderr
+    assert re.search(r"w0->s0\s+host\s+down", view.stdout) and "1 down" in view.stdout, view.stdout
+    assert "step 42" in view.stdout and "real time" in view.stdout
+    only = _once(name, "--tier", "host", "--sort", "queue")
+    assert len(only["links"]) == 6
+    r = _cli("top", "--name", name, "--once", "--tier", "spine")
+    assert r.returncode == 2 and "tiers host" in r.stderr, r.stderr
+
+
+@pytest.mark.root
+@pytest.mark.skipif(not IS_ROOT, reason="needs root (namespaces, tc)")
+def test_live_view_exits_cleanly_on_ctrl_c(testbed):
+    pexpect = pytest.importorskip("pexpect")
+    name = _star(testbed)
+    child = pexpect.spawn(sys.executable, ["-m", "testbed", "top", "--name", name, "--interval", "0.3"],
+                          cwd=str(REPO), env={**os.environ, "COLUMNS": "120", "LINES": "40", "TERM": "xterm"},
+                          dimensions=(40, 120), timeout=20, encoding="utf-8")
+    try:
+        child.expect("s0->w1")                     # a refreshed view
+        child.expect("Ctrl-C quits")
+        child.kill(signal.SIGINT)
+        child.expect(pexpect.EOF, timeout=10)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, (child.exitstatus, child.signalstatus, child.before)
+    assert "Traceback" not in (child.before or "")
+
+
+def _has_netem() -> bool:
+    if not IS_ROOT:
+        return False
+    from testbed.net import capabilities
+
+    return bool(capabilities.probe(measure_floor=False).netem)
+
+
+@pytest.mark.root
+@pytest.mark.netem
+@pytest.mark.skipif(not _has_netem(), reason="kernel has no sch_netem (loss through cls_bpf is no qdisc drop)")
+def test_lossy_link_shows_drops(testbed):
+    """netem's loss is a drop of the link's root qdisc: a UDP flow through a 5% lossy link shows it."""
+    from testbed.topology.loader import load_topology
+
+    name = f"tp{uuid.uuid4().hex[:6]}"
+    testbed(load_topology("star", STAR + ["tiers.host.loss=5%"]), name, time_dilation="none")
+    port = str(5201 + uuid.uuid4().int % 500)
+    srv = subprocess.Popen(["ip", "netns", "exec", f"tb-{name}-w1", "iperf3", "-s", "-1", "-p", port],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = None
+    try:
+        time.sleep(0.3)
+        client = subprocess.Popen(["ip", "netns", "exec", f"tb-{name}-w0", "iperf3", "-c", _addr(name, "w1"),
+                                   "-p", port, "-u", "-b", "20M", "-t", "4"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)
+        doc = _once(name)
+    finally:
+        for p in (client, srv):
+            if p is not None:
+                if p.poll() is None:
+                    p.kill()
+                p.wait(5)
+    l = {l["name"]: l for l in doc["links"]}["w0->s0"]
+    assert l["rate_bps"] > 5e6 and l["drops"] > 0, l
