@@ -28,7 +28,7 @@ help:
 # What the tests measure with (Debian/Ubuntu); Docker and the kernel VM stage: see .ci/run.
 deps:
 	apt-get install -y --no-install-recommends iproute2 iputils-ping iperf3 nftables tcpdump ethtool \
-	  procps util-linux kmod python3-venv
+	  procps util-linux kmod python3-venv chromium
 
 venv: $(VENV)/.stamp
 
@@ -55,7 +55,7 @@ test-kernel: venv
 	bash scripts/kernel-vm.sh $(KERNEL_TEST_ARGS)
 
 bench: venv
-	$(PY) bench/bench_up.py
+	$(PY) bench/perf_verbs.py
 
 # FIDELITY_ARGS=--quick: the reduced matrix CI runs (under a minute)
 fidelity: venv

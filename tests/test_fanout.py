@@ -55,3 +55,10 @@ def test_no_child_is_left_behind():
 def test_small_jobs_stay_inline():
     assert fanout.procs_for(3) == 1
     assert 1 <= fanout.procs_for(10_000) <= fanout.MAX_PROCS
+
+
+def test_build_procs_caps_the_fan_out(monkeypatch):
+    monkeypatch.setenv("TESTBED_BUILD_PROCS", "1")
+    assert fanout.procs_for(10_000) == 1
+    monkeypatch.setenv("TESTBED_BUILD_PROCS", "junk")     # not a count: ignored
+    assert fanout.procs_for(10_000) >= 1

@@ -28,6 +28,7 @@ VERBS: dict[str, Verb] = {
                              "Exiting the shell leaves the node running."),
     "calibrate": Verb("calibrate", "Measure (or show) the reference model's constants for this machine "
                                    "(kept per boot)."),
+    "capture": Verb("capture", "Capture the packets of one link end in pcap format, to a file or to stdout."),
     "cleanup": Verb("cleanup", "Remove what dead testbeds left behind (half-built or half-gone); "
                                "healthy testbeds are kept."),
     "cp": Verb("cp", "Copy files or directories between the host and nodes: `testbed cp w3:/tmp/out.txt .`, "
@@ -35,6 +36,8 @@ VERBS: dict[str, Verb] = {
     "doctor": Verb("doctor", "Probe the kernel and machine: netem, HTB, TAP delay line, BPF loss, Docker, GPUs, "
                              "latency floor."),
     "down": Verb("down", "Bring a testbed down and remove everything it made."),
+    "events": Verb("events", "Print the testbed's events from the start: up, link and node changes, partitions, "
+                             "scenario steps, runs and their verdicts (-f: keep following)."),
     "exec": Verb("exec", "Run CMD inside NODE with stdin/stdout/stderr passed through; exit with its status."),
     "logs": Verb("logs", "Show the output of the jobs started in NODE (-f: keep following it)."),
     "ls": Verb("ls", "List the testbeds that are up."),
@@ -45,6 +48,8 @@ VERBS: dict[str, Verb] = {
                              "model, the verdict."),
     "run": Verb("run", "Start CMD on every selected worker the torchrun way; logs and probe data go to "
                        "runs/<time>-<testbed>/."),
+    "stacks": Verb("stacks", "Show the Python stack of every rank of the running job, grouped by identical "
+                             "stacks (py-spy)."),
     "status": Verb("status", "Show a running testbed: nodes with addresses, links with their shaping and state."),
     "topo": Verb("topo", "Validate a topology and describe it (counts, tiers, bisection, oversubscription); "
                          "builds nothing."),
@@ -53,6 +58,9 @@ VERBS: dict[str, Verb] = {
     "link": Verb("link", "Show and change the links of a running testbed (takes effect at once)."),
     "node": Verb("node", "Fail, restart or slow down a node of a running testbed."),
     "scenario": Verb("scenario", "Scenario files: a timeline of faults played against a running job."),
+    "top": Verb("top", "Watch a running testbed live: per link direction rate, utilisation, queue and drops; "
+                       "workers' CPU and memory; the running job's step."),
+    "graph": Verb("graph", "Serve a live web page of a testbed: link utilisation, what is down, step times, events."),
 }
 
 

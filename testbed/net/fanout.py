@@ -42,7 +42,12 @@ class FanoutError(TestbedError):
 
 
 def procs_for(n_items: int) -> int:
+    """One per core we may run on (TESTBED_BUILD_PROCS caps it: 1 runs everything inline, e.g. on a
+    machine shared with a benchmark), at most MAX_PROCS, none for fewer than MIN_ITEMS_PER_PROC each."""
     cores = len(os.sched_getaffinity(0))
+    cap = os.environ.get("TESTBED_BUILD_PROCS", "")
+    if cap.isdigit() and int(cap) >= 1:
+        cores = min(cores, int(cap))
     return max(1, min(cores, MAX_PROCS, n_items // MIN_ITEMS_PER_PROC))
 
 
