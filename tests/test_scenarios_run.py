@@ -63,6 +63,18 @@ def test_example_scenario_runs(env, stem, monkeypatch):
         assert applied, doc["events"]
         assert all(abs(e["applied_s"] - e["planned_s"]) < 1.0 for e in applied), doc["events"]
         assert (res.run_dir / "events.jsonl").read_text().count("\n") == len(doc["events"])
+        # the testbed's event stream tells the same steps, in the same order, between start and outcome
+        from testbed import events
+
+        told = [e for e in events.read(name) if e["kind"] == "scenario" and e.get("scenario") == s.name]
+        assert "started" in told[0]["what"] and f"ended: {res.outcome}" in told[-1]["what"], told
+        steps = [json.loads(line) for line in (res.run_dir / "events.jsonl").read_text().splitlines()]
+        assert [(e["event"], round(e["applied_s"], 6)) for e in told[1:-1]] == \
+            [(e["event"], round(e["applied_s"], 6)) for e in steps]
+        assert all(e["what"] in t["what"] for e, t in zip(steps, told[1:-1]))
+        if res.outcome == "hung":   # every rank's stack, taken before the job was stopped
+            stacks = (res.run_dir / "stacks.txt").read_text()
+            assert "rank" in stacks and "no stack" not in stacks, stacks
         assert (res.run_dir / "scenario.png").stat().st_size > 1000
         if stem == "rank-crash":
             assert "node crash of w1" in res.error
