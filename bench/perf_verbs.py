@@ -204,6 +204,17 @@ class Sweep:
             "sizes": {}, "rows": [], "notes": [],
         }
         self.mn_skip: str | None = None if not args.no_mininet else "--no-mininet"
+        if args.keep_mininet:   # testbed changed, Mininet did not: its rows from the last sweep stay
+            old = json.loads(out.read_text())
+            kept = [r for r in old.get("rows", []) if r.get("tool") == "mininet"]
+            self.doc["rows"] += kept
+            self.kept_sizes = {k: {**{x: v for x, v in info.items() if x.startswith("mininet")},
+                                   "mininet_timeout_s": (old.get("config") or {}).get("timeout_per_size_s")}
+                               for k, info in (old.get("sizes") or {}).items()}
+            self.doc["config"]["mininet_from"] = old.get("started")
+            self.doc["notes"].append(f"Mininet rows kept from the sweep of {old.get('started')} "
+                                     f"({old.get('command')}); testbed measured again in this one")
+            self.mn_skip = "--keep-mininet"
 
     def save(self) -> None:
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -387,7 +398,7 @@ class Sweep:
         self.testbed_cycle(4, 0, warmup=True)
         self.save()
         for k in a.sizes:
-            info = self.doc["sizes"][str(k)] = {**counts(k)}
+            info = self.doc["sizes"][str(k)] = {**counts(k), **getattr(self, "kept_sizes", {}).get(str(k), {})}
             print(f"\nfat-tree k={k}: {counts(k)}", flush=True)
             mn_spent = 0.0
             for r in range(a.repeats):
@@ -407,7 +418,7 @@ class Sweep:
                     info["mininet_timeout"] = True
                     self.note(f"Mininet k={k} did not come up within {a.timeout_per_size:g} s; bigger sizes "
                               "not tried")
-            if self.mn_skip and not info.get("mininet_timeout"):
+            if self.mn_skip and self.mn_skip != "--keep-mininet" and not info.get("mininet_timeout"):
                 info["mininet_skipped"] = self.mn_skip
             print_size(self.doc, k)
 
@@ -642,7 +653,7 @@ def mininet_gap(doc: dict[str, Any], k: int) -> str:
     if not doc["config"].get("mininet", True):
         return "- (--no-mininet)"
     if info.get("mininet_timeout"):
-        return f"- (over {doc['config'].get('timeout_per_size_s', 600):g} s)"
+        return f"- (over {info.get('mininet_timeout_s') or doc['config'].get('timeout_per_size_s', 600):g} s)"
     if info.get("mininet_skipped"):
         return f"- ({info['mininet_skipped']})"
     if errors_of(doc, "mininet", k, "up"):
@@ -658,7 +669,7 @@ def print_size(doc: dict[str, Any], k: int) -> None:
           f"Mininet up {fmt_s(mu and mu['median'])}, stop {fmt_s(md and md['median'])}", flush=True)
     ru, rd = ratio(mu, tu), ratio(md, td)
     if ru or rd:
-        print(f"k={k} ratio Mininet/testbed (same run): up {f'{ru:.1f}x' if ru else '-'}, "
+        print(f"k={k} ratio Mininet/testbed ({'Mininet from ' + doc['config']['mininet_from'] if doc['config'].get('mininet_from') else 'same run'}): up {f'{ru:.1f}x' if ru else '-'}, "
               f"stop/down {f'{rd:.1f}x' if rd else '-'}", flush=True)
     else:
         print(f"k={k} ratio Mininet/testbed: - {mininet_gap(doc, k).removeprefix('- ')}", flush=True)
@@ -703,7 +714,8 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _pos: f"{y:g} s"))
     ax.set_xlabel("nodes (workers + switches) of the fat-tree")
     ax.set_ylabel("seconds, from Enter to prompt (median; bars: min-max)")
-    ax.set_title("Fat-tree up and down: testbed vs Mininet (same machine, same run)", fontsize=10)
+    ax.set_title("Fat-tree up and down: testbed vs Mininet (same machine"
+                 + (", Mininet from an earlier sweep)" if doc["config"].get("mininet_from") else ", same run)"), fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -772,7 +784,9 @@ def render(doc: dict[str, Any], plotted: bool, plot_rel: str) -> str:
                  "time is the `.venv/bin/testbed` process from spawn to exit (Python's start and imports "
                  "included). Mininet up is from the spawn of its Python process until the fabric is usable: STP "
                  "settled (no bridge port listening or learning) and then one round of pings between sampled host "
-                 "pairs all answered; Mininet stop is `net.stop()`. Ratios are of the medians from this run. With "
+                 "pairs all answered; Mininet stop is `net.stop()`. Ratios are of the medians"
+                 + (f" (Mininet's from the sweep of {cfg['mininet_from']}, on the same machine: testbed changed "
+                    "since, Mininet did not)" if cfg.get("mininet_from") else " from this run") + ". With "
                  "STP on, Linux bridges hold every port for 2 x the forward delay (15 s by default) before "
                  "forwarding, so Mininet's up cannot go under ~30 s at any size; the build and start before that "
                  "are in Mininet's phase table below."), ""]
@@ -1013,6 +1027,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="fat-tree k values, comma-separated (default 4,6,8,12,16)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per size and verb (default 3)")
     ap.add_argument("--no-mininet", action="store_true", help="testbed only")
+    ap.add_argument("--keep-mininet", action="store_true",
+                    help="measure testbed only and keep the Mininet rows of the results file (a later "
+                         "testbed change against an unchanged baseline; the page says when each was measured)")
     ap.add_argument("--time-dilation", default="none",
                     help="testbed up's --time-dilation (default none: real time, as Mininet runs; auto would "
                          "dilate a k=16 fat-tree's links by hundreds and, on a kernel without netem, give every "
