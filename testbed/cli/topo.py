@@ -4,6 +4,10 @@ FILE is a bare name in topologies/ (``fat-tree``), a path to a YAML file, a
 Mininet custom-topology file (``my.py``, ``my.py:NAME,ARG,KEY=VALUE``) or one of
 Mininet's built-in topologies (``mininet:tree,depth=2,fanout=2``); see
 testbed.topology.mininet_import.
+
+With ``--hosts HOSTS.yaml`` (and ``--pin NODE=HOST``) it also shows where each
+node would run across those hosts and which links would be cut
+(testbed.topology.placement; docs/multi-host.md), still building nothing.
 """
 
 from __future__ import annotations
@@ -150,6 +154,106 @@ def describe(topo, warnings: list[str], plan=None) -> None:
         err_console.print(f"[yellow]warning:[/] {w}", highlight=False)
 
 
+def _compact(names: list[str]) -> str:
+    """w0, w1, ..., w7, edge0-0 -> 'w0..w7, edge0-0': runs of 3 or more consecutive numbers shortened."""
+    import re
+
+    out: list[str] = []
+    run: list[tuple[str, int, str]] = []
+
+    def flush() -> None:
+        if len(run) >= 3:
+            out.append(f"{run[0][2]}..{run[-1][2]}")
+        else:
+            out.extend(name for _, _, name in run)
+        run.clear()
+
+    for name in names:
+        m = re.match(r"^(.*?)(\d+)$", name)
+        if m and run and run[-1][0] == m.group(1) and run[-1][1] + 1 == int(m.group(2)):
+            run.append((m.group(1), int(m.group(2)), name))
+            continue
+        flush()
+        if m:
+            run.append((m.group(1), int(m.group(2)), name))
+        else:
+            out.append(name)
+    flush()
+    return ", ".join(out)
+
+
+CUT_LINKS_LISTED = 40   # more cut links than this are summarised per host pair and tier (--json lists all)
+
+
+def describe_placement(hosts, placement, baseline_bps: int | None) -> None:
+    """The placement as tables: per host (nodes, capacity used), the cut links, the total cut bandwidth."""
+    from rich.table import Table
+
+    from testbed.topology.units import format_size
+
+    by_name = {h.name: h for h in hosts}
+    ht = Table(title=f"placement on {len(hosts)} hosts ({hosts.source or 'hosts file'})", title_justify="left")
+    for col in ("host", "ssh", "underlay", "workers", "switches", "cores", "GPUs", "memory"):
+        ht.add_column(col, justify="right" if col in ("cores", "GPUs", "memory") else "left", overflow="fold")
+    for load in placement.loads:
+        h = by_name[load.host]
+        memory = (f"{format_size(load.memory_used)} / {format_size(load.memory)}" if load.memory is not None
+                  else (f"{format_size(load.memory_used)} / -" if load.memory_used else "-"))
+        ht.add_row(load.host, str(h.target), h.underlay,
+                   f"{len(load.workers)}: {_compact(list(load.workers))}" if load.workers else "0",
+                   f"{len(load.switches)}: {_compact(list(load.switches))}" if load.switches else "0",
+                   f"{load.cores_used:g} / {load.cores}", f"{load.gpus_used} / {load.gpus}", memory)
+    console.print(ht)
+    if placement.pins:
+        console.print("pinned: " + ", ".join(f"{n}={h}" for n, h in placement.pins.items()), highlight=False)
+
+    cut = placement.cut_links
+    if cut and len(cut) <= CUT_LINKS_LISTED:
+        ct = Table(title=f"cut links ({len(cut)}): tunnels between hosts once multi-host up exists",
+                   title_justify="left")
+        for col in ("link", "tier", "hosts", "a->b", "b->a"):
+            ct.add_column(col)
+        for link in cut:
+            ct.add_row(f"{link.a} - {link.b}", link.tier, f"{link.host_a} - {link.host_b}", _bw(link.ab_bps),
+                       _bw(link.ba_bps))
+        console.print(ct)
+    elif cut:
+        groups: dict[tuple[str, str, str], list] = {}
+        for link in cut:
+            pair = tuple(sorted((link.host_a, link.host_b)))
+            groups.setdefault((pair[0], pair[1], link.tier), []).append(link)
+        ct = Table(title=f"cut links ({len(cut)}) by host pair and tier (--json lists each)", title_justify="left")
+        for col in ("hosts", "tier", "links", "bandwidth (both directions)"):
+            ct.add_column(col, justify="right" if col == "links" else "left")
+        for (a, b, tier), links in sorted(groups.items()):
+            shaped = sum(bw for link in links for bw in (link.ab_bps, link.ba_bps) if bw is not None)
+            unshaped = sum(1 for link in links if link.bandwidth_bps is None)
+            ct.add_row(f"{a} - {b}", tier, str(len(links)),
+                       _bw(shaped) + (f" + {unshaped} unshaped" if unshaped else ""))
+        console.print(ct)
+    text = f"cut bandwidth: {_bw(placement.cut_bps) if cut else '0'} (both directions) over {len(cut)} links"
+    if placement.unshaped_cut:
+        text += f", {placement.unshaped_cut} of them unshaped (not counted)"
+    if baseline_bps is not None and cut:
+        text += f"; dealing nodes round-robin would cut {_bw(baseline_bps)}"
+    console.print(text, highlight=False)
+
+
+def placement_of(topo, hosts_file: Path, pin: list[str]):
+    """(hosts, placement, round-robin's cut bandwidth or None) for `topo` on the hosts of `hosts_file`."""
+    from testbed.errors import TopologyError
+    from testbed.topology.hosts import load_hosts
+    from testbed.topology.placement import parse_pins, place
+
+    hosts = load_hosts(hosts_file)
+    placement = place(topo, hosts, parse_pins(pin))
+    try:
+        baseline: int | None = place(topo, hosts, placement.pins, method="round-robin").cut_bps
+    except TopologyError:  # dealing in turn can fail to pack where the partitioner does not
+        baseline = None
+    return hosts, placement, baseline
+
+
 def register(app: typer.Typer) -> None:
     @app.command("topo")
     def topo_cmd(
@@ -162,21 +266,37 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the topology as JSON (nodes, links, "
                                                            "addresses) and nothing else."),
         png: Optional[Path] = typer.Option(None, "--png", metavar="OUT", help="Draw the topology to OUT (PNG)."),
+        hosts_file: Optional[Path] = typer.Option(None, "--hosts", metavar="HOSTS.yaml",
+                                                  help="Also place the nodes on these hosts and show the cut links "
+                                                       "(docs/multi-host.md); builds nothing."),
+        pin: Optional[List[str]] = typer.Option(None, "--pin", metavar="NODE=HOST",
+                                                help="With --hosts: run NODE on HOST (repeatable)."),
     ) -> None:
         """Validate a topology and describe it (counts, tiers, bisection, oversubscription); builds nothing."""
         from testbed.topology.mininet_import import load_any
 
         from testbed.topology.plan import plan_network
 
+        if pin and hosts_file is None:
+            from testbed.errors import TopologyError
+
+            raise TopologyError("needs --hosts (the hosts to pin nodes to)", path="--pin", value=pin[0])
         topo, warnings = load_any(file, list(set_ or []))
         plan = plan_network(topo)  # the address plan is part of validity (a pool can be too small)
+        placed = placement_of(topo, hosts_file, list(pin or [])) if hosts_file is not None else None
         if as_json:
             doc = topology_json(topo, plan)
+            if placed is not None:
+                hosts, placement, baseline = placed
+                doc["hosts"] = hosts.to_json()
+                doc["placement"] = {**placement.to_json(), "round_robin_cut_bps": baseline}
             for w in warnings:
                 err_console.print(f"[yellow]warning:[/] {w}", highlight=False)
             typer.echo(json.dumps(doc, indent=2))
         else:
             describe(topo, warnings, plan)
+            if placed is not None:
+                describe_placement(*placed)
         if png is not None:
             from testbed.report.draw import draw_topology
 
