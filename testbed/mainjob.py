@@ -75,7 +75,7 @@ def main(topo: str, name: str | None = None, steps: int = DEFAULT_STEPS, batch: 
     from testbed.jobs import calibration
     from testbed.jobs.run import cluster_from_state, run
     from testbed import store
-    from testbed.report import report
+    from testbed.report import report, tell_verdict
     from testbed.topology.loader import load_topology
     from testbed.topology.plan import plan_network
     from testbed.topology.reference import predict
@@ -136,6 +136,7 @@ def main(topo: str, name: str | None = None, steps: int = DEFAULT_STEPS, batch: 
 
     expected = expected_iteration(result.run_dir, cluster, compute_s, machine, predict, plan_network)
     text, analysis, plots = report(result.run_dir, expected_iteration_s=expected["iteration_s"] if expected else None)
+    tell_verdict(cluster.name, result.run_dir, analysis["verdict"])
     console.print(text, highlight=False, markup=False)
     if expected:
         p50s = [r["iter_p50_s"] for r in analysis["ranks"] if r.get("iter_p50_s")]

@@ -64,12 +64,9 @@ def register(app: typer.Typer) -> None:
         from testbed.report import report as make_report
 
         text, a, plots = make_report(result.run_dir, plots=report)
-        from testbed import events
+        from testbed.report import tell_verdict
 
-        v = a["verdict"]
-        events.emit(cluster.name, "verdict", f"run {result.summary.get('run_id')}: {v.status}"
-                    + (f": {v.reasons[0]}" if v.reasons else ""), run_id=result.summary.get("run_id"),
-                    status=v.status, run_dir=str(result.run_dir))
+        tell_verdict(cluster.name, result.run_dir, a["verdict"])
         if report:
             console.print(text, highlight=False, markup=False)
             for p in plots:

@@ -47,3 +47,13 @@ def run_events(run: Path) -> list[dict[str, Any]]:
         return []
     return [e for e in map(events.parse, data.splitlines()) if e is not None]
 
+
+def tell_verdict(name: str, run_dir: Path, verdict: Any) -> None:
+    """The verdict of a run, into its testbed's event stream."""
+    from testbed import events
+    from testbed.jobs import rundir
+
+    run_id = (rundir.read_json(run_dir / "summary.json", {}) or {}).get("run_id")
+    events.emit(name, "verdict", f"run {run_id}: {verdict.status}" + (f": {verdict.reasons[0]}" if verdict.reasons else ""),
+                run_id=run_id, status=verdict.status, run_dir=str(run_dir))
+
