@@ -572,6 +572,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     after = counters.snapshot(cluster.name, nodes, cluster.netns_of)
     rundir.write_json(rd / "counters-after.json", after)
     ended = time.time()
+    steps.dir = rd / "probe"   # the probe files were collected there from the exchange folder
     _step_milestones(cluster.name, run_id, steps, milestone)
     events.emit(cluster.name, "run", f"run {run_id} ended: {reason}, exit status {rc}, "
                 f"{ended - summary['started']:.1f} s", run_id=run_id, status=reason, rc=rc)
