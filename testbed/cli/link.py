@@ -8,24 +8,10 @@ from typing import Optional
 import typer
 
 from testbed.cli.common import NameOption, console, require_root, resolve_name
+from testbed.topology.units import format_profile
 
 DirectionOption = typer.Option("both", "--direction", "-d",
                                help="both, A->B (traffic from A to B), B->A, or with node names: w0->edge0-0.")
-
-
-def _fmt(p: dict) -> str:
-    from testbed.topology.units import format_bandwidth, format_time
-
-    parts = [format_bandwidth(p["bandwidth_bps"]) if p.get("bandwidth_bps") else "unshaped"]
-    if p.get("delay_s"):
-        parts.append(format_time(p["delay_s"]))
-    if p.get("jitter_s"):
-        parts.append("±" + format_time(p["jitter_s"]))
-    if p.get("loss"):
-        parts.append(f"loss {p['loss'] * 100:g}%")
-    if p.get("queue"):
-        parts.append(f"q {p['queue']}")
-    return " ".join(parts)
 
 
 def register(app: typer.Typer) -> None:
@@ -56,7 +42,7 @@ def register(app: typer.Typer) -> None:
             st = l["state"] + (f" ({', '.join(l['down_by'])})" if l["state"] == "down" else "")
             st += " *" if l["changed"] else ""
             t.add_row(str(l["index"]), l["endpoints"][0], l["endpoints"][1], l["tier"], st,
-                      _fmt(l["ab"]), _fmt(l["ba"]))
+                      format_profile(l["ab"]), format_profile(l["ba"]))
         console.print(t)
         console.print("* profile changed from the topology's (testbed link reset A B)", style="dim")
 
@@ -88,7 +74,7 @@ def register(app: typer.Typer) -> None:
         link = control.link_set(name, a, b, changes, direction)
         console.print(f"{a} <-> {b}: {format_changes(changes)}"
                       f"{'' if direction == 'both' else f' ({direction})'}; now "
-                      f"A->B {_fmt(link['ab'])}, B->A {_fmt(link['ba'])}", highlight=False)
+                      f"A->B {format_profile(link['ab'])}, B->A {format_profile(link['ba'])}", highlight=False)
 
     @link_app.command("down")
     def down(a: str = typer.Argument(..., metavar="A"), b: str = typer.Argument(..., metavar="B"),

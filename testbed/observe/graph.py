@@ -73,6 +73,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from testbed import events, paths, store
 from testbed.errors import StateError, TestbedError
+from testbed.topology.units import format_profile
 
 DEFAULT_BIND = "127.0.0.1"
 DEFAULT_PORT = 8765            # tried first when no --port is given; taken: any free port
@@ -101,22 +102,6 @@ class GraphError(TestbedError):
 
 
 # -- the drawing: pure functions of a state -----------------------------------------------------------------
-
-
-def format_profile(p: Mapping[str, Any]) -> str:
-    """A direction's profile as `testbed link show` prints it: '100mbit 5ms ±1ms loss 1% q 100'."""
-    from testbed.topology.units import format_bandwidth, format_time
-
-    parts = [format_bandwidth(p["bandwidth_bps"]) if p.get("bandwidth_bps") else "unshaped"]
-    if p.get("delay_s"):
-        parts.append(format_time(p["delay_s"]))
-    if p.get("jitter_s"):
-        parts.append("±" + format_time(p["jitter_s"]))
-    if p.get("loss"):
-        parts.append(f"loss {p['loss'] * 100:g}%")
-    if p.get("queue"):
-        parts.append(f"q {p['queue']}")
-    return " ".join(parts)
 
 
 def node_states(st: Mapping[str, Any]) -> dict[str, str]:

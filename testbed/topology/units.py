@@ -25,10 +25,11 @@ from __future__ import annotations
 import math
 import re
 from decimal import Decimal, InvalidOperation
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["parse_bandwidth", "parse_time", "parse_loss", "parse_size",
-           "format_bandwidth", "format_time", "format_size", "BANDWIDTH_UNITS", "TIME_UNITS", "SIZE_UNITS"]
+           "format_bandwidth", "format_time", "format_size", "BANDWIDTH_UNITS", "TIME_UNITS", "SIZE_UNITS", "format_profile"]
 
 BANDWIDTH_UNITS: dict[str, int] = {
     "": 1, "bit": 1, "bps": 1,
@@ -160,3 +161,19 @@ def format_size(nbytes: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
         n /= 1024
     return f"{n:.3g} TiB"
+
+
+def format_profile(p: Mapping[str, Any]) -> str:
+    """One direction's link profile (its JSON form) for people: '100mbit 5ms ±1ms loss 1% q 100'
+    (`testbed link show`, the web view)."""
+    parts = [format_bandwidth(p["bandwidth_bps"]) if p.get("bandwidth_bps") else "unshaped"]
+    if p.get("delay_s"):
+        parts.append(format_time(p["delay_s"]))
+    if p.get("jitter_s"):
+        parts.append("±" + format_time(p["jitter_s"]))
+    if p.get("loss"):
+        parts.append(f"loss {p['loss'] * 100:g}%")
+    if p.get("queue"):
+        parts.append(f"q {p['queue']}")
+    return " ".join(parts)
+
