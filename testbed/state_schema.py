@@ -589,14 +589,14 @@ class StateDocument(_Record):
         return v
 
 
-def _build() -> None:
-    """Build the document's validator now, once per process, with pydantic's plugins off:
+def build_without_plugins(model: type[BaseModel]) -> None:
+    """Build a model's validator now, once per process, with pydantic's plugins off:
     third-party hooks found through package entry points must take no part in deciding what
     root acts on (and looking for them scans every installed package's metadata)."""
     before = os.environ.get("PYDANTIC_DISABLE_PLUGINS")
     os.environ["PYDANTIC_DISABLE_PLUGINS"] = "__all__"
     try:
-        StateDocument.model_rebuild(force=True)
+        model.model_rebuild(force=True)
     finally:
         if before is None:
             del os.environ["PYDANTIC_DISABLE_PLUGINS"]
@@ -604,7 +604,7 @@ def _build() -> None:
             os.environ["PYDANTIC_DISABLE_PLUGINS"] = before
 
 
-_build()
+build_without_plugins(StateDocument)
 
 
 # -- checking ---------------------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ Names, underlay addresses and SSH targets (address and port) are unique across t
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from testbed.errors import TopologyError
+from testbed.state_schema import build_without_plugins
 from testbed.topology.loader import NAME_RE, parse_yaml
 from testbed.topology.units import parse_size
 
@@ -257,21 +257,7 @@ _MODELS: dict[str, type[BaseModel]] = {"": _HostsFile, "hosts": Host, "capacity"
 _FIELD_NAMES = {cls: tuple(cls.model_fields) for cls in (_HostsFile, Host, Capacity)}
 
 
-def _build() -> None:
-    """Build the validator once, with pydantic's plugins off (third-party hooks found through package
-    entry points take no part in deciding where testbed acts as root; see state_schema._build)."""
-    before = os.environ.get("PYDANTIC_DISABLE_PLUGINS")
-    os.environ["PYDANTIC_DISABLE_PLUGINS"] = "__all__"
-    try:
-        _HostsFile.model_rebuild(force=True)
-    finally:
-        if before is None:
-            del os.environ["PYDANTIC_DISABLE_PLUGINS"]
-        else:
-            os.environ["PYDANTIC_DISABLE_PLUGINS"] = before
-
-
-_build()
+build_without_plugins(_HostsFile)   # as the state's schema is built: no third-party hooks
 
 
 # -- errors ----------------------------------------------------------------------------------------------
