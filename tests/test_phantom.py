@@ -183,6 +183,42 @@ def test_point_to_point_is_refused_clearly(star, tmp_path):
     _no_orphans(res)
 
 
+def test_real_ranks_that_diverge_end_the_run_naming_both_operations(star, tmp_path):
+    """Rank-dependent control flow with two real ranks: rank 1 checks each of its operations
+    against rank 0's (which the phantoms mirror) and stops at the first difference, an error that
+    names both operations, not a hang."""
+    from testbed.jobs.run import run
+
+    code = ("import torch, torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\n"
+            "for i in range(3):\n"
+            "    dist.all_reduce(torch.ones(1000))\n"
+            "if dist.get_rank() == 0:\n"
+            "    dist.broadcast(torch.ones(10), 0)\n"
+            "dist.all_reduce(torch.ones(2000))\n")
+    t0 = time.monotonic()
+    res = run(star, [sys.executable, "-c", code], echo=False, base_dir=tmp_path, workdir=str(REPO),
+              monitor=False, timeout=120, real=["w0", "w1"])
+    assert res.rc != 0
+    log = _log(res)
+    assert "rank 1 and rank 0 diverge at operation 4 of group 0" in log, log[-2000:]
+    assert "allreduce of 2000 float32 element(s)" in log and "broadcast of 10 float32 element(s)" in log
+    assert time.monotonic() - t0 < 60
+    _no_orphans(res)
+
+
+def test_real_ranks_that_agree_run_with_phantoms(star, tmp_path):
+    """Two real ranks issuing the same collectives (DDP) pass the check, with the phantoms."""
+    from testbed.jobs.run import run
+
+    cmd = [sys.executable, "examples/train_ddp.py", "--steps", "5", "--model", "mlp", "--hidden", "256", "--no-check"]
+    res = run(star, cmd, echo=False, base_dir=tmp_path, workdir=str(REPO), monitor=False, timeout=300,
+              real=["w0", "w1"])
+    assert res.rc == 0, _log(res)[-2000:]
+    assert res.summary["phantoms"]["real_ranks"] == [0, 1]
+    _no_orphans(res)
+
+
 def test_a_killed_phantom_ends_the_run(star, tmp_path):
     from testbed.jobs.run import run
 

@@ -604,7 +604,9 @@ def _make_phantoms(ranks: list[Rank], real: set[str], chan: Path, runtime: str,
     """Turn the ranks of workers not in `real` into phantoms: same environment, the phantom module
     as the command, and a FIFO each on which the lowest real rank announces its operations (with
     no real rank, a replay: the launcher feeds them; leader_rank is the recorded rank). Returns
-    the FIFOs.
+    the phantoms' FIFOs. Every other real rank gets one too (TESTBED_PHANTOM_CHECK): it compares
+    each of its operations with the leader's, so rank-dependent control flow stops the run with
+    both operations named instead of hanging the phantoms.
 
     Under torchrun a worker's Rank is its agent, and which global ranks it gets is the rendezvous'
     choice: FIFOs are named by worker and local rank, the phantom agent runs the phantom module
@@ -643,8 +645,18 @@ def _make_phantoms(ranks: list[Rank], real: set[str], chan: Path, runtime: str,
                  "TESTBED_PHANTOM_STATS": str(chan / f"stats-{stem}.json")}
         if leader_rank is not None:
             r.env["TESTBED_PHANTOM_LEADER"] = str(leader_rank)
+    checks = []
+    for r in reals[1:]:   # the other real ranks: each compares its operations with the leader's
+        stem = f"check-{r.worker}-{{LOCAL_RANK}}" if r.local_rank is None else f"check-rank-{r.rank}"
+        nproc = int(r.env.get("LOCAL_WORLD_SIZE", "1")) if r.local_rank is None else 1
+        for lr in range(nproc):
+            path = chan / (stem.replace("{LOCAL_RANK}", str(lr)) + ".fifo")
+            os.mkfifo(path, 0o600)
+            checks.append(str(path))
+        r.env["TESTBED_PHANTOM_CHECK"] = str(chan / f"{stem}.fifo")
+        r.env["TESTBED_PHANTOM_LEADER"] = str(leader_rank)
     if leader is not None:
-        leader.env["TESTBED_PHANTOM_OUT"] = os.pathsep.join(fifos)
+        leader.env["TESTBED_PHANTOM_OUT"] = os.pathsep.join(fifos + checks)
         if leader.local_rank is None:
             leader.env["TESTBED_PHANTOM_LEADER_LOCAL_RANK"] = "0"   # its other local ranks do not announce
     return fifos

@@ -53,6 +53,80 @@ def _announce(obj: dict) -> None:
             _trace.write(line)
 
 
+CHECK_TIMEOUT_S = 600.0   # a checking rank waits this long for the leader's matching operation
+_check = None             # TESTBED_PHANTOM_CHECK: this rank compares its operations with the leader's
+
+
+class _Checker:
+    """A real rank that is not the leader (`--real-ranks 0,1`): the phantoms mirror the leader, so
+    this rank must issue what the leader issues. Each of its operations is compared, group by
+    group and in order, with the leader's announcement; a difference raises here, naming both, so
+    rank-dependent control flow ends the run with a message instead of hanging the phantoms."""
+
+    _KEYS = ("op", "dtype", "n", "root", "red", "ranks")
+
+    def __init__(self, path: str, leader: str):
+        # O_RDWR: reads wait for data (select) and never see end-of-file while the leader is away
+        self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        self.leader = leader
+        self.buf = b""
+        self.pending: dict = {}
+        self.count: dict = {}
+
+    def _read(self, deadline: float) -> dict:
+        import select
+
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            ready = select.select([self.fd], [], [], max(0.0, left))[0] if left > 0 else []
+            if not ready:
+                raise TimeoutError
+            try:
+                self.buf += os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                continue
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def expect(self, key, mine: dict) -> None:
+        n = self.count[key] = self.count.get(key, 0) + 1
+        deadline = time.monotonic() + CHECK_TIMEOUT_S
+        queue = self.pending.setdefault(key, [])
+        while not queue:
+            try:
+                obj = self._read(deadline)
+            except TimeoutError:
+                raise RuntimeError(
+                    f"testbed phantoms: rank {os.environ.get('RANK', '?')} issued {_describe(mine)} "
+                    f"(operation {n} of group {key}) but rank {self.leader}, which the phantoms mirror, "
+                    f"issued nothing there for {CHECK_TIMEOUT_S:g} s: ranks that take different paths "
+                    "cannot share phantoms") from None
+            ev = obj.get("ev")
+            if ev == "op":
+                self.pending.setdefault(obj.get("g"), []).append(obj)
+            elif ev == "new_group":
+                self.pending.setdefault("new_group", []).append({**obj, "op": "new_group"})
+        theirs = queue.pop(0)
+        if any(theirs.get(k) != mine.get(k) for k in self._KEYS):
+            raise RuntimeError(
+                f"testbed phantoms: rank {os.environ.get('RANK', '?')} and rank {self.leader} diverge at "
+                f"operation {n} of group {key}: this rank issues {_describe(mine)}, rank {self.leader} "
+                f"(which the phantoms mirror) issued {_describe(theirs)}. Phantoms can only mirror ranks "
+                "that issue the same collectives; make every rank with its own sequence a real one")
+
+
+def _describe(op: dict) -> str:
+    sizes = op.get("n")
+    what = f"{op.get('op')}"
+    if sizes:
+        what += f" of {sum(sizes)} {op.get('dtype', '')} element(s)".rstrip()
+    if op.get("root") is not None:
+        what += f" from root {op['root']}"
+    if op.get("ranks") is not None:
+        what += f" over ranks {op['ranks']}"
+    return what
+
+
 def _open_channels(spec: str) -> None:
     for path in filter(None, spec.split(os.pathsep)):
         # O_RDWR: never blocks, whether or not the phantom has opened its end yet
@@ -133,7 +207,10 @@ def _make_group_class(dist):
             return dist.distributed_c10d._world.pg_names.get(self, "")
 
         def _say(self, op: str, **kw) -> None:
-            _announce({"ev": "op", "op": op, "g": self.gid, "t": time.time(), **kw})
+            if _check is not None:
+                _check.expect(self.gid, {"op": op, **kw})
+            else:
+                _announce({"ev": "op", "op": op, "g": self.gid, "t": time.time(), **kw})
 
         def allreduce(self, tensors, opts=None):
             opts = opts or C.AllreduceOptions()
@@ -229,7 +306,12 @@ def install(torch) -> None:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    _open_channels(os.environ.get("TESTBED_PHANTOM_OUT", ""))
+    if os.environ.get("TESTBED_PHANTOM_CHECK"):
+        global _check
+        _check = _Checker(os.environ["TESTBED_PHANTOM_CHECK"].replace("{LOCAL_RANK}", os.environ.get("LOCAL_RANK", "0")),
+                          os.environ.get("TESTBED_PHANTOM_LEADER", "?"))
+    else:
+        _open_channels(os.environ.get("TESTBED_PHANTOM_OUT", ""))
     if os.environ.get("TESTBED_OPS_TRACE"):
         global _trace
         _trace = open(os.environ["TESTBED_OPS_TRACE"].replace("{RANK}", os.environ.get("RANK", "0")), "ab")
@@ -257,7 +339,10 @@ def install(torch) -> None:
     def new_group(ranks=None, *args, **kwargs):
         gid = _next_group[0]
         _next_group[0] += 1
-        _announce({"ev": "new_group", "g": gid, "ranks": None if ranks is None else [int(r) for r in ranks]})
+        said = None if ranks is None else [int(r) for r in ranks]
+        if _check is not None:
+            _check.expect("new_group", {"op": "new_group", "ranks": said})
+        _announce({"ev": "new_group", "g": gid, "ranks": said})
         _tls.gid = gid
         try:
             return orig_new_group(ranks, *args, **kwargs)

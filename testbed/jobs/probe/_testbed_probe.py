@@ -332,9 +332,11 @@ def _patch_torch(torch) -> None:
     _patch_collectives(torch)
     _patch_ddp(torch)
     lead = os.environ.get("TESTBED_PHANTOM_LEADER_LOCAL_RANK")   # under torchrun: one local rank announces
-    if (os.environ.get("TESTBED_PHANTOM_OUT") or os.environ.get("TESTBED_OPS_TRACE")) \
-            and (lead is None or lead == os.environ.get("LOCAL_RANK")):
-        # a real rank whose peers are phantoms (testbed run --real), or one recording its operations
+    if os.environ.get("TESTBED_PHANTOM_CHECK") or ((os.environ.get("TESTBED_PHANTOM_OUT")
+                                                    or os.environ.get("TESTBED_OPS_TRACE"))
+                                                   and (lead is None or lead == os.environ.get("LOCAL_RANK"))):
+        # a real rank whose peers are phantoms (testbed run --real), one recording its operations, or
+        # a real rank that checks its operations against the one the phantoms mirror
         try:
             import _testbed_mirror
 
