@@ -125,3 +125,12 @@ def test_cfs_period_keeps_the_quota_legal_and_short():
     assert cfs(0.125) == (1_250, 10_000)            # a dilated worker: waits at most 10 ms
     quota, period = cfs(0.05)
     assert quota >= 1_000 and quota / period == pytest.approx(0.05, rel=0.01)
+
+
+def test_cfs_burst_only_where_the_period_is_stretched():
+    """A quota under the kernel's 1 ms stretches the period to s ms; only there a group may carry one
+    period's unused quota (cgroups.cfs_burst's docstring says why)."""
+    from testbed.runtime.cgroups import cfs, cfs_burst
+
+    assert cfs_burst(1.0) == 0 and cfs_burst(0.125) == 0 and cfs_burst(0.1) == 0
+    assert cfs_burst(1 / 31.4) == cfs(1 / 31.4)[0] == 1_000

@@ -213,6 +213,15 @@ def test_cpu_limit_holds(bed_factory):
         assert int((Path(cpu_dirs[0]) / "cpu.cfs_quota_us").read_text()) == quota
     else:
         assert (Path(v2[0]) / "cpu.max").read_text().split() == [str(quota), str(period)]
+    # a stretched period (under 0.1 core) carries one quota of burst, where the kernel has the knob
+    bed.rt.set_limits("c0", rec, cpus=1 / 31.4)
+    burst = [Path(p) / f for p in rec["cgroups"] for f in ("cpu.cfs_burst_us", "cpu.max.burst")
+             if (Path(p) / f).exists()]
+    if burst:
+        assert int(burst[0].read_text()) == cgroups.cfs_burst(1 / 31.4) == 1_000
+    bed.rt.set_limits("c0", rec, cpus=1.0)
+    if burst:
+        assert int(burst[0].read_text()) == 0
 
 
 def test_memory_hog_is_killed_alone(bed_factory):
