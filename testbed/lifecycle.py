@@ -196,7 +196,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
        runtime: str | None = None, caps: Any = None, allow_gpu_sharing: bool = False,
        time_dilation: float | str | None = None, machine: Any = None, ranks: int | None = None,
        real_ranks: int | None = None,
-       net_admin: bool = False) -> dict[str, Any]:
+       net_admin: bool = False, part: Any = None) -> dict[str, Any]:
     """Build testbed `name` (default: the topology's name) from a validated topology. All or nothing.
 
     time_dilation (a factor >= 1, "auto", "none" or None for the topology's own setting): links
@@ -206,6 +206,9 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     ranks the jobs will run (what "auto" divides the cores by; default one per worker).
     net_admin: workers get CAP_NET_ADMIN (they can then undo their own shaping; off by default).
     real_ranks: how many of the ranks compute (the rest phantoms, `testbed run --real`), for "auto".
+    part: this host's part of a testbed over several hosts (testbed.cluster.part.Part, from the
+    controller): only its nodes are built, its ends of cut links become tunnels; the state keeps
+    the whole topology and the part, so faults and `down` act on what is here.
     """
     from testbed.runtime import gpu
     from testbed.runtime.env import worker_env
@@ -216,24 +219,36 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     name = name or topo.name
-    bad = limits.refusals(limits.check(len(topo.nodes), len(topo.workers), ranks))
+
+    def here(node: str) -> bool:
+        return part is None or part.local(node)
+
+    local_nodes = [n for n in topo.nodes if here(n)]
+    local_workers = [w for w in topo.workers if here(w)]
+    bad = limits.refusals(limits.check(len(local_nodes), len(local_workers), ranks))
     if bad:
         raise CapabilityError(f"this machine cannot hold {len(topo.nodes)} nodes: " + "; ".join(bad))
-    _raise_open_files_limit(len(topo.nodes))
+    _raise_open_files_limit(len(local_nodes))
     if not names.valid_testbed_name(name):
         raise TestbedError(f"invalid testbed name {name!r}: letters, digits, '.', '_', '-' "
                            "(at most 40, starting with a letter or digit)")
     topo.validate()
     plan = plan_network(topo)
+    if part is not None:
+        try:
+            part.check_against(topo, plan, name)
+        except ValueError as exc:
+            raise TestbedError(f"this host's part of testbed {name!r} does not fit its topology: {exc}") from None
     if store.exists(name):
         raise StateError(f"a testbed named {name!r} is already up: bring it down first "
                          f"(testbed down {name}) or choose another --name")
-    all_ns = [names.netns(name, n) for n in topo.nodes]
+    all_ns = [names.netns(name, n) for n in local_nodes]
     clash = [n for n in all_ns if netns.exists(n)]
     if clash:
         raise StateError(f"namespace {clash[0]} already exists (a leftover? try `testbed cleanup`); "
                          "refusing to adopt it")
-    gplan = gpu.plan_topology(topo, allow_sharing=allow_gpu_sharing)  # refuses too few GPUs, before anything
+    gplan = gpu.plan_topology(topo, allow_sharing=allow_gpu_sharing,   # refuses too few GPUs, before anything
+                              only=None if part is None else set(local_workers))
     setting = time_dilation if time_dilation is not None else topo.time_dilation
     n_ranks = ranks if ranks is not None else len(topo.workers)
     if real_ranks is not None and not 1 <= real_ranks <= n_ranks:
@@ -286,15 +301,17 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         "no_delay_element": no_delay_element(topo, caps),
         "delay_threshold_s": delay_threshold(caps),
         "runtime": {"kind": kind, "net_admin": bool(net_admin),
-                    "workers": {w: {"netns": names.netns(name, w)} for w in topo.workers}},
+                    "workers": {w: {"netns": names.netns(name, w)} for w in local_workers}},
         "links": _link_records(topo, plan),
         "resources": {
-            "switch_netns": [names.netns(name, s) for s in topo.switches],
-            "worker_netns": [names.netns(name, w) for w in topo.workers],
+            "switch_netns": [names.netns(name, s) for s in topo.switches if here(s)],
+            "worker_netns": [names.netns(name, w) for w in local_workers],
             "delay_lines": [],
         },
         "timings": timings,
     }
+    if part is not None:
+        st["part"] = part.to_json()
 
     def record(kind_: str, item: Any) -> None:
         if kind_ == "delay_line":
@@ -307,12 +324,13 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     _signalled.clear()
     old_term = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
     old_hup = signal.signal(signal.SIGHUP, _raise_terminated) if main else None
-    builder = Builder(name, topo, plan, caps, record=record, owner_label=owner_label(name), progress=progress)
+    builder = Builder(name, topo, plan, caps, record=record, owner_label=owner_label(name), progress=progress,
+                      part=part)
     pending = None
     try:
         store.save(name, st)
         t0 = time.perf_counter()
-        workers = [topo.nodes[w] for w in topo.workers]
+        workers = [topo.nodes[w] for w in local_workers]
         if progress:
             progress("worker namespaces", 0, len(workers))
         rt.prepare_many([(node, names.netns(name, node.name)) for node in workers])

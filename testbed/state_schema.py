@@ -549,6 +549,7 @@ class StateDocument(_Record):
     timings: dict[str, Any] = {}
     faults: Faults | None = None
     leftovers: list[Leftover] = []
+    part: dict[str, Any] | None = None   # one host's part of a testbed over several hosts (cluster.part)
 
     @field_validator("schema_version")
     @classmethod
@@ -572,6 +573,23 @@ class StateDocument(_Record):
         if v is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
                               or not 1 <= factor < float("inf")):
             raise _fail("not a time-dilation factor >= 1", v)
+        return v
+
+    @field_validator("part")
+    @classmethod
+    def _a_part_of_this_topology(cls, v: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        from testbed.cluster.part import Part
+
+        try:
+            part = Part.from_json(v)
+        except ValueError as exc:
+            raise _fail(str(exc), "...") from None
+        ctx = _topology(info)
+        unknown = sorted(n for n in part.nodes if n not in ctx.topology.nodes)
+        if unknown:
+            raise _fail("not a node of the topology", unknown[0], "nodes")
         return v
 
     @field_validator("links")

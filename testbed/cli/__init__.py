@@ -41,6 +41,7 @@ VERBS: dict[str, Verb] = {
     "exec": Verb("exec", "Run CMD inside NODE with stdin/stdout/stderr passed through; exit with its status."),
     "logs": Verb("logs", "Show the output of the jobs started in NODE (-f: keep following it)."),
     "ls": Verb("ls", "List the testbeds that are up."),
+    "part": Verb("part", "One host's side of a testbed over several hosts (run by the controller over SSH)."),
     "partition": Verb("partition", "Split the workers into groups that cannot reach each other."),
     "heal": Verb("partition", "Undo `testbed partition`."),
     "ps": Verb("ps", "List the processes running in each worker (or the NODEs named)."),

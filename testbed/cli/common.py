@@ -43,22 +43,55 @@ def require_root(what: str) -> None:
         raise TestbedError(f"{what} needs root (network namespaces and tc): run it with sudo")
 
 
-def resolve_name(name: str | None) -> str:
-    """The testbed a command acts on: NAME, or the only one that is up."""
+def resolve_name(name: str | None, *, clusters: bool = False, verb: str = "this command") -> str:
+    """The testbed a command acts on: NAME, or the only one that is up. clusters: the verb also
+    works on a testbed over several hosts (testbed.cluster.controller); without it such a testbed is
+    refused with a sentence saying what to do instead."""
     from testbed import store
+    from testbed.cluster import controller
 
-    if name:
-        if not store.exists(name):
-            up = store.list_names()
-            hint = f"; up: {', '.join(up)}" if up else "; none is up (testbed up TOPOLOGY)"
-            raise StateError(f"no testbed named {name!r} is up{hint}")
-        return name
-    up = store.list_names()
-    if len(up) == 1:
-        return up[0]
-    if not up:
-        raise StateError("no testbed is up: start one with `testbed up TOPOLOGY`")
-    raise StateError(f"{len(up)} testbeds are up ({', '.join(up)}): say which with --name")
+    local, spread = store.list_names(), controller.list_names()
+    if not name:
+        up = local + [n for n in spread if n not in local]
+        if not up:
+            raise StateError("no testbed is up: start one with `testbed up TOPOLOGY`")
+        if len(up) > 1:
+            raise StateError(f"{len(up)} testbeds are up ({', '.join(up)}): say which with --name")
+        name = up[0]
+    if name in spread and name not in local:
+        if clusters:
+            return name
+        raise StateError(f"testbed {name!r} spans several hosts, and {verb} does not work across hosts yet "
+                         f"(up, down, status, exec, link and ls do): run it on the node's host "
+                         f"(`testbed status {name}` shows where each node is)")
+    if name not in local:
+        up = local + spread
+        hint = f"; up: {', '.join(up)}" if up else "; none is up (testbed up TOPOLOGY)"
+        raise StateError(f"no testbed named {name!r} is up{hint}")
+    return name
+
+
+def forward_to_hosts(name: str, *, every: bool = True) -> None:
+    """Run this command line (as typed, with --name NAME) on the hosts of testbed `name`, which spans
+    several hosts: on every host (each acts on what it holds), or on the first one (`every=False`:
+    a read that every host answers alike). Prints what each printed; exits 1 if any failed."""
+    from testbed.cluster import controller
+
+    argv = list(sys.argv[1:]) + ["--name", name]
+    results = controller.run_on_every_host(name, argv) if every else \
+        dict([next(iter(controller.run_on_every_host(name, argv).items()))])
+    bad = 0
+    for host, r in results.items():
+        out = getattr(r, "stdout", "")
+        text = out.strip() if not isinstance(r, Exception) else ""
+        if isinstance(r, Exception) or r.rc != 0:
+            bad += 1
+            why = str(r) if isinstance(r, Exception) else (r.stderr.strip() or f"exit status {r.rc}")
+            err_console.print(f"[red]{host}:[/] {why}", highlight=False)
+        elif text:
+            console.print(text if not every else f"[bold]{host}:[/] {text}", highlight=False)
+    if bad:
+        raise typer.Exit(1)
 
 
 def testbed_command() -> str:

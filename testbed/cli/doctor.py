@@ -16,7 +16,10 @@ def register(app: typer.Typer) -> None:
                scale: str = typer.Option("fat-tree --set params.k=16", "--for",
                                          help="Check the machine's limits (namespaces, open files, PIDs, "
                                               "memory) for this topology (as `testbed up` takes it, with "
-                                              "--set overrides after it).")) -> None:
+                                              "--set overrides after it; '' for none)."),
+               cached: bool = typer.Option(False, "--cached",
+                                           help="Use the kernel probe cached this boot (by `up` or an earlier "
+                                                "doctor) when there is one, instead of probing again.")) -> None:
         """Probe the kernel and machine: netem, HTB, TAP delay line, BPF loss, Docker, GPUs, latency floor."""
         import shlex
 
@@ -28,7 +31,7 @@ def register(app: typer.Typer) -> None:
         overrides = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--set"]
         topo = load_topology(words[0], overrides) if words else None
         checked = limits.check(len(topo.nodes), len(topo.workers)) if topo is not None else []
-        caps = probe(measure_floor=True, refresh=True)
+        caps = probe(measure_floor=True, refresh=not cached)
         if as_json:
             print(json.dumps({**caps.to_json(), "limits": {
                 "for": scale, "nodes": len(topo.nodes) if topo else None,

@@ -26,7 +26,16 @@ def down_cmd(
         return
     if name_arg and name and name_arg != name:
         fail(f"two different names given ({name_arg}, {name})", 2)
-    target = resolve_name(name_arg or name)
+    target = resolve_name(name_arg or name, clusters=True)
+    from testbed.cluster import controller
+
+    if controller.exists(target) and not lifecycle.store.exists(target):
+        left = controller.down(target, progress=lambda m: err_console.print(m, highlight=False))
+        if left:
+            fail(f"testbed {target} is down except on: " + "; ".join(f"{h}: {why}" for h, why in left.items())
+                 + f". Run `testbed down {target}` again once they are reachable.", 1)
+        console.print(f"testbed {target} is down on every host")
+        return
     for note in lifecycle.down(target):
         err_console.print(f"[yellow]warning:[/] {note}", highlight=False)
     console.print(f"testbed {target} is down")

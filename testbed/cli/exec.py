@@ -24,7 +24,17 @@ def exec_cmd(
         cmd = cmd[1:]
     if not cmd:
         fail("no command given: testbed exec NODE -- CMD ...", 2)
-    st = lifecycle.load(resolve_name(name))
+    target = resolve_name(name, clusters=True)
+    from testbed import store
+    from testbed.cluster import controller
+
+    if controller.exists(target) and not store.exists(target):
+        # on the node's host; its output comes back when it ends (stdin is not passed on)
+        r = controller.run_on_node_host(target, node, ["exec", node, "--name", target, "--", *cmd])
+        sys.stdout.write(r.stdout)
+        sys.stderr.write(r.stderr)
+        raise typer.Exit(r.rc if r.rc >= 0 else 1)
+    st = lifecycle.load(target)
     argv = lifecycle.exec_argv(st, node, cmd)
     sys.stdout.flush()
     sys.stderr.flush()

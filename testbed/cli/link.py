@@ -7,11 +7,20 @@ from typing import Optional
 
 import typer
 
-from testbed.cli.common import NameOption, console, require_root, resolve_name
+from testbed.cli.common import NameOption, console, forward_to_hosts, require_root, resolve_name
 from testbed.topology.units import format_profile
 
 DirectionOption = typer.Option("both", "--direction", "-d",
                                help="both, A->B (traffic from A to B), B->A, or with node names: w0->edge0-0.")
+
+
+def _spread(name: str) -> bool:
+    """A testbed over several hosts (here only its controller's record): the command goes to its hosts,
+    each changing what it holds (its link ends, its switches' routes)."""
+    from testbed import store
+    from testbed.cluster import controller
+
+    return controller.exists(name) and not store.exists(name)
 
 
 def register(app: typer.Typer) -> None:
@@ -28,7 +37,10 @@ def register(app: typer.Typer) -> None:
 
         from testbed.faults import control
 
-        name = resolve_name(name)
+        name = resolve_name(name, clusters=True)
+        if _spread(name):
+            forward_to_hosts(name, every=False)   # every host keeps the same link records
+            return
         links = control.link_show(name)
         if changed:
             links = [l for l in links if l["state"] != "up" or l["changed"]]
@@ -70,7 +82,10 @@ def register(app: typer.Typer) -> None:
             raise control.FaultError(f"--{e.path.lstrip('.')}: {e.reason} (got {e.value!r})"
                                      if e.path and e.path != "--direction" else str(e)) from None
         require_root("testbed link set")
-        name = resolve_name(name)
+        name = resolve_name(name, clusters=True)
+        if _spread(name):
+            forward_to_hosts(name)
+            return
         link = control.link_set(name, a, b, changes, direction)
         console.print(f"{a} <-> {b}: {format_changes(changes)}"
                       f"{'' if direction == 'both' else f' ({direction})'}; now "
@@ -83,7 +98,11 @@ def register(app: typer.Typer) -> None:
         from testbed.faults import control
 
         require_root("testbed link down")
-        went = control.link_down(resolve_name(name), a, b)
+        name = resolve_name(name, clusters=True)
+        if _spread(name):
+            forward_to_hosts(name)
+            return
+        went = control.link_down(name, a, b)
         console.print(f"{a} <-> {b}: down" + ("" if went else " (it was down already)"), highlight=False)
 
     @link_app.command("up")
@@ -93,7 +112,11 @@ def register(app: typer.Typer) -> None:
         from testbed.faults import control
 
         require_root("testbed link up")
-        left = control.link_up(resolve_name(name), a, b)
+        name = resolve_name(name, clusters=True)
+        if _spread(name):
+            forward_to_hosts(name)
+            return
+        left = control.link_up(name, a, b)
         console.print(f"{a} <-> {b}: " + (f"still down ({', '.join(left)})" if left else "up"), highlight=False)
 
     @link_app.command("reset")
@@ -103,5 +126,9 @@ def register(app: typer.Typer) -> None:
         from testbed.faults import control
 
         require_root("testbed link reset")
-        control.link_reset(resolve_name(name), a, b)
+        name = resolve_name(name, clusters=True)
+        if _spread(name):
+            forward_to_hosts(name)
+            return
+        control.link_reset(name, a, b)
         console.print(f"{a} <-> {b}: reset to the topology's profile", highlight=False)

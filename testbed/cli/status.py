@@ -33,7 +33,14 @@ def status_cmd(
 
     if name_arg and name and name_arg != name:
         fail(f"two different names given ({name_arg}, {name})", 2)
-    doc = lifecycle.status(resolve_name(name_arg or name))
+    target = resolve_name(name_arg or name, clusters=True)
+    from testbed import store
+    from testbed.cluster import controller
+
+    if controller.exists(target) and not store.exists(target):
+        _cluster_status(controller.status(target), as_json)
+        return
+    doc = lifecycle.status(target)
     if as_json:
         print(json.dumps(doc, indent=1))
         return
@@ -66,6 +73,37 @@ def status_cmd(
         console.print(f"[red]partitioned:[/] {faults['partition']} (testbed heal)")
     for node, rec in (faults.get("nodes") or {}).items():
         console.print(f"[yellow]{node}:[/] {rec}")
+
+
+def _cluster_status(doc: dict, as_json: bool) -> None:
+    """A testbed over several hosts: each host's part (nodes, missing pieces) or why it is lost."""
+    if as_json:
+        print(json.dumps(doc, indent=1))
+        return
+    console.print(f"[bold]{doc['name']}[/]: {doc['status']} on {len(doc['hosts'])} hosts, "
+                  f"{len(doc['cut_links'])} link(s) between hosts (VXLAN)")
+    t = Table(title="hosts", title_justify="left")
+    for col in ("host", "state", "nodes", "links down", "missing"):
+        t.add_column(col)
+    placement = doc["placement"]
+    for host, st in doc["hosts"].items():
+        nodes = [n for n, h in placement.items() if h == host]
+        if "lost" in st:
+            t.add_row(host, "[red]lost[/]", str(len(nodes)), "-", st["lost"][:120])
+            continue
+        down = sum(1 for link in st.get("links", []) if link.get("state") != "up")
+        missing = st.get("missing", [])
+        t.add_row(host, st.get("status", "?"), str(len(nodes)), str(down),
+                  ("[red]" + "; ".join(missing[:3]) + "[/]") if missing else "")
+    console.print(t)
+    nt = Table(title="nodes", title_justify="left")
+    for col in ("node", "host"):
+        nt.add_column(col)
+    for n, h in list(placement.items())[:40]:
+        nt.add_row(n, h)
+    if len(placement) > 40:
+        nt.caption = f"... and {len(placement) - 40} more (--json)"
+    console.print(nt)
 
 
 def register(app: typer.Typer) -> None:

@@ -153,6 +153,18 @@ def up_cmd(
                                    help="Give workers CAP_NET_ADMIN (for jobs that configure their own "
                                         "interfaces or tc). A job can then change or remove its links' "
                                         "shaping, and the run's numbers stop being the topology's."),
+    hosts_file: Optional[str] = typer.Option(None, "--hosts", metavar="HOSTS.yaml",
+                                             help="Spread the testbed over these hosts, driven over SSH "
+                                                  "(docs/multi-host.md); links between hosts become VXLAN "
+                                                  "tunnels."),
+    pins: list[str] = typer.Option([], "--pin", metavar="NODE=HOST", help="With --hosts: keep NODE on HOST "
+                                                                          "(repeatable)."),
+    known_hosts: Optional[str] = typer.Option(None, "--known-hosts", metavar="FILE",
+                                              help="With --hosts: the SSH host keys to accept (default: "
+                                                   "~/.ssh/known_hosts); other keys are refused."),
+    trust_new_host_keys: bool = typer.Option(False, "--trust-new-host-keys",
+                                             help="With --hosts: accept hosts whose key is not known yet "
+                                                  "(and remember it)."),
 ) -> None:
     """Build a testbed from TOPOLOGY and leave it running."""
     from testbed import lifecycle
@@ -161,9 +173,15 @@ def up_cmd(
     require_root("testbed up")
     if runtime is not None and runtime not in ("netns", "docker"):
         fail(f"--runtime must be netns or docker (got {runtime!r})", 2)
+    if (pins or known_hosts or trust_new_host_keys) and not hosts_file:
+        fail("--pin, --known-hosts and --trust-new-host-keys go with --hosts", 2)
     topo, warnings = load_any(topology, sets)
     for w in warnings:
         err_console.print(f"[yellow]warning:[/] {w}", highlight=False)
+    if hosts_file:
+        _up_over_hosts(topo, name, hosts_file, pins, time_dilation, runtime, net_admin, known_hosts,
+                       trust_new_host_keys)
+        return
     setting = time_dilation or topo.time_dilation or "auto"
     t0 = time.perf_counter()
     machine = machine_constants(setting)
@@ -175,6 +193,46 @@ def up_cmd(
     finally:
         progress.stop()
     _summary(st, time.perf_counter() - t0)
+
+
+def _up_over_hosts(topo: Any, name: Optional[str], hosts_file: str, pins: list[str], time_dilation: Optional[str],
+                   runtime: Optional[str], net_admin: bool, known_hosts: Optional[str], trust_new: bool) -> None:
+    from testbed.cluster import controller
+    from testbed.topology.hosts import load_hosts
+    from testbed.topology.placement import parse_pins
+
+    hosts = load_hosts(hosts_file)
+    t0 = time.perf_counter()
+    doc = controller.up(topo, hosts, name, pins=parse_pins(pins), time_dilation=time_dilation, runtime=runtime,
+                        net_admin=net_admin, known_hosts=known_hosts, trust_new=trust_new,
+                        progress=lambda m: err_console.print(m, highlight=False))
+    name = doc["name"]
+    console.print(f"[bold green]testbed {name} is up[/] on {len(doc['hosts'])} hosts ({topo.name}) "
+                  f"in {time.perf_counter() - t0:.2f} s")
+    t = Table(title="hosts", title_justify="left")
+    for col in ("host", "nodes", "workers", "tunnel ends", "built in"):
+        t.add_column(col, justify="left" if col == "host" else "right")
+    for h, info in doc["hosts"].items():
+        secs = info.get("seconds")
+        nodes = info.get("nodes")
+        t.add_row(h, str(len(nodes) if isinstance(nodes, list) else nodes),
+                  str(len(info.get("workers", []))), str(info.get("tunnels", 0)),
+                  f"{secs:.2f} s" if isinstance(secs, (int, float)) else "-")
+    console.print(t)
+    cuts = doc.get("cut_links") or []
+    console.print(f"{len(cuts)} link(s) cross hosts as VXLAN tunnels"
+                  + (": " + ", ".join(f"{c['endpoints'][0]}-{c['endpoints'][1]}" for c in cuts[:6])
+                     + (" ..." if len(cuts) > 6 else "") if cuts else ""), highlight=False)
+    for pair, s in (doc.get("underlay_one_way_s") or {}).items():
+        console.print(f"underlay {pair.replace('|', ' <-> ')}: {s * 1e6:.0f} us one way (taken off the cut "
+                      "links' delay)", highlight=False)
+    tb = testbed_command()
+    w0, w1 = topo.workers[0], topo.workers[-1]
+    console.print("\nnext:")
+    for line in (f"{tb} exec {w0} --name {name} -- ping -c 3 {w1}",
+                 f"{tb} status {name}",
+                 f"{tb} down {name}"):
+        console.print(f"  {line}", highlight=False, soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

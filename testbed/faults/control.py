@@ -92,6 +92,12 @@ class Handle:
 
         return capabilities.probe()
 
+    def here(self, node: str) -> bool:
+        """Whether `node` is built on this host (always, unless the testbed spans several hosts:
+        then each host's faults act on its own nodes and link ends, cluster.part)."""
+        part = self.st.get("part")
+        return part is None or node in part.get("nodes", ())
+
     def netns(self, node: str) -> str:
         if node in self.topo.workers:
             rec = self.st.get("runtime", {}).get("workers", {}).get(node) or {}
@@ -205,6 +211,8 @@ def _set_admin(h: Handle, i: int, up: bool) -> None:
     rec = h.st["links"][i]
     link = h.topo.links[i]
     for node, ifname in zip((link.a, link.b), rec["ifnames"]):
+        if not h.here(node):
+            continue
         with _ipr(h.netns(node)) as ipr:
             idx = _index(ipr, ifname)
             if idx is not None:
@@ -247,7 +255,7 @@ def _sync_routes(h: Handle, old_down: set[int], touched: Sequence[str] = ()) -> 
     touched = set(touched)
     down_if = _down_ifnames(h)
     neigh = Builder(h.name, h.topo, h.plan)._neighbours() if touched else {}
-    nodes = [n for n in h.topo.nodes if n in touched or (n in new_r and old_r[n] != new_r[n])]
+    nodes = [n for n in h.topo.nodes if h.here(n) and (n in touched or (n in new_r and old_r[n] != new_r[n]))]
 
     def work(node: str) -> dict[str, Any]:
         return {"problems": _sync_node(h, node, old_r.get(node), new_r.get(node), node in touched, down_if,
@@ -377,7 +385,7 @@ def _apply_profiles(h: Handle, i: int, new_ab: LinkProfile, new_ba: LinkProfile)
             raise CapabilityError("loss needs sch_netem or cls_bpf, and this kernel has neither")
     for node, ifname, old, new in ((link.a, rec["ifnames"][0], old_ab, new_ab),
                                    (link.b, rec["ifnames"][1], old_ba, new_ba)):
-        if old == new:
+        if old == new or not h.here(node):
             continue
         with _ipr(h.netns(node)) as ipr:
             shaping.change(ipr, ifname, dilate(old, s), dilate(new, s), caps)

@@ -137,13 +137,23 @@ class Builder:
     timings: dict[str, float] = field(default_factory=dict)
     delay_lines: list[dict[str, Any]] = field(default_factory=list)
     progress: Callable[[str, int, int], None] | None = None   # (phase, done, total)
+    # one host's part of a testbed over several hosts (testbed.cluster.part.Part): only its nodes
+    # are built, and its ends of cut links are tunnels; None: every node, here
+    part: Any = None
 
     def ns(self, node: str) -> str:
         return names.netns(self.testbed, node)
 
+    def here(self, node: str) -> bool:
+        return self.part is None or self.part.local(node)
+
+    @property
+    def nodes(self) -> list[str]:
+        return [n for n in self.topo.nodes if self.here(n)]
+
     @property
     def switch_namespaces(self) -> list[str]:
-        return [self.ns(s) for s in self.topo.switches]
+        return [self.ns(s) for s in self.topo.switches if self.here(s)]
 
     def _tick(self, phase: str, done: int, total: int) -> None:
         if self.progress is not None:
@@ -157,7 +167,7 @@ class Builder:
     # -- phases ------------------------------------------------------------------------------------
     def create_switch_namespaces(self) -> None:
         t0 = time.perf_counter()
-        sw = self.topo.switches
+        sw = [s for s in self.topo.switches if self.here(s)]
         with netns.Home() as home:
             for i, s in enumerate(sw):
                 netns.create(self.ns(s), SWITCH_SYSCTLS, home=home)
@@ -167,7 +177,7 @@ class Builder:
     def set_worker_sysctls(self) -> None:
         t0 = time.perf_counter()
         with netns.Home() as home:
-            for w in self.topo.workers:
+            for w in (w for w in self.topo.workers if self.here(w)):
                 fd = os.open(netns.path(self.ns(w)), os.O_RDONLY | os.O_CLOEXEC)
                 try:
                     netns.setns(fd)
@@ -183,13 +193,18 @@ class Builder:
         t0 = time.perf_counter()
         fds: dict[str, int] = {}
         try:
-            for node in self.topo.nodes:
+            for node in self.nodes:
                 fds[node] = os.open(netns.path(self.ns(node)), os.O_RDONLY | os.O_CLOEXEC)
             with IPRoute() as ipr:
                 total = len(self.plan.links)
                 for n, lp in enumerate(self.plan.links):
                     link = self.topo.links[lp.index]
-                    if needs_delay_line(link.ab, self.caps) or needs_delay_line(link.ba, self.caps):
+                    a_here, b_here = self.here(lp.a.node), self.here(lp.b.node)
+                    if not (a_here or b_here):
+                        pass   # another host's link
+                    elif a_here != b_here:
+                        self._tunnel_end(lp, lp.a if a_here else lp.b)
+                    elif needs_delay_line(link.ab, self.caps) or needs_delay_line(link.ba, self.caps):
                         self._start_delay_line(lp)
                     else:
                         mtu = max(link.ab.mtu, link.ba.mtu)
@@ -205,6 +220,24 @@ class Builder:
             for fd in fds.values():
                 os.close(fd)
         self._timed("links", t0)
+
+    def _tunnel_end(self, lp: LinkPlan, port: Any) -> None:
+        """This host's end of a cut link: a VXLAN device with the port's name, MAC and MTU. Its
+        delay is netem's on the device (shape()); a kernel without netem has only delay lines,
+        which join two local TAPs and cannot reach another host."""
+        from testbed.errors import CapabilityError, TestbedError
+        from testbed.net import tunnels
+
+        link = self.topo.links[lp.index]
+        if needs_delay_line(link.ab, self.caps) or needs_delay_line(link.ba, self.caps):
+            raise CapabilityError(
+                f"link {link.a}-{link.b} crosses hosts and has a delay, which needs sch_netem on this host "
+                f"({self.part.host}); its kernel has none (delay lines join two local devices only). Give the "
+                "link no delay, pin both ends to one host (--pin), or use a kernel with netem")
+        end = self.part.tunnel(lp.index)
+        if end is None:
+            raise TestbedError(f"link {link.a}-{link.b} crosses hosts but this host's part has no tunnel for it")
+        tunnels.create(end, self.ns(port.node))
 
     def _start_delay_line(self, lp: LinkPlan) -> None:
         from testbed.net import delayline
@@ -245,15 +278,15 @@ class Builder:
         ports: dict[str, list[tuple[Any, LinkProfile, str]]] = {n: [] for n in self.topo.nodes}
         for lp in self.plan.links:
             link = self.topo.links[lp.index]
-            ports[lp.a.node].append((lp.a, link.ab, self.mac(lp, "a")))
-            ports[lp.b.node].append((lp.b, link.ba, self.mac(lp, "b")))
+            ports[lp.a.node].append((lp.a, self._egress(lp.index, link.ab), self.mac(lp, "a")))
+            ports[lp.b.node].append((lp.b, self._egress(lp.index, link.ba), self.mac(lp, "b")))
         delayed_links = {rec.get("link") for rec in self.delay_lines}
         delayed_ports: dict[str, set[str]] = {n: set() for n in self.topo.nodes}
         for lp in self.plan.links:
             if lp.index in delayed_links:
                 delayed_ports[lp.a.node].add(lp.a.ifname)
                 delayed_ports[lp.b.node].add(lp.b.ifname)
-        nodes = list(self.topo.nodes)
+        nodes = self.nodes
         homes: dict[int, netns.Home] = {}   # per process: the namespace to come back to
 
         def work(node: str) -> dict[str, float]:
@@ -279,6 +312,16 @@ class Builder:
             if home is not None:
                 home.close()
         self._timed("configure", t0)
+
+    def _egress(self, index: int, profile: LinkProfile) -> LinkProfile:
+        """A link direction's profile as its sending end shapes it: on a cut link, less the
+        underlay's own one-way latency (the tunnel adds it), so traffic sees the configured delay."""
+        under = self.part.underlay_s.get(index) if self.part is not None else None
+        if not under or profile.delay_s <= 0:
+            return profile
+        from testbed.net.tunnels import netem_delay_for
+
+        return profile.with_changes(delay_s=netem_delay_for(profile.delay_s, under))
 
     def _configure_node(self, ipr: Any, node: str, ports: list[tuple[Any, LinkProfile, str]],
                         neigh: list[tuple[str, str, str]], delayed: set[str]) -> dict[str, float]:
@@ -352,12 +395,14 @@ class Builder:
 
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
-        expected: dict[str, set[str]] = {n: set() for n in self.topo.nodes}
+        expected: dict[str, set[str]] = {n: set() for n in self.nodes}
         for lp in self.plan.links:
-            expected[lp.a.node].add(lp.a.ifname)
-            expected[lp.b.node].add(lp.b.ifname)
+            for port in (lp.a, lp.b):
+                if port.node in expected:
+                    expected[port.node].add(port.ifname)
         for sw in self.plan.subnets:
-            expected[sw].add(BRIDGE)
+            if sw in expected:
+                expected[sw].add(BRIDGE)
         with netns.Home() as home:
             for node, want in expected.items():
                 ipr = self._iproute_in(home, node)

@@ -316,9 +316,10 @@ def plan(requests: Mapping[str, int], *, policy: str = "round-robin", sharing: s
     return GpuPlan(list(devices), a, policy, mps and any(a.values()), sharers(a))
 
 
-def plan_topology(topology: Any, *, allow_sharing: bool = False, devices: Sequence[Gpu] | None = None) -> GpuPlan:
-    """plan() for a Topology's workers, its gpu_policy and gpu_sharing."""
-    req = {n.name: n.gpus for n in topology.nodes.values() if n.is_worker}
+def plan_topology(topology: Any, *, allow_sharing: bool = False, devices: Sequence[Gpu] | None = None,
+                  only: set[str] | None = None) -> GpuPlan:
+    """plan() for a Topology's workers (those in `only`: one host's part), its gpu_policy and gpu_sharing."""
+    req = {n.name: n.gpus for n in topology.nodes.values() if n.is_worker and (only is None or n.name in only)}
     return plan(req, policy=topology.gpu_policy, sharing=topology.gpu_sharing, allow_sharing=allow_sharing,
                 devices=devices)
 

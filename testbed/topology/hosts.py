@@ -185,6 +185,7 @@ class Host(_Record):
     underlay: Annotated[str, BeforeValidator(_underlay)]
     capacity: Capacity
     labels: dict[str, Annotated[str, BeforeValidator(_label_value)]] = Field(default_factory=dict)
+    testbed: str = "testbed"     # the command that runs testbed on the host (a path, or words for shlex)
 
     @field_validator("name")
     @classmethod
@@ -198,6 +199,20 @@ class Host(_Record):
     def _key(cls, v: str | None) -> str | None:
         if v is not None and (not v.strip() or "\0" in v):
             raise _fail("expected the path of a private key", v)
+        return v
+
+    @field_validator("testbed")
+    @classmethod
+    def _testbed(cls, v: str) -> str:
+        import shlex
+
+        try:
+            words = shlex.split(v)
+        except ValueError as exc:
+            raise _fail(f"not a command line ({exc})", v) from None
+        if not words or "\0" in v or "\n" in v:
+            raise _fail("expected the command that runs testbed on the host, e.g. /opt/testbed/.venv/bin/testbed",
+                        v)
         return v
 
     @field_validator("labels")
@@ -221,6 +236,12 @@ class Host(_Record):
         return parse_ssh(self.ssh)
 
     @property
+    def testbed_argv(self) -> list[str]:
+        import shlex
+
+        return shlex.split(self.testbed)
+
+    @property
     def uses_agent(self) -> bool:
         """The SSH agent is used when asked for, and by default when no key is given."""
         return self.agent if self.agent is not None else self.key is None
@@ -229,7 +250,7 @@ class Host(_Record):
         t = self.target
         return {"name": self.name, "ssh": str(t), "user": t.user, "address": t.address, "port": t.port,
                 "key": self.key, "agent": self.uses_agent, "underlay": self.underlay,
-                "capacity": self.capacity.model_dump(), "labels": dict(self.labels)}
+                "capacity": self.capacity.model_dump(), "labels": dict(self.labels), "testbed": self.testbed}
 
 
 class _HostsFile(_Record):
@@ -318,6 +339,7 @@ class Hosts:
     hosts: tuple[Host, ...]
     source: str | None = None
     description: str | None = None
+    text: str | None = None        # the file's text, when loaded from text (a controller keeps it)
 
     def __iter__(self) -> Iterator[Host]:
         return iter(self.hosts)
@@ -358,7 +380,9 @@ def hosts_from_data(data: Any, source: str | None = None) -> Hosts:
 
 def load_hosts_text(text: str, source: str | None = None) -> Hosts:
     """Parse YAML `text` (duplicate keys refused, with their line) and validate it."""
-    return hosts_from_data(parse_yaml(text, source), source)
+    from dataclasses import replace
+
+    return replace(hosts_from_data(parse_yaml(text, source), source), text=text)
 
 
 def load_hosts(path: str | Path) -> Hosts:

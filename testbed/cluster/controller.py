@@ -1,0 +1,435 @@
+"""One testbed over several hosts: the controller's side (`testbed up TOPOLOGY --hosts HOSTS.yaml`).
+
+`up`: place the nodes (testbed.topology.placement), check every host over SSH
+(reachable, root, the same testbed version, `doctor`), measure the underlay
+between hosts that share a cut link (MTU, one-way latency; a link the
+underlay cannot carry is refused before anything is built), then run each
+host's part (`testbed part up`, testbed.cluster.part) on all hosts at once.
+If any host fails, every host that built its part takes it down again: all or
+nothing, as on one host. A host whose SSH session drops mid-`up` rolls back
+on its own (`up` treats SIGHUP like Ctrl-C).
+
+The controller keeps one file, <state root>/.clusters/NAME.json: the hosts
+file's text (re-validated on every load), the placement and each host's part
+summary. Each host keeps its usual local state, so `testbed down NAME` on a
+host removes its part even when the controller is gone. Verbs forward: `down`
+and link changes to every host (each acts on what is local; every host keeps
+the whole topology and routing plan, so each recomputes the same routes),
+`exec` to the node's host, `status` gathers every host's.
+
+Hosts are driven through testbed.cluster.remote.HostControl (SSH with
+Fabric today): a narrow interface, so another transport could drive them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from typing import TYPE_CHECKING
+
+from testbed import paths
+from testbed.errors import StateError, TestbedError
+
+if TYPE_CHECKING:   # (the CLI imports this module for exists() and list_names(): it stays light)
+    from testbed.topology.hosts import Host, Hosts
+    from testbed.topology.model import Topology
+
+UP_TIMEOUT_S = 1800.0
+DOWN_TIMEOUT_S = 600.0
+PROBE_COUNT = 10
+
+
+class ClusterError(TestbedError):
+    """A testbed over several hosts could not be built, reached or removed; says which host and why."""
+
+
+# -- the controller's state ------------------------------------------------------------------------------
+
+
+def state_path(name: str) -> Path:
+    return paths.root() / ".clusters" / f"{name}.json"
+
+
+def exists(name: str | None) -> bool:
+    return bool(name) and state_path(name).is_file()
+
+
+def _save(name: str, doc: dict[str, Any]) -> None:
+    paths.check_root(create=True)
+    d = state_path(name).parent
+    d.mkdir(mode=0o700, exist_ok=True)
+    tmp = d / f".{name}.json.tmp"
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, state_path(name))
+
+
+def load(name: str) -> dict[str, Any]:
+    """The controller's record of testbed `name`, checked: its hosts file is parsed again, the
+    placement names only those hosts."""
+    from testbed.topology.hosts import load_hosts_text
+
+    p = state_path(name)
+    try:
+        doc = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise StateError(f"no testbed {name!r} over several hosts here ({p} is missing)") from None
+    except ValueError as exc:
+        raise StateError(f"{p}: not JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("name") != name or not isinstance(doc.get("hosts_text"), str) \
+            or not isinstance(doc.get("placement"), dict):
+        raise StateError(f"{p}: not a cluster record of testbed {name!r}")
+    hosts = load_hosts_text(doc["hosts_text"], f"{p}:hosts_text")
+    known = {h.name for h in hosts}
+    bad = [h for h in doc["placement"].values() if h not in known]
+    if bad:
+        raise StateError(f"{p}: placement names host {bad[0]!r}, which its hosts file lacks")
+    doc["_hosts"] = hosts
+    return doc
+
+
+def list_names() -> list[str]:
+    d = paths.root() / ".clusters"
+    return sorted(p.stem for p in d.glob("*.json")) if d.is_dir() else []
+
+
+# -- hosts -------------------------------------------------------------------------------------------------
+
+
+def _controls(hosts: Sequence[Host], known_hosts: str | None, trust_new: bool) -> dict[str, Any]:
+    from testbed.cluster.remote import SshHost
+
+    return {h.name: SshHost(h, known_hosts=known_hosts, trust_new=trust_new) for h in hosts}
+
+
+def _close(ctls: dict[str, Any]) -> None:
+    for c in ctls.values():
+        try:
+            c.close()
+        except Exception:  # noqa: BLE001 - closing a dead connection: nothing to do
+            pass
+
+
+def _parallel(ctls: dict[str, Any], names: Sequence[str], fn: Callable[[Any], Any]) -> dict[str, Any]:
+    """fn(ctl) on the named hosts at once: host -> result or the exception it raised."""
+    from testbed.cluster.remote import run_parallel
+
+    chosen = [ctls[n] for n in names]
+    return dict(zip(names, run_parallel(chosen, fn)))
+
+
+def _why(res: Any) -> str:
+    """One line of why a host's command failed."""
+    from testbed.cluster.remote import RemoteResult
+
+    if isinstance(res, RemoteResult):
+        lines = [ln for ln in (res.stderr or res.stdout).strip().splitlines() if ln.strip()]
+        return lines[-1].removeprefix("error: ") if lines else f"exit status {res.rc}"
+    return str(res)
+
+
+# -- up ----------------------------------------------------------------------------------------------------
+
+
+def _resolve_dilation(setting: Any) -> Any:
+    if isinstance(setting, str) and setting.strip().lower() == "auto":
+        raise ClusterError("--time-dilation auto is not built for several hosts yet (each host would choose its "
+                           "own factor): give one factor for all, e.g. --time-dilation 4, or none")
+    return setting
+
+
+def _threshold(doctor: dict[str, Any] | None) -> float:
+    """A host's delay threshold (shaping.delay_threshold) from its `doctor --json`: a delay at or below
+    it gets no delay element there, so a cut link with it is as fast as the underlay."""
+    from testbed.net.shaping import DELAY_LINE_OVERHEAD_S
+
+    doctor = doctor or {}
+    floor = doctor.get("latency_floor_s")
+    floor = float(floor) if isinstance(floor, (int, float)) and not isinstance(floor, bool) else 0.0
+    return floor if doctor.get("netem") else floor + DELAY_LINE_OVERHEAD_S
+
+
+def _probe_asks(placement: Any, hosts: Hosts) -> dict[str, list[str]]:
+    """host -> the underlay addresses it measures: one host of each pair a cut link joins."""
+    by_name = {h.name: h for h in hosts}
+    asks: dict[str, list[str]] = {}
+    for pair in sorted({tuple(sorted((c.host_a, c.host_b))) for c in placement.cut_links}):
+        asks.setdefault(pair[0], []).append(by_name[pair[1]].underlay)
+    return asks
+
+
+def _start_probes(ctls: dict[str, Any], hosts: Hosts, asks: dict[str, list[str]]) -> Callable[[], dict[str, Any]]:
+    """Start `testbed part probe` on the asking hosts (in threads, beside the host checks); the
+    returned function waits for the results."""
+    import threading
+
+    by_name = {h.name: h for h in hosts}
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        box.update(_parallel(ctls, list(asks), lambda c: c.run(
+            [*by_name[c.name].testbed_argv, "part", "probe", "--count", str(PROBE_COUNT), *asks[c.name]],
+            timeout=120)))
+
+    th = threading.Thread(target=work, name="underlay-probes", daemon=True)
+    th.start()
+
+    def wait() -> dict[str, Any]:
+        th.join()
+        return box
+
+    return wait
+
+
+def _underlay(topo: Topology, placement: Any, hosts: Hosts, asks: dict[str, list[str]], results: dict[str, Any],
+              factor: float, thresholds: dict[str, float]) -> dict[frozenset[str], float]:
+    """Judge the underlay measurements between the hosts cut links join; refuse what it cannot carry:
+    a link MTU the underlay cannot encapsulate, a delay (that gets a delay element) below the
+    underlay's own one-way latency. Returns {host pair} -> one-way latency (s)."""
+    from testbed.net import tunnels
+
+    pairs: dict[frozenset[str], list[Any]] = {}
+    for cut in placement.cut_links:
+        pairs.setdefault(frozenset((cut.host_a, cut.host_b)), []).append(cut)
+    problems, one_way = [], {}
+    for a, res in results.items():
+        if isinstance(res, Exception) or res.rc != 0:
+            problems.append(f"{a}: could not measure the underlay: {_why(res)}")
+            continue
+        try:
+            rows = {r["peer"]: r for r in json.loads(res.stdout)}
+        except (ValueError, TypeError, KeyError):
+            problems.append(f"{a}: `testbed part probe` printed no JSON")
+            continue
+        for b_addr in asks[a]:
+            b = next(h.name for h in hosts if h.underlay == b_addr)
+            row = rows.get(b_addr) or {}
+            if row.get("error") or not row.get("rtts_s"):
+                problems.append(f"{a} -> {b} ({b_addr}): {row.get('error', 'no round trips')}")
+                continue
+            pair = frozenset((a, b))
+            one_way[pair] = tunnels.underlay_one_way_s([float(x) for x in row["rtts_s"]])
+            mtu = int(row["mtu"])
+            for cut in pairs[pair]:
+                link = topo.links[cut.index]
+                why = tunnels.mtu_problem(max(link.ab.mtu, link.ba.mtu), mtu, b_addr)
+                if why:
+                    problems.append(f"link {cut.a}-{cut.b} ({a} -> {b}): {why}")
+                for prof, d in ((link.ab, "A->B"), (link.ba, "B->A")):
+                    # the kernel sees the dilated delay; at or below the threshold there is no delay
+                    # element on either host (as on a local link: the hop's own latency stands for it)
+                    asked = prof.delay_s * factor
+                    small = asked <= max(thresholds.get(a, 0.0), thresholds.get(b, 0.0))
+                    why = None if small else tunnels.delay_problem(asked, one_way[pair])
+                    if why:
+                        problems.append(f"link {cut.a}-{cut.b} {d} ({a} <-> {b}): {why}")
+    if problems:
+        raise ClusterError("the underlay cannot carry the cut links:\n  " + "\n  ".join(problems))
+    return one_way
+
+
+def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str, str] | None = None,
+       time_dilation: Any = None, runtime: str | None = None, net_admin: bool = False,
+       known_hosts: str | None = None, trust_new: bool = False,
+       progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    """Build testbed `name` over the hosts; all or nothing. Returns the controller's record."""
+    from testbed import store
+    from testbed.cluster import part as parts_mod
+    from testbed.cluster.remote import check_hosts
+    from testbed.net import names
+    from testbed.topology.placement import place
+    from testbed.topology.plan import plan_network
+
+    t0 = time.monotonic()
+    timings: dict[str, float] = {}
+
+    def lap(phase: str, since: float) -> float:
+        now = time.monotonic()
+        timings[phase] = round(now - since, 3)
+        return now
+
+    name = name or topo.name
+    if not names.valid_testbed_name(name):
+        raise TestbedError(f"invalid testbed name {name!r}: letters, digits, '.', '_', '-' "
+                           "(at most 40, starting with a letter or digit)")
+    topo.validate()
+    if exists(name) or store.exists(name):
+        raise StateError(f"a testbed named {name!r} is already up: bring it down first (testbed down {name})")
+    setting = _resolve_dilation(time_dilation if time_dilation is not None else (topo.time_dilation or "none"))
+    factor = 1.0 if setting in (None, "none") else float(setting)
+    if factor < 1:
+        raise TestbedError(f"--time-dilation: a factor >= 1, or none (got {setting!r})")
+    placement = place(topo, hosts, pins)
+    t = lap("placement", t0)
+    used = [h.name for h in hosts if placement.nodes_on(h.name)]
+    ctls = _controls([h for h in hosts if h.name in used], known_hosts, trust_new)
+    by_name = {h.name: h for h in hosts}
+    try:
+        progress(f"checking {len(used)} host(s): {', '.join(used)}"
+                 + ("; measuring the underlay between the hosts cut links join" if placement.cut_links else ""))
+        asks = _probe_asks(placement, hosts)
+        probes = _start_probes(ctls, hosts, asks)   # beside the checks, on the same connections
+        # doctor: the kernel probe this boot's `up` cached, if any; the limits are checked by each
+        # host's `part up` against its own part, not here against doctor's default topology
+        reports = check_hosts([ctls[n] for n in used], {n: by_name[n].testbed_argv for n in used},
+                              doctor_args=("--for", "", "--cached"))
+        problems = [f"{r.name}: {p}" for r in reports for p in r.problems]
+        probed = probes()
+        if problems:
+            raise ClusterError("hosts not ready:\n  " + "\n  ".join(problems))
+        t = lap("check hosts", t)
+        one_way = _underlay(topo, placement, hosts, asks, probed, factor,
+                            {r.name: _threshold(r.doctor) for r in reports})
+        plan = plan_network(topo)
+        parts = parts_mod.make_parts(name, topo, plan, placement.assignment, {h.name: h.underlay for h in hosts},
+                                     one_way)
+        doc = {"name": name, "status": "building", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "hosts_text": hosts.text, "hosts_source": hosts.source, "placement": dict(placement.assignment),
+               "known_hosts": known_hosts, "trust_new": trust_new, "time_dilation": factor,
+               "topology": topo.to_json(), "cut_links": [c.to_json() for c in placement.cut_links],
+               "hosts": {n: {"nodes": len(parts[n].nodes), "tunnels": len(parts[n].tunnels)} for n in used},
+               "underlay_one_way_s": {"|".join(sorted(p)): v for p, v in one_way.items()}}
+        t = lap("underlay", t)
+        _save(name, doc)   # before any host builds: `down` and `cleanup` know where to look
+        progress(f"building the parts on {len(used)} host(s) at once")
+
+        def build(ctl: Any) -> Any:
+            spec = {"name": name, "topology": topo.to_json(), "part": parts[ctl.name].to_json(),
+                    "time_dilation": "none" if factor == 1 else factor, "runtime": runtime, "net_admin": net_admin}
+            return ctl.run([*by_name[ctl.name].testbed_argv, "part", "up"], stdin=json.dumps(spec).encode(),
+                           timeout=UP_TIMEOUT_S)
+
+        results = _parallel(ctls, used, build)
+        t = lap("build parts", t)
+        failed = {h: r for h, r in results.items() if isinstance(r, Exception) or r.rc != 0}
+        if failed:
+            built = [h for h in used if h not in failed]
+            progress(f"rolling back: {', '.join(failed)} failed")
+            left = _down_on(ctls, by_name, name, used)
+            msg = "\n  ".join(f"{h}: {_why(r)}" for h, r in failed.items())
+            tail = "" if not left else "\n  left behind: " + "; ".join(f"{h}: {w}" for h, w in left.items())
+            if not left:
+                state_path(name).unlink(missing_ok=True)
+            raise ClusterError(f"testbed {name} could not be built on every host (the others were taken down"
+                               f"{': ' + ', '.join(built) if built else ''}):\n  {msg}{tail}")
+        for h, r in results.items():
+            try:
+                doc["hosts"][h].update(json.loads(r.stdout.strip().splitlines()[-1]))
+            except (ValueError, IndexError):
+                pass
+        doc["status"] = "up"
+        doc["seconds"] = round(time.monotonic() - t0, 3)
+        doc["timings"] = timings
+        _save(name, doc)
+        doc["_hosts"] = hosts
+        return doc
+    except BaseException:
+        if state_path(name).exists() and json.loads(state_path(name).read_text()).get("status") == "building":
+            # interrupted on the controller (Ctrl-C): take down whatever was built
+            left = _down_on(ctls, by_name, name, used)
+            if not left:
+                state_path(name).unlink(missing_ok=True)
+        raise
+    finally:
+        _close(ctls)
+
+
+# -- down, status, forwarding --------------------------------------------------------------------------------
+
+
+def _down_on(ctls: dict[str, Any], by_name: dict[str, Host], name: str, hosts: Sequence[str]) -> dict[str, str]:
+    """`testbed down NAME` on the hosts at once; host -> why it is not down (absent: done)."""
+    def down(ctl: Any) -> Any:
+        return ctl.run([*by_name[ctl.name].testbed_argv, "down", name], timeout=DOWN_TIMEOUT_S)
+
+    left = {}
+    for h, r in _parallel(ctls, list(hosts), down).items():
+        if isinstance(r, Exception):
+            left[h] = f"unreachable ({r}); its part stays until `testbed down {name}` runs there"
+        elif r.rc != 0 and "no testbed" not in (r.stderr + r.stdout).lower():
+            left[h] = _why(r)
+    return left
+
+
+def down(name: str, progress: Callable[[str], None] = lambda _m: None) -> dict[str, str]:
+    """Take testbed `name` down on every host; host -> what is left there (empty: all gone, and the
+    controller's record is removed; else the record keeps only the hosts still to do)."""
+    doc = load(name)
+    hosts: Hosts = doc["_hosts"]
+    by_name = {h.name: h for h in hosts}
+    todo = [h for h in doc.get("hosts", {}) if h in by_name] or sorted(set(doc["placement"].values()))
+    ctls = _controls([by_name[h] for h in todo], doc.get("known_hosts"), bool(doc.get("trust_new")))
+    try:
+        progress(f"taking {name} down on {len(todo)} host(s): {', '.join(todo)}")
+        left = _down_on(ctls, by_name, name, todo)
+    finally:
+        _close(ctls)
+    if left:
+        doc = {k: v for k, v in doc.items() if k != "_hosts"}
+        doc["status"] = "partly down"
+        doc["hosts"] = {h: v for h, v in doc.get("hosts", {}).items() if h in left}
+        _save(name, doc)
+    else:
+        state_path(name).unlink(missing_ok=True)
+    return left
+
+
+def status(name: str) -> dict[str, Any]:
+    """Every host's `testbed status NAME --json`, gathered: {"name", "hosts": {host: status or
+    {"lost": why}}, "placement", "cut_links"}."""
+    doc = load(name)
+    hosts: Hosts = doc["_hosts"]
+    by_name = {h.name: h for h in hosts}
+    names = [h for h in doc.get("hosts", {}) if h in by_name]
+    ctls = _controls([by_name[h] for h in names], doc.get("known_hosts"), bool(doc.get("trust_new")))
+    try:
+        res = _parallel(ctls, names, lambda c: c.run([*by_name[c.name].testbed_argv, "status", name, "--json"],
+                                                     timeout=120))
+    finally:
+        _close(ctls)
+    out: dict[str, Any] = {}
+    for h, r in res.items():
+        if isinstance(r, Exception):
+            out[h] = {"lost": str(r)}
+        elif r.rc != 0:
+            out[h] = {"lost": _why(r)}
+        else:
+            try:
+                out[h] = json.loads(r.stdout)
+            except ValueError:
+                out[h] = {"lost": "its status was not JSON"}
+    return {"name": name, "status": doc.get("status"), "hosts": out, "placement": doc["placement"],
+            "cut_links": doc.get("cut_links", []), "time_dilation": doc.get("time_dilation")}
+
+
+def run_on_node_host(name: str, node: str, argv: Sequence[str], timeout: float | None = None) -> Any:
+    """argv (a testbed command line, without the `testbed`) on the host that holds `node`."""
+    doc = load(name)
+    host = doc["placement"].get(node)
+    if host is None:
+        raise TestbedError(f"no node {node!r} in testbed {name} (nodes: {', '.join(list(doc['placement'])[:12])} ...)")
+    h = next(x for x in doc["_hosts"] if x.name == host)
+    ctls = _controls([h], doc.get("known_hosts"), bool(doc.get("trust_new")))
+    try:
+        return ctls[host].run([*h.testbed_argv, *argv], timeout=timeout)
+    finally:
+        _close(ctls)
+
+
+def run_on_every_host(name: str, argv: Sequence[str], timeout: float | None = 600) -> dict[str, Any]:
+    """argv (a testbed command line, without the `testbed`) on every host of the testbed at once:
+    host -> RemoteResult or the exception."""
+    doc = load(name)
+    by_name = {h.name: h for h in doc["_hosts"]}
+    names = [h for h in doc.get("hosts", {}) if h in by_name]
+    ctls = _controls([by_name[h] for h in names], doc.get("known_hosts"), bool(doc.get("trust_new")))
+    try:
+        return _parallel(ctls, names, lambda c: c.run([*by_name[c.name].testbed_argv, *argv], timeout=timeout))
+    finally:
+        _close(ctls)

@@ -1,0 +1,687 @@
+"""Host control: run commands on and copy files to the hosts of a hosts file, over SSH with Fabric.
+
+The controller reaches every host through one narrow interface, HostControl::
+
+    name                                                      the host's name in the hosts file
+    run(argv, *, stdin=None, timeout=None, check=False)       -> RemoteResult (rc, stdout, stderr)
+    put(local, remote)                                        copy one file, atomically (a rename)
+    close()
+
+so that a second implementation (a host agent under Kubernetes, say) can drive the same
+controller. Commands are argument vectors, never shell strings: the remote side gets
+shlex.join(argv), so an argument is never split or expanded (write ["sh", "-c", SCRIPT, ...]
+when a shell is wanted).
+
+SshHost is the SSH implementation, a fabric.Connection built from a hosts-file entry
+(testbed/topology/hosts.py): user, address and port from `ssh:`, the private key from `key:`
+(~ expanded), the SSH agent as `agent:` says; ~/.ssh/config still applies as for ssh(1) (a
+`User`, `ProxyJump`, `IdentityFile`). It never prompts: no passwords, no passphrases (an
+encrypted key belongs in the agent), no interactive sudo.
+
+Host keys. testbed acts as root on every host, so a host's identity is checked, never assumed
+(Fabric's own default accepts and remembers any new key: not used):
+
+- known_hosts=FILE: keys are taken from FILE only; an unknown host is refused
+  (HostKeyRejected), unless trust_new=True, which accepts a new host's key and appends it to
+  FILE (ssh's StrictHostKeyChecking=accept-new);
+- known_hosts=None: keys come from ~/.ssh/known_hosts and /etc/ssh/ssh_known_hosts; an
+  unknown host is refused unless trust_new=True, which accepts it for this connection only.
+
+A key that differs from the recorded one is always refused, whatever trust_new says.
+
+Privilege. Commands run as root: directly when the login user is root (or has uid 0);
+otherwise through `sudo -n`, checked once per host when the first connection is made. When sudo
+would ask for a password every run raises SudoRefused, which says so.
+
+Timeouts. run(timeout=T) runs the command under the host's `timeout -k 5 T` (coreutils), so
+the remote process is ended, not merely abandoned, and raises RemoteTimeout; the local side
+gives up T + 15 s later in case the host stopped answering.
+
+Failures, all TestbedError: HostUnreachable (no session could be had, or it was lost;
+HostKeyRejected and HostAuthFailed are kinds of it), RemoteError (check=True and the command
+failed: host, command, exit status, the last lines of its stderr), RemoteTimeout, SudoRefused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+import shlex
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any, Protocol, Self, TypeVar, runtime_checkable
+
+from testbed import __version__
+from testbed.errors import TestbedError
+from testbed.topology.hosts import Host
+
+__all__ = ["HostAuthFailed", "HostControl", "HostKeyRejected", "HostReport", "HostUnreachable", "RemoteError",
+           "RemoteResult", "RemoteTimeout", "SshHost", "SudoRefused", "check_host", "check_hosts", "run_parallel"]
+
+T = TypeVar("T")
+
+DEFAULT_CONNECT_TIMEOUT = 10.0   # s: TCP connect, SSH banner, authentication, opening a session
+KILL_AFTER_S = 5                 # the remote `timeout -k`: SIGKILL this long after SIGTERM
+LOCAL_GRACE_S = 15.0             # the local side waits this much longer than the remote timeout
+DRAIN_S = 2.0                    # after the exit status, how long output may still trickle in
+STDERR_LINES = 5                 # lines of stderr a RemoteError quotes
+SYSTEM_KNOWN_HOSTS = ("~/.ssh/known_hosts", "/etc/ssh/ssh_known_hosts")
+
+
+# -- errors ----------------------------------------------------------------------------------------------
+
+
+class HostUnreachable(TestbedError):
+    """No SSH session to `host` could be had, or the one we had was lost: one line naming the host,
+    its SSH address and why (refused, timed out, host key, authentication, ...)."""
+
+    def __init__(self, host: str, why: str, address: str | None = None):
+        self.host, self.why, self.address = host, why, address
+        where = f" ({address})" if address else ""
+        super().__init__(f"cannot reach host {host} over SSH{where}: {why}")
+
+
+class HostKeyRejected(HostUnreachable):
+    """The host's key is unknown (and new keys are not trusted) or differs from the recorded one."""
+
+
+class HostAuthFailed(HostUnreachable):
+    """The host answered but refused our key / agent (or the key cannot be used without a prompt)."""
+
+
+def _tail(text: str, n: int = STDERR_LINES) -> list[str]:
+    lines = [ln.rstrip() for ln in text.strip().splitlines() if ln.strip()]
+    return [ln if len(ln) <= 300 else ln[:297] + "..." for ln in lines[-n:]]
+
+
+def _shown(argv: Sequence[str]) -> str:
+    text = shlex.join(argv)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+class RemoteError(TestbedError):
+    """A remote command failed: the host, the command, its exit status and the last lines of its
+    stderr (of its stdout when stderr is empty)."""
+
+    def __init__(self, host: str, argv: Sequence[str], rc: int, stderr: str = "", stdout: str = "",
+                 why: str | None = None):
+        self.host, self.argv, self.rc, self.stderr, self.stdout = host, tuple(argv), rc, stderr, stdout
+        if why is None:
+            why = "was killed by a signal" if rc < 0 else f"exited with status {rc}"
+        text = f"on host {host}: `{_shown(argv)}` {why}"
+        lines, label = _tail(stderr), "stderr"
+        if not lines:
+            lines, label = _tail(stdout), "stdout"
+        if lines:
+            text += f"; last lines of its {label}:\n" + "\n".join(f"  {ln}" for ln in lines)
+        super().__init__(text)
+
+
+class RemoteTimeout(RemoteError):
+    """run(timeout=T): the command did not finish within T seconds (it was ended on the host)."""
+
+    def __init__(self, host: str, argv: Sequence[str], timeout: float, stderr: str = "", stdout: str = ""):
+        self.timeout = timeout
+        super().__init__(host, argv, 124, stderr, stdout, why=f"did not finish within {timeout:g} s (ended)")
+
+
+class SudoRefused(RemoteError):
+    """The login user is not root and `sudo -n` refused (a password is needed, or no sudo at all)."""
+
+    def __init__(self, host: str, user: str, stderr: str):
+        self.user = user
+        reason = (_tail(stderr, 1) or ["no reason given"])[0]
+        super().__init__(host, ["sudo", "-n", "true"], 1, "", "",
+                         why=f"failed: commands need root and {user} is not root, and sudo -n refused ({reason}); "
+                             f"allow {user} passwordless sudo (NOPASSWD) or log in as root")
+
+
+# -- results and the interface -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RemoteResult:
+    """What a remote command did. rc -1: it was killed by a signal (SSH reports no status then)."""
+
+    rc: int
+    stdout: str
+    stderr: str
+    host: str
+    argv: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0
+
+    def check(self) -> RemoteResult:
+        """This result, or RemoteError when the command failed."""
+        if self.rc != 0:
+            raise RemoteError(self.host, self.argv, self.rc, self.stderr, self.stdout)
+        return self
+
+
+@runtime_checkable
+class HostControl(Protocol):
+    """How the controller acts on one host. Implementations raise HostUnreachable when the host
+    cannot be reached, RemoteError (check=True) when a command fails, RemoteTimeout on timeout."""
+
+    name: str
+
+    def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
+            check: bool = False) -> RemoteResult:
+        """Run argv as root on the host; stdin: bytes fed to it (then EOF), None: an empty stdin."""
+        ...
+
+    def put(self, local: Path, remote: str) -> None:
+        """Copy the local file to `remote` on the host (parents made, mode kept, replaced atomically)."""
+        ...
+
+    def close(self) -> None:
+        """Drop the connection (a later call reconnects)."""
+        ...
+
+
+# -- SSH --------------------------------------------------------------------------------------------------
+
+
+class _UnknownHostKey(Exception):
+    def __init__(self, hostname: str, key: Any):
+        self.hostname, self.key = hostname, key
+        super().__init__(hostname)
+
+
+def _fingerprint(key: Any) -> str:
+    return f"{key.get_name()} {key.fingerprint}"
+
+
+class _KeyPolicy:
+    """paramiko's missing-host-key policy, our way: refuse, or (trust_new) accept and record."""
+
+    def __init__(self, trust_new: bool, known_hosts: Path | None, lock: threading.Lock):
+        self.trust_new, self.known_hosts, self.lock = trust_new, known_hosts, lock
+
+    def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
+        if not self.trust_new:
+            raise _UnknownHostKey(hostname, key)
+        client.get_host_keys().add(hostname, key.get_name(), key)
+        if self.known_hosts is not None:
+            with self.lock:   # hosts connecting in parallel append to the same file
+                self.known_hosts.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.known_hosts, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                with os.fdopen(fd, "a") as fh:
+                    fh.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+
+
+_APPEND_LOCK = threading.Lock()
+
+
+def _close_quietly(conn: Any) -> None:
+    """Close a fabric.Connection that may be half made or already broken. Fabric's close() does
+    nothing for a connection whose open() failed (it never recorded the transport), so paramiko's
+    client is closed too: else its socket stays open and the server waits for us."""
+    import paramiko
+
+    with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
+        conn.close()
+    with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
+        conn.client.close()
+
+
+def _socket_why(exc: BaseException, address: str, port: int, timeout: float) -> str:
+    where = f"{address}:{port}"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve {address} ({exc.strerror or exc})"
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return f"no answer from {where} within {timeout:g} s (connect timed out)"
+    code = getattr(exc, "errno", None)
+    if code == errno.ECONNREFUSED:
+        return f"connection refused at {where}: no SSH server listens there"
+    if code in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        return f"no route to {address} ({os.strerror(code)})"
+    text = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    return f"cannot connect to {where}: {text}"
+
+
+class SshHost:
+    """HostControl over SSH for one hosts-file entry (see the module's docstring for host keys,
+    privilege and timeouts). Connects lazily on the first call, reconnects after a lost
+    connection, and is safe to share between threads."""
+
+    def __init__(self, host: Host, *, known_hosts: Path | str | None = None, trust_new: bool = False,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT):
+        self.host = host
+        self.name = host.name
+        self.target = host.target
+        self.address = str(self.target)
+        self.known_hosts = Path(known_hosts).expanduser() if known_hosts is not None else None
+        self.trust_new = trust_new
+        self.connect_timeout = float(connect_timeout)
+        self._lock = threading.Lock()
+        self._conn: Any = None
+        self._sudo: bool | None = None          # None: not known yet (set by the first connection)
+        self._sudo_refused: tuple[str, str] | None = None   # (user, sudo's stderr)
+
+    def __repr__(self) -> str:
+        return f"SshHost({self.name!r}, {self.address!r})"
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def uses_sudo(self) -> bool | None:
+        """Whether commands go through `sudo -n` (None until the first connection)."""
+        return self._sudo
+
+    # -- connecting
+
+    def _unreachable(self, why: str, kind: type[HostUnreachable] = HostUnreachable) -> HostUnreachable:
+        return kind(self.name, why, self.address)
+
+    def _key_file(self) -> str | None:
+        if self.host.key is None:
+            return None
+        key = os.path.expanduser(self.host.key)
+        if not os.path.isfile(key):
+            raise self._unreachable(f"the private key {key} (key: in the hosts file) does not exist on this "
+                                    "machine", HostAuthFailed)
+        return key
+
+    def _load_host_keys(self, client: Any) -> None:
+        import paramiko
+        from paramiko.hostkeys import InvalidHostKey
+
+        files = ([self.known_hosts] if self.known_hosts is not None
+                 else [Path(p).expanduser() for p in SYSTEM_KNOWN_HOSTS])
+        for path in files:
+            if not path.is_file():
+                continue
+            try:
+                if self.known_hosts is not None:
+                    client.get_host_keys().load(str(path))
+                else:
+                    client.load_system_host_keys(str(path))
+            except (OSError, ValueError, paramiko.SSHException, InvalidHostKey) as exc:   # a malformed file
+                raise self._unreachable(f"cannot read the known hosts file {path}: {exc}", HostKeyRejected) from None
+
+    def _where_keys(self) -> str:
+        if self.known_hosts is not None:
+            return str(self.known_hosts)
+        return " or ".join(SYSTEM_KNOWN_HOSTS)
+
+    def _open(self) -> Any:
+        """A connected fabric.Connection, or HostUnreachable (or a kind of it) saying why not."""
+        import paramiko
+        from fabric import Connection
+
+        key = self._key_file()
+        t = self.connect_timeout
+        try:
+            conn = Connection(self.target.address, user=self.target.user, port=self.target.port,
+                              connect_timeout=max(1, math.ceil(t)),
+                              connect_kwargs={"key_filename": [key] if key else [],
+                                              "allow_agent": self.host.uses_agent, "look_for_keys": False,
+                                              "banner_timeout": t, "auth_timeout": t, "channel_timeout": t})
+        except paramiko.ConfigParseError as exc:
+            raise self._unreachable(f"cannot read the SSH client configuration: {exc}") from None
+        # the same host-key rules for a ProxyJump host from ~/.ssh/config (Fabric would auto-add its key;
+        # a ProxyCommand is ssh(1)'s business)
+        hop = conn
+        while isinstance(hop, Connection):
+            self._load_host_keys(hop.client)
+            hop.client.set_missing_host_key_policy(_KeyPolicy(self.trust_new, self.known_hosts, _APPEND_LOCK))
+            hop = hop.gateway
+        how = " and ".join(([f"the key {key}"] if key else []) + (["the SSH agent"] if self.host.uses_agent else []))
+        try:
+            conn.open()
+        except BaseException as exc:
+            _close_quietly(conn)
+            if isinstance(exc, _UnknownHostKey):
+                raise self._unreachable(
+                    f"its host key ({_fingerprint(exc.key)}) is not in {self._where_keys()}; unknown host keys "
+                    "are refused (add the key, e.g. from ssh-keyscan checked out of band, or pass trust_new=True "
+                    "to accept new keys)", HostKeyRejected) from None
+            if isinstance(exc, paramiko.BadHostKeyException):
+                raise self._unreachable(
+                    f"its host key ({_fingerprint(exc.key)}) differs from the one recorded in {self._where_keys()} "
+                    f"({_fingerprint(exc.expected_key)}): another machine answers, or the host's key changed; "
+                    "refused", HostKeyRejected) from None
+            if isinstance(exc, paramiko.PasswordRequiredException):
+                raise self._unreachable(
+                    f"the key {key} is encrypted and testbed never asks for a passphrase: add it to the SSH "
+                    "agent (ssh-add) and set agent: true", HostAuthFailed) from None
+            if isinstance(exc, paramiko.AuthenticationException):
+                raise self._unreachable(f"the host refused {conn.user} with {how or 'no key and no agent'} "
+                                        f"({exc})", HostAuthFailed) from None
+            if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
+                first = next(iter(exc.errors.values()), exc)
+                raise self._unreachable(_socket_why(first, self.target.address, self.target.port, t)) from None
+            if isinstance(exc, (OSError, socket.timeout)):
+                raise self._unreachable(_socket_why(exc, self.target.address, self.target.port, t)) from None
+            if isinstance(exc, (paramiko.SSHException, EOFError)):
+                raise self._unreachable(f"the SSH handshake with {self.target.address}:{self.target.port} "
+                                        f"failed: {exc or type(exc).__name__}") from None
+            raise
+        return conn
+
+    def _transport(self) -> Any:
+        """The live SSH transport, connecting (and learning whether sudo is needed) when there is none."""
+        with self._lock:
+            if self._conn is not None and self._conn.is_connected:
+                return self._conn.transport
+            self._drop()
+            conn = self._open()
+            if self._sudo is None:
+                try:
+                    self._probe_privilege(conn)
+                except BaseException:
+                    _close_quietly(conn)
+                    raise
+            self._conn = conn
+            return conn.transport
+
+    def _probe_privilege(self, conn: Any) -> None:
+        """Root, or sudo without a password? Decided once per host: from the login user's uid."""
+        if conn.user == "root":
+            self._sudo = False
+            return
+        rc, out, err, _ = self._exec(conn.transport, "id -u", None, 30.0)
+        if rc == 0 and out.decode(errors="replace").strip() == "0":
+            self._sudo = False
+            return
+        rc, out, err, _ = self._exec(conn.transport, "sudo -n true", None, 30.0)
+        if rc != 0:
+            self._sudo_refused = (conn.user, err.decode(errors="replace") or out.decode(errors="replace"))
+        self._sudo = True
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            _close_quietly(conn)
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    # -- running
+
+    def _exec(self, transport: Any, command: str, stdin: bytes | IO[bytes] | None,
+              wait_s: float | None) -> tuple[int | None, bytes, bytes, str | None]:
+        """Run `command` in a new session: (rc or None, stdout, stderr, why). rc None: no exit status
+        (why says: "timeout", "lost" (the connection died) or "signal" (killed on the host))."""
+        import paramiko
+
+        lost = (OSError, EOFError, paramiko.SSHException)   # what paramiko raises when a session breaks
+        try:
+            chan = transport.open_session(timeout=self.connect_timeout)
+            chan.exec_command(command)
+        except lost as exc:
+            if not transport.is_active():
+                raise self._unreachable(f"lost the connection while starting `{command[:200]}`: {exc}") from None
+            raise self._unreachable(f"the host refused a new session for `{command[:200]}`: {exc}") from None
+        out, err = bytearray(), bytearray()
+
+        def drain(recv: Callable[[int], bytes], buf: bytearray) -> None:
+            while True:
+                try:
+                    data = recv(1 << 16)
+                except lost:   # the channel was closed under us (timeout, lost connection)
+                    return
+                if not data:
+                    return
+                buf += data
+
+        def feed() -> None:
+            # the command may exit without reading all of its input: as with a pipe, not an error
+            with contextlib.suppress(*lost):
+                if isinstance(stdin, (bytes, bytearray, memoryview)):
+                    chan.sendall(bytes(stdin))
+                elif stdin is not None:
+                    while chunk := stdin.read(1 << 16):
+                        chan.sendall(chunk)
+                chan.shutdown_write()
+
+        threads = [threading.Thread(target=drain, args=(chan.recv, out), daemon=True),
+                   threading.Thread(target=drain, args=(chan.recv_stderr, err), daemon=True)]
+        if stdin is None:
+            chan.shutdown_write()
+        else:
+            threads.append(threading.Thread(target=feed, daemon=True))
+        for th in threads:
+            th.start()
+        end = None if wait_s is None else time.monotonic() + wait_s
+        why = None
+        try:
+            while not chan.status_event.wait(0.5 if end is None else max(0.0, min(0.5, end - time.monotonic()))):
+                if end is not None and time.monotonic() >= end:
+                    why = "timeout"
+                    break
+                if not transport.is_active():
+                    break
+            if why is None:
+                # output sent before the status may still be on its way; a background process that
+                # keeps stdout open must not hold us forever
+                for th in threads[:2]:
+                    th.join(DRAIN_S)
+        finally:
+            chan.close()
+            for th in threads:
+                th.join(1.0)
+        if why is None:
+            if chan.exit_status != -1:
+                return chan.exit_status, bytes(out), bytes(err), None
+            why = "signal" if transport.is_active() else "lost"
+        return None, bytes(out), bytes(err), why
+
+    def _command(self, argv: Sequence[str], timeout: float | None) -> str:
+        words = list(argv)
+        if timeout is not None:
+            words = ["timeout", "-k", str(KILL_AFTER_S), f"{max(timeout, 0.001):.3f}s", *words]
+        if self._sudo:
+            words = ["sudo", "-n", "--", *words]
+        return shlex.join(words)
+
+    def run(self, argv: Sequence[str], *, stdin: bytes | IO[bytes] | None = None, timeout: float | None = None,
+            check: bool = False) -> RemoteResult:
+        """Run argv as root on the host (see the module's docstring). stdin may also be a binary file."""
+        args = tuple(os.fspath(a) for a in argv)
+        if not args:
+            raise ValueError("run: empty argv")
+        transport = self._transport()
+        if self._sudo_refused is not None:
+            raise SudoRefused(self.name, *self._sudo_refused)
+        t0 = time.monotonic()
+        rc, out, err, why = self._exec(transport, self._command(args, timeout), stdin,
+                                       None if timeout is None else timeout + LOCAL_GRACE_S)
+        stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
+        if why == "lost":
+            self.close()
+            raise self._unreachable(f"lost the connection while running `{_shown(args)}`")
+        if why == "timeout" or (timeout is not None and rc in (124, 128 + 9)
+                                and time.monotonic() - t0 >= timeout):
+            raise RemoteTimeout(self.name, args, timeout or 0.0, stderr, stdout)
+        result = RemoteResult(rc=-1 if rc is None else rc, stdout=stdout, stderr=stderr, host=self.name, argv=args)
+        return result.check() if check else result
+
+    _PUT = ('set -e; mkdir -p -- "$(dirname -- "$1")"; t="$1.tbput.$$"; trap \'rm -f -- "$t"\' EXIT; '
+            '(umask 077; cat >"$t"); chmod "$2" "$t"; mv -f -- "$t" "$1"; trap - EXIT')
+
+    def put(self, local: Path, remote: str) -> None:
+        """Copy `local` to `remote` on the host as root, streamed through the SSH session (works the
+        same through sudo), written to a temporary name and renamed: readers never see half a file."""
+        local = Path(local)
+        mode = local.stat().st_mode & 0o7777
+        with local.open("rb") as fh:
+            self.run(["sh", "-c", self._PUT, "sh", remote, f"{mode:o}"], stdin=fh, check=True)
+
+
+# -- parallel work and host checks ---------------------------------------------------------------------------
+
+
+def run_parallel(ctls: Sequence[HostControl], fn: Callable[[HostControl], T]) -> list[T | Exception]:
+    """fn(ctl) for every host at once, one thread per host; results in the order of `ctls`, an
+    exception raised by fn in its host's place (captured, never raised)."""
+    results: list[Any] = [None] * len(ctls)
+
+    def one(i: int, ctl: HostControl) -> None:
+        try:
+            results[i] = fn(ctl)
+        except Exception as exc:  # noqa: BLE001 - captured: the caller gets it in the host's place
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i, c), name=f"host-{getattr(c, 'name', i)}", daemon=True)
+               for i, c in enumerate(ctls)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return results
+
+
+@dataclass
+class HostReport:
+    """What check_host found on one host. `problems`: what stops a testbed from using the host, as
+    sentences; `warnings`: what it can do without (links needing it will be refused at `up`)."""
+
+    name: str
+    address: str
+    reachable: bool = False
+    uid: int | None = None               # the uid commands run as (0: root, directly or through sudo)
+    sudo: bool | None = None             # commands go through `sudo -n`
+    version: str | None = None           # `testbed version` there
+    version_info: dict[str, Any] | None = None   # `testbed version --json`, when the host's testbed has it
+    doctor: dict[str, Any] | None = None         # `testbed doctor --json`
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.reachable and not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    """The JSON object in a command's stdout (anything printed before its first '{' is skipped)."""
+    start = text.find("{")
+    if start < 0:
+        return None
+    try:
+        data = json.loads(text[start:])
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _check_version(ctl: HostControl, cmd: list[str], rep: HostReport, expect: str | None, timeout: float) -> bool:
+    """Fill rep.version; False when testbed is not usable there (nothing more to ask it)."""
+    r = ctl.run([*cmd, "version", "--json"], timeout=timeout)
+    if r.rc != 0 and "no such option" in (r.stderr + r.stdout).lower():
+        r = ctl.run([*cmd, "version"], timeout=timeout)   # a testbed from before `version --json`
+    if r.rc in (126, 127):
+        rep.problems.append(f"testbed is not installed on {rep.name} at `{_shown(cmd)}` "
+                            f"({(_tail(r.stderr, 1) or ['not found'])[0]})")
+        return False
+    if r.rc != 0:
+        last = (_tail(r.stderr, 1) or _tail(r.stdout, 1) or ["no output"])[0]
+        rep.problems.append(f"`{_shown([*cmd, 'version'])}` failed on {rep.name} (exit status {r.rc}): {last}")
+        return False
+    info = _json_object(r.stdout)
+    if info is not None:
+        rep.version_info = info
+        rep.version = str(info.get("version")) if info.get("version") is not None else None
+    else:
+        lines = r.stdout.strip().splitlines()
+        rep.version = lines[-1].strip() if lines else None
+    if expect is not None and rep.version != expect:
+        rep.problems.append(f"{rep.name} runs testbed {rep.version or '(unknown version)'} and this controller "
+                            f"{expect}: install the same version there")
+    return True
+
+
+def _check_doctor(ctl: HostControl, cmd: list[str], rep: HostReport, doctor_args: Sequence[str],
+                  timeout: float) -> None:
+    r = ctl.run([*cmd, "doctor", "--json", *doctor_args], timeout=timeout)
+    doc = _json_object(r.stdout) if r.rc == 0 else None
+    if doc is None:
+        last = (_tail(r.stderr, 1) or _tail(r.stdout, 1) or ["no JSON on stdout"])[0]
+        rep.problems.append(f"`{_shown([*cmd, 'doctor', '--json'])}` failed on {rep.name} "
+                            f"(exit status {r.rc}): {last}")
+        return
+    rep.doctor = doc
+    if doc.get("is_root") is False:
+        rep.problems.append(f"testbed doctor on {rep.name} does not run as root: namespaces and tc need root")
+    for chk in (doc.get("limits") or {}).get("checks") or []:
+        if chk.get("ok"):
+            continue
+        text = (f"{rep.name}: {chk.get('name')}: {chk.get('have')} here, {chk.get('need')} needed "
+                f"({chk.get('fix')})")
+        (rep.problems if chk.get("blocks_up") else rep.warnings).append(text)
+    if doc.get("htb") is False:
+        rep.warnings.append(f"{rep.name} has no sch_htb: links with a bandwidth cannot be emulated there")
+    if not doc.get("netem") and not doc.get("tun"):
+        rep.warnings.append(f"{rep.name} has neither sch_netem nor /dev/net/tun: no link delay there")
+    if not doc.get("netem") and not doc.get("bpf"):
+        rep.warnings.append(f"{rep.name} has neither sch_netem nor cls_bpf: no link loss there")
+
+
+def check_host(ctl: HostControl, testbed_cmd: Sequence[str], *, expect_version: str | None = __version__,
+               doctor_args: Sequence[str] = (), timeout: float = 120.0) -> HostReport:
+    """Is `ctl`'s host usable? Reachable, commands run as uid 0 (as root or through sudo),
+    `<testbed_cmd> version [--json]` equal to expect_version (this controller's; None: any) and
+    `<testbed_cmd> doctor --json [doctor_args]` parsed. Never raises for what it finds on the host:
+    every finding is in the report (problems, warnings)."""
+    t0 = time.monotonic()
+    rep = HostReport(name=ctl.name, address=str(getattr(ctl, "address", ctl.name)))
+    cmd = [os.fspath(w) for w in testbed_cmd]
+    try:
+        r = ctl.run(["id", "-u"], timeout=min(timeout, 30.0))
+        rep.reachable = True
+        rep.sudo = getattr(ctl, "uses_sudo", None)
+        try:
+            rep.uid = int(r.stdout.strip())
+        except ValueError:
+            rep.problems.append(f"`id -u` on {rep.name} printed {r.stdout.strip()[:80]!r}, not a uid")
+        if rep.uid is not None and rep.uid != 0:
+            rep.problems.append(f"commands on {rep.name} run as uid {rep.uid}, not root: log in as root or allow "
+                                "passwordless sudo")
+        elif rep.uid == 0 and _check_version(ctl, cmd, rep, expect_version, timeout):
+            _check_doctor(ctl, cmd, rep, doctor_args, timeout)
+    except HostUnreachable as exc:
+        rep.problems.append(str(exc))
+    except SudoRefused as exc:
+        rep.reachable = True
+        rep.sudo = True
+        rep.problems.append(str(exc))
+    except RemoteError as exc:   # a timeout of one of the checks
+        rep.problems.append(str(exc))
+    rep.seconds = round(time.monotonic() - t0, 3)
+    return rep
+
+
+def check_hosts(ctls: Sequence[HostControl], testbed_cmd: Sequence[str] | Mapping[str, Sequence[str]],
+                **kw: Any) -> list[HostReport]:
+    """check_host on every host in parallel; reports in the order of `ctls`. testbed_cmd: one command
+    for all hosts, or a mapping from host name to its command. kw: check_host's options."""
+    def one(ctl: HostControl) -> HostReport:
+        cmd = testbed_cmd[ctl.name] if isinstance(testbed_cmd, Mapping) else testbed_cmd
+        return check_host(ctl, cmd, **kw)
+
+    reports: list[HostReport] = []
+    for ctl, res in zip(ctls, run_parallel(ctls, one)):
+        if isinstance(res, Exception):   # a bug in a check, not a finding: still one report per host
+            res = HostReport(name=ctl.name, address=str(getattr(ctl, "address", ctl.name)),
+                             problems=[f"checking {ctl.name} failed: {type(res).__name__}: {res}"])
+        reports.append(res)
+    return reports
