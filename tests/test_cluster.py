@@ -1,0 +1,242 @@
+"""One testbed over several hosts, end to end: `testbed up TOPOLOGY --hosts HOSTS.yaml` against two
+emulated hosts (testbed/cluster/emulate.py: namespaces with their own /run and sshd, reached over
+SSH exactly as real hosts), then the verbs, faults on cut links, failures and `down`.
+
+The CLI runs as a process, as a user runs it. This machine's kernel may lack sch_netem: a cut link
+with a delay is then refused (tested); with netem, its delay is measured (skipped without it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from testbed.cluster import emulate
+
+REPO = Path(__file__).resolve().parents[1]
+CAN_EMULATE = os.geteuid() == 0 and Path(emulate.SSHD).exists() and shutil.which("ssh-keygen") is not None
+pytestmark = [pytest.mark.root, pytest.mark.skipif(not CAN_EMULATE, reason="needs root and openssh-server")]
+
+# two workers per side of a 1 Gbit/s link between two switches: pinned so that s0-s1 is the cut link
+LINE = """name: line
+defaults:
+  link: {bandwidth: 10gbit}
+nodes:
+  w0: {kind: worker}
+  w1: {kind: worker}
+  w2: {kind: worker}
+  w3: {kind: worker}
+  s0: {kind: switch}
+  s1: {kind: switch}
+links:
+  - endpoints: [w0, s0]
+  - endpoints: [w1, s0]
+  - endpoints: [w2, s1]
+  - endpoints: [w3, s1]
+  - {endpoints: [s0, s1], bandwidth: 1gbit}
+"""
+PINS = ["--pin", "w0=h1", "--pin", "w1=h1", "--pin", "s0=h1", "--pin", "w2=h2", "--pin", "w3=h2", "--pin", "s1=h2"]
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    with emulate.emulated(2, tmp_path_factory.mktemp("emu") / "hosts", cores=8) as e:
+        yield e
+
+
+def tb(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    """`testbed ARGS` as a process, the way a user runs it."""
+    r = subprocess.run([sys.executable, "-m", "testbed", *args], capture_output=True, text=True, timeout=timeout,
+                       cwd=REPO, env={**os.environ, "COLUMNS": "200"})
+    if check and r.returncode != 0:
+        raise AssertionError(f"testbed {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def up(emu, topo: str, name: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+    return tb("up", topo, "--name", name, "--hosts", str(emu.hosts_file), "--known-hosts", str(emu.known_hosts),
+              "--time-dilation", "none", *extra, check=check)
+
+
+def on_host(emu, host: str, *argv: str) -> str:
+    ctl = next(c for c in emu.controls() if c.name == host)
+    try:
+        return ctl.run(list(argv), check=True).stdout
+    finally:
+        ctl.close()
+
+
+def host_netns(emu, host: str) -> list[str]:
+    return on_host(emu, host, "ip", "netns", "list").split()
+
+
+@pytest.fixture
+def name():
+    n = f"mh{uuid.uuid4().hex[:6]}"
+    yield n
+    from testbed.cluster import controller
+
+    if controller.exists(n):
+        tb("down", n, check=False)
+
+
+def goodput(name: str, src: str, dst: str, seconds: int = 3) -> float:
+    """TCP goodput (bit/s) from src to dst by iperf3, through `testbed exec` on their hosts."""
+    for _attempt in range(5):
+        server = subprocess.Popen([sys.executable, "-m", "testbed", "exec", dst, "--name", name, "--", "timeout",
+                                   str(seconds + 20), "iperf3", "-s", "-1"], cwd=REPO, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(1.0)
+            doc = json.loads(tb("exec", src, "--name", name, "--", "iperf3", "-c", dst, "-t", str(seconds), "-J",
+                                check=False).stdout or "{}")
+        finally:
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+        if "sum_received" in doc.get("end", {}):
+            return doc["end"]["sum_received"]["bits_per_second"]
+    raise AssertionError(f"iperf3 {src} -> {dst}: {doc.get('error')}")
+
+
+def _topo_file(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "topo.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_fat_tree_over_two_hosts_every_pair_reaches_and_down_leaves_nothing(emu, name):
+    r = up(emu, "fat-tree", name)
+    assert f"testbed {name} is up on 2 hosts" in r.stdout
+    doc = json.loads(tb("status", name, "--json").stdout)
+    assert set(doc["hosts"]) == {"h1", "h2"} and not any("lost" in h for h in doc["hosts"].values())
+    assert len(doc["cut_links"]) >= 1
+    placement = doc["placement"]
+    workers = [f"w{i}" for i in range(16)]
+    assert {placement[w] for w in workers} == {"h1", "h2"}
+    # every worker pings every other one (one exec per worker, through the node's host)
+    for w in workers:
+        others = " ".join(x for x in workers if x != w)
+        out = tb("exec", w, "--name", name, "--", "sh", "-c",
+                 f"for h in {others}; do ping -c 1 -W 2 -q $h >/dev/null || echo UNREACHABLE $h; done").stdout
+        assert "UNREACHABLE" not in out, (w, out)
+    # each host built only its own nodes
+    for host in ("h1", "h2"):
+        mine = {n for n, h in placement.items() if h == host}
+        assert len([ns for ns in host_netns(emu, host) if name in ns]) == len(mine)
+    assert tb("ls").stdout.count(name) == 1
+    r = tb("down", name)
+    assert "down on every host" in r.stdout
+    for host in ("h1", "h2"):
+        assert not [ns for ns in host_netns(emu, host) if name in ns]
+        assert name not in on_host(emu, host, "sh", "-c", "ls /run/testbed")
+    assert name not in tb("ls").stdout
+
+
+def test_a_cut_link_is_shaped_like_a_local_one_and_takes_faults(emu, name, tmp_path):
+    """The cut link s0-s1 (1 Gbit/s): TCP goodput across it within 5% of the same link on one host;
+    `link set` and `link down` act on both ends."""
+    topo = _topo_file(tmp_path, LINE)
+    local = f"{name}l"
+    try:
+        tb("up", topo, "--name", local, "--time-dilation", "none")
+        single = goodput(local, "w0", "w2")
+    finally:
+        tb("down", local, check=False)
+    up(emu, topo, name, *PINS)
+    doc = json.loads(tb("status", name, "--json").stdout)
+    assert [c["endpoints"] for c in doc["cut_links"]] == [["s0", "s1"]]
+    spread = goodput(name, "w0", "w2")
+    assert 0.85e9 < single < 1.0e9
+    assert abs(spread / single - 1) <= 0.05, (spread, single)
+    # a fault on the cut link reaches both ends
+    tb("link", "set", "s0", "s1", "--bandwidth", "100mbit", "--name", name)
+    assert 85e6 < goodput(name, "w0", "w2", 2) < 100e6
+    tb("link", "down", "s0", "s1", "--name", name)
+    r = tb("exec", "w0", "--name", name, "--", "ping", "-c", "1", "-W", "1", "w2", check=False)
+    assert r.returncode != 0
+    tb("link", "up", "s0", "s1", "--name", name)
+    tb("exec", "w0", "--name", name, "--", "ping", "-c", "1", "-W", "2", "w2")
+
+
+def test_a_cut_link_delay_without_netem_is_refused_before_anything_is_built(emu, name, tmp_path):
+    from testbed.net import capabilities
+
+    if capabilities.probe().netem:
+        pytest.skip("this kernel has sch_netem: the cut link's delay is built (the netem stage measures it)")
+    topo = _topo_file(tmp_path, LINE.replace("bandwidth: 1gbit}", "bandwidth: 1gbit, delay: 1ms}"))
+    r = up(emu, topo, name, *PINS, check=False)
+    assert r.returncode != 0
+    assert "crosses hosts and has a delay, which needs sch_netem" in r.stderr, r.stderr
+    for host in ("h1", "h2"):
+        assert not [ns for ns in host_netns(emu, host) if name in ns]
+
+
+def test_a_host_that_fails_its_part_rolls_back_the_other(emu, name, tmp_path):
+    """h2 cannot build (a namespace of its part is taken), h1 could: h1's part is taken down again."""
+    from testbed.net import names
+
+    topo = _topo_file(tmp_path, LINE)
+    clash = names.netns(name, "w3")
+    on_host(emu, "h2", "ip", "netns", "add", clash)
+    try:
+        r = up(emu, topo, name, *PINS, check=False)
+        assert r.returncode != 0
+        assert re.search(r"h2: .*namespace .* already exists", r.stderr), r.stderr
+        assert "the others were taken down: h1" in r.stderr
+        assert not [ns for ns in host_netns(emu, "h1") if name in ns]
+        assert host_netns(emu, "h2") == [clash] or [ns for ns in host_netns(emu, "h2") if name in ns] == [clash]
+    finally:
+        on_host(emu, "h2", "ip", "netns", "del", clash)
+    assert name not in tb("ls").stdout
+
+
+def test_an_unreachable_host_is_refused_at_up_and_shown_lost_later(emu, name, tmp_path):
+    topo = _topo_file(tmp_path, LINE)
+    emu.stop_sshd("h2")
+    try:
+        r = up(emu, topo, name, *PINS, check=False)
+        assert r.returncode != 0 and "h2: cannot reach host h2 over SSH" in r.stderr, r.stderr
+        assert not [ns for ns in host_netns(emu, "h1") if name in ns]
+    finally:
+        emu.start_sshd("h2")
+    up(emu, topo, name, *PINS)
+    emu.stop_sshd("h2")
+    try:
+        doc = json.loads(tb("status", name, "--json").stdout)
+        assert "lost" in doc["hosts"]["h2"] and "lost" not in doc["hosts"]["h1"]
+        r = tb("down", name, check=False)
+        assert r.returncode == 1 and "except on: h2" in r.stderr, r.stderr
+        assert not [ns for ns in host_netns(emu, "h1") if name in ns]
+    finally:
+        emu.start_sshd("h2")
+    assert [ns for ns in host_netns(emu, "h2") if name in ns]   # left there, and said so
+    tb("down", name)
+    assert not [ns for ns in host_netns(emu, "h2") if name in ns]
+
+
+def test_ddp_across_hosts_rendezvous_over_the_emulated_network(emu, name, tmp_path):
+    """`testbed run` on a testbed over two hosts: four ranks, two per host, the master's address an
+    emulated one, so the rendezvous and every all_reduce cross the cut link; the job's own check
+    finds the parameters identical on every rank."""
+    up(emu, _topo_file(tmp_path, LINE), name, *PINS)
+    r = tb("run", "--name", name, "--", "python", "examples/train_ddp.py", "--steps", "3", "--model", "mlp",
+           "--hidden", "128", timeout=600)
+    assert "run completed: 4 rank(s) on h1, h2" in r.stdout, r.stdout + r.stderr
+    run_dir = Path(re.search(r"logs in\s+(\S+)", r.stdout).group(1))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [(x["worker"], x["host"], x["rc"]) for x in summary["ranks"]] == [
+        ("w0", "h1", 0), ("w1", "h1", 0), ("w2", "h2", 0), ("w3", "h2", 0)]
+    assert "parameters IDENTICAL on all 4 ranks" in (run_dir / "logs" / "w0.log").read_text()
+    assert summary["master"].startswith("10.")   # an emulated address: the rendezvous crosses the fabric
