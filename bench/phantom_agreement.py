@@ -122,6 +122,8 @@ def case(key: str, steps: int, machine, scale: bool = False, dilation: str = "au
                    "expected_iter_s": exp["iteration_s"] if exp else None}
             if res.rc == 0:
                 row.update(_judge(res.run_dir, row["expected_iter_s"]))
+                # what `testbed run` itself says (no expected iteration: the collectives, CPUs, phantoms)
+                row["run_verdict"] = _judge(res.run_dir, None)["verdict"]
             if real:
                 row["phantom_rss_mb"] = peak.get("rss_mb")
                 row["announce_late_p50_s"] = (res.summary.get("phantoms") or {}).get("announce_late_p50_s")

@@ -240,3 +240,31 @@ def test_ddp_across_hosts_rendezvous_over_the_emulated_network(emu, name, tmp_pa
         ("w0", "h1", 0), ("w1", "h1", 0), ("w2", "h2", 0), ("w3", "h2", 0)]
     assert "parameters IDENTICAL on all 4 ranks" in (run_dir / "logs" / "w0.log").read_text()
     assert summary["master"].startswith("10.")   # an emulated address: the rendezvous crosses the fabric
+
+
+def _rtt_ms(name: str, src: str, dst: str) -> float:
+    out = tb("exec", src, "--name", name, "--", "ping", "-n", "-c", "20", "-i", "0.05", "-q", dst).stdout
+    return float(re.search(r"= [\d.]+/([\d.]+)/", out).group(1))   # the mean
+
+
+@pytest.mark.netem
+def test_a_delayed_cut_link_with_netem_matches_a_local_one(emu, name, tmp_path):
+    """With sch_netem (the stock-kernel stage): the cut link s0-s1 at 1 Gbit/s and 1 ms each way has
+    the RTT of the same link on one host within 10% (the underlay's own latency is taken off), and
+    its goodput within 5%."""
+    from testbed.net import capabilities
+
+    if not capabilities.probe().netem:
+        pytest.skip("no sch_netem on this kernel (the stock-kernel stage runs this)")
+    topo = _topo_file(tmp_path, LINE.replace("bandwidth: 1gbit}", "bandwidth: 1gbit, delay: 1ms}"))
+    local = f"{name}l"
+    try:
+        tb("up", topo, "--name", local, "--time-dilation", "none")
+        rtt_local, bw_local = _rtt_ms(local, "w0", "w2"), goodput(local, "w0", "w2")
+    finally:
+        tb("down", local, check=False)
+    up(emu, topo, name, *PINS)
+    rtt_cut, bw_cut = _rtt_ms(name, "w0", "w2"), goodput(name, "w0", "w2")
+    assert 1.9 < rtt_local < 2.6
+    assert abs(rtt_cut / rtt_local - 1) <= 0.10, (rtt_cut, rtt_local)
+    assert abs(bw_cut / bw_local - 1) <= 0.05, (bw_cut, bw_local)
