@@ -63,8 +63,13 @@ def tb(*args: str, timeout: float = 300, check: bool = True) -> subprocess.Compl
 
 
 def up(emu, topo: str, name: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    return tb("up", topo, "--name", name, "--hosts", str(emu.hosts_file), "--known-hosts", str(emu.known_hosts),
-              "--time-dilation", "none", *extra, check=check)
+    r = tb("up", topo, "--name", name, "--hosts", str(emu.hosts_file), "--known-hosts", str(emu.known_hosts),
+           "--time-dilation", "none", *extra, check=False)
+    if check and r.returncode != 0:   # with what the hosts' sshd said (a refused login says why only there)
+        logs = "\n".join(f"--- {h.name} sshd.log:\n" + (h.path / "sshd.log").read_text()[-1500:]
+                         for h in emu.hosts if (h.path / "sshd.log").is_file())
+        raise AssertionError(f"testbed up -> {r.returncode}\n{r.stdout}\n{r.stderr}\n{logs}")
+    return r
 
 
 def on_host(emu, host: str, *argv: str) -> str:
@@ -226,20 +231,27 @@ def test_an_unreachable_host_is_refused_at_up_and_shown_lost_later(emu, name, tm
     assert not [ns for ns in host_netns(emu, "h2") if name in ns]
 
 
-def test_ddp_across_hosts_rendezvous_over_the_emulated_network(emu, name, tmp_path):
+def test_ddp_across_hosts_is_one_run_with_one_report(emu, name, tmp_path):
     """`testbed run` on a testbed over two hosts: four ranks, two per host, the master's address an
     emulated one, so the rendezvous and every all_reduce cross the cut link; the job's own check
-    finds the parameters identical on every rank."""
+    finds the parameters identical on every rank; the hosts' run directories come back merged into
+    one run that `testbed report` reads (every rank, the cut link's bytes, a verdict)."""
     up(emu, _topo_file(tmp_path, LINE), name, *PINS)
     r = tb("run", "--name", name, "--", "python", "examples/train_ddp.py", "--steps", "3", "--model", "mlp",
            "--hidden", "128", timeout=600)
-    assert "run completed: 4 rank(s) on h1, h2" in r.stdout, r.stdout + r.stderr
-    run_dir = Path(re.search(r"logs in\s+(\S+)", r.stdout).group(1))
+    run_dir = Path(re.search(r"^run (\S+)", r.stdout, re.M).group(1))
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert [(x["worker"], x["host"], x["rc"]) for x in summary["ranks"]] == [
-        ("w0", "h1", 0), ("w1", "h1", 0), ("w2", "h2", 0), ("w3", "h2", 0)]
+    assert summary["rc"] == 0 and summary["status"] == "completed", r.stdout + r.stderr
+    assert [(x["worker"], x["host"], x["rank"], x["rc"]) for x in summary["ranks"]] == [
+        ("w0", "h1", 0, 0), ("w1", "h1", 1, 0), ("w2", "h2", 2, 0), ("w3", "h2", 3, 0)]
+    assert summary["master_addr"].startswith("10.")   # an emulated address: the rendezvous crosses the fabric
     assert "parameters IDENTICAL on all 4 ranks" in (run_dir / "logs" / "w0.log").read_text()
-    assert summary["master"].startswith("10.")   # an emulated address: the rendezvous crosses the fabric
+    assert sorted(p.name for p in (run_dir / "probe").glob("rank-*.jsonl")) == [f"rank-{i}.jsonl" for i in range(4)]
+    cut = next(x for x in summary["links"] if {x["a"], x["b"]} == {"s0", "s1"})
+    assert cut["bytes_ab"] > 100_000 and cut["bytes_ba"] > 100_000   # the all_reduces crossed the tunnel
+    assert re.search(r"^verdict: (FAITHFUL|NOT FAITHFUL|UNVERIFIED)", r.stdout, re.M)
+    for rank in range(4):
+        assert re.search(rf"^\s+{rank}\s+w{rank}\s+3\s", r.stdout, re.M), r.stdout   # every rank's steps
 
 
 def _rtt_ms(name: str, src: str, dst: str) -> float:

@@ -2,6 +2,11 @@
 
 Leaving the shell (exit, Ctrl-D) leaves the node running: the shell is one
 more process entered into the node's namespaces, not the node's init.
+
+A testbed over several hosts: the controller's SSH sessions carry no
+terminal, so `attach` there prints the `ssh -t ...` command that runs it on
+the node's host and exits 2 (ssh_command() writes it from the hosts file;
+`logs -f` and `cp` use it too).
 """
 
 from __future__ import annotations
@@ -12,7 +17,69 @@ from typing import Any, Optional
 import typer
 
 from testbed.cli.common import NameOption, require_root, resolve_name
-from testbed.errors import StateError
+from testbed.errors import StateError, TestbedError
+
+
+class AcrossHosts(TestbedError):
+    """A verb that does not run across hosts from the controller: says what to run instead. Exit 2."""
+
+    exit_code = 2
+
+
+def spread(name: str) -> bool:
+    """Testbed `name` spans several hosts and only its controller's record is here: verbs go to its hosts."""
+    from testbed import store
+    from testbed.cluster import controller
+
+    return controller.exists(name) and not store.exists(name)
+
+
+def node_host(name: str, node: str) -> tuple[dict[str, Any], Any]:
+    """(the controller's record, the hosts-file entry of the host that holds `node`) of testbed `name`."""
+    from testbed.cluster import controller
+
+    doc = controller.load(name)
+    host = doc["placement"].get(node)
+    if host is None:
+        nodes = list(doc["placement"])
+        raise StateError(f"testbed {name!r} has no node {node!r}; nodes: {', '.join(nodes[:12])}"
+                         f"{' ...' if len(nodes) > 12 else ''}")
+    return doc, next(h for h in doc["_hosts"] if h.name == host)
+
+
+def ssh_options(doc: dict[str, Any], host: Any, *, scp: bool = False) -> list[str]:
+    """ssh(1) / scp(1) options that reach `host` as the controller does: its key, its port, the
+    known-hosts file the testbed was brought up with."""
+    import os
+
+    t = host.target
+    opts: list[str] = []
+    if host.key:
+        opts += ["-i", os.path.expanduser(host.key)]
+        if not host.uses_agent:
+            opts += ["-o", "IdentitiesOnly=yes"]
+    if t.port != 22:
+        opts += ["-P" if scp else "-p", str(t.port)]
+    if doc.get("known_hosts"):
+        opts += ["-o", f"UserKnownHostsFile={os.path.abspath(os.path.expanduser(doc['known_hosts']))}"]
+    return opts
+
+
+def ssh_login(host: Any, *, scp: bool = False) -> str:
+    """user@address as ssh takes it (scp wants an IPv6 address in brackets)."""
+    t = host.target
+    addr = f"[{t.address}]" if scp and ":" in t.address else t.address
+    return f"{t.user}@{addr}" if t.user else addr
+
+
+def ssh_command(doc: dict[str, Any], host: Any, argv: list[str], *, tty: bool = False) -> str:
+    """The ssh(1) command line that runs `testbed ARGV` on `host` (as root: `sudo` for another user)."""
+    import shlex
+
+    remote = [*host.testbed_argv, *argv]
+    if host.target.user not in (None, "root"):
+        remote = ["sudo", *remote]
+    return shlex.join(["ssh", *(["-t"] if tty else []), *ssh_options(doc, host), ssh_login(host), shlex.join(remote)])
 
 
 def node_target(st: dict[str, Any], node: str) -> tuple[Any, dict[str, Any], str]:
@@ -53,7 +120,12 @@ def register(app: typer.Typer) -> None:
         from testbed import lifecycle
 
         require_root("attach")
-        tb = resolve_name(name)
+        tb = resolve_name(name, clusters=True)
+        if spread(tb):
+            doc, host = node_host(tb, node)
+            raise AcrossHosts(f"{node} is on host {host.name} of testbed {tb}, and an interactive shell does not "
+                              f"go through the controller's SSH sessions (they have no terminal): run "
+                              f"`{ssh_command(doc, host, ['attach', node, '--name', tb], tty=True)}`")
         st = lifecycle.load(tb)
         if not sys.stdin.isatty():
             from testbed.cli.common import err_console

@@ -11,6 +11,11 @@ is a path on the host. Semantics follow `docker cp` / `cp -r`:
 Copying goes through the node's runtime (`exec` of cat/tar inside it), so it
 sees what the node sees: its private /tmp, its /etc/hosts; with the netns
 runtime that is `nsenter -t PID -a` into its mount namespace.
+
+A testbed over several hosts: a copy between two nodes of one host runs on
+that host; a copy that involves this machine's files or two hosts is not
+built yet: it is refused (exit 2) with the two steps that do it over SSH
+(`scp` between this machine and the node's host, `testbed cp` there).
 """
 
 from __future__ import annotations
@@ -109,6 +114,56 @@ class Copier:
             raise TestbedError(f"writing {d} failed: {werr.decode(errors='replace').strip() or w.returncode}")
 
 
+def _across_hosts(tb: str, src: str, dst: str) -> None:
+    """cp on a testbed over several hosts: node to node on one host runs there; anything else is
+    refused with the scp and ssh commands that do it."""
+    import shlex
+    import sys
+
+    from testbed.cli.attach import AcrossHosts, node_host, ssh_command, ssh_login, ssh_options
+    from testbed.cluster import controller
+
+    doc = controller.load(tb)
+    s, d = parse(src, set(doc["placement"])), parse(dst, set(doc["placement"]))
+    if s.node is None and d.node is None:
+        raise TestbedError("one of SRC and DST must be NODE:PATH (a path inside a node)")
+    hosts = {doc["placement"][x.node] for x in (s, d) if x.node}
+    if s.node and d.node and len(hosts) == 1:
+        r = controller.run_on_node_host(tb, s.node, ["cp", src, dst, "--name", tb])
+        sys.stdout.write(r.stdout)
+        sys.stderr.write(r.stderr)
+        if r.rc != 0:
+            raise typer.Exit(r.rc if r.rc > 0 else 1)
+        return
+    where = "; ".join(f"{x.node} is on host {doc['placement'][x.node]}" for x in (s, d) if x.node)
+    tmp = "/tmp"   # the node's host's: where the file stops on its way
+
+    def scp(a: str, b: str, host) -> str:
+        return shlex.join(["scp", "-r", *ssh_options(doc, host, scp=True), a, b])
+
+    def remote(host, path: str) -> str:
+        return f"{ssh_login(host, scp=True)}:{path}"
+
+    base = lambda x: os.path.basename(x.path.rstrip("/")) or "root"  # noqa: E731
+    if d.node and not s.node:          # this machine -> a node
+        _, h = node_host(tb, d.node)
+        steps = [scp(s.path, remote(h, tmp + "/"), h),
+                 ssh_command(doc, h, ["cp", f"{tmp}/{base(s)}", dst, "--name", tb])]
+    elif s.node and not d.node:        # a node -> this machine
+        _, h = node_host(tb, s.node)
+        steps = [ssh_command(doc, h, ["cp", src, f"{tmp}/", "--name", tb]),
+                 scp(remote(h, f"{tmp}/{base(s)}"), d.path, h)]
+    else:                              # a node on one host -> a node on another
+        _, hs = node_host(tb, s.node)
+        _, hd = node_host(tb, d.node)
+        steps = [ssh_command(doc, hs, ["cp", src, f"{tmp}/", "--name", tb]),
+                 scp(remote(hs, f"{tmp}/{base(s)}"), ".", hs),
+                 scp(base(s), remote(hd, tmp + "/"), hd),
+                 ssh_command(doc, hd, ["cp", f"{tmp}/{base(s)}", dst, "--name", tb])]
+    raise AcrossHosts(f"testbed cp does not copy across hosts yet ({where}; testbed {tb} spans several hosts). "
+                      "Copy over SSH instead: " + "; then ".join(f"`{c}`" for c in steps))
+
+
 def register(app: typer.Typer) -> None:
     @app.command(help="Copy files or directories between the host and nodes: "
                       "`testbed cp w3:/tmp/out.txt .`, `testbed cp ./data w0:/tmp/`, `testbed cp w0:/a w1:/b`.")
@@ -118,7 +173,12 @@ def register(app: typer.Typer) -> None:
         from testbed import lifecycle
 
         require_root("cp")
-        tb = resolve_name(name)
+        tb = resolve_name(name, clusters=True)
+        from testbed.cli.attach import spread
+
+        if spread(tb):
+            _across_hosts(tb, src, dst)
+            return
         st = lifecycle.load(tb)
         nodes = {n["name"] for n in st.get("topology", {}).get("nodes", [])}
         s, d = parse(src, nodes), parse(dst, nodes)

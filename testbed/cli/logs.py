@@ -5,6 +5,11 @@ Jobs write their output under the node's log directory,
 testbed/runtime/env.py), one file per job. This prints every non-empty file
 there, oldest first, with a `==> file <==` header when there are several;
 with -f it keeps following them, new files included, until Ctrl-C.
+
+A testbed over several hosts: the logs are on the node's host, where this
+runs (its output comes back when it ends); `-f` does not follow across hosts
+(the controller's SSH sessions return when the command ends): it prints the
+ssh command that follows them there, and exits 2.
 """
 
 from __future__ import annotations
@@ -84,6 +89,27 @@ def show(d: Path, *, follow: bool = False, lines: int | None = None, out: Binary
     return len(offsets)
 
 
+def _across_hosts(tb: str, node: str, follow: bool, tail: int | None) -> None:
+    """logs of a node of a testbed over several hosts: run on its host, its output passed on."""
+    from testbed.cli.attach import AcrossHosts, node_host, ssh_command
+    from testbed.cluster import controller
+
+    argv = ["logs", node, "--name", tb, *([] if tail is None else ["--tail", str(tail)])]
+    if follow:
+        doc, host = node_host(tb, node)
+        raise AcrossHosts(f"logs -f does not follow across hosts yet ({node} is on host {host.name}; the "
+                          f"controller's SSH sessions return only when the command ends): without -f this prints "
+                          f"what is there now, or follow it on the host: "
+                          f"`{ssh_command(doc, host, [*argv, '-f'], tty=True)}`")
+    node_host(tb, node)   # an unknown node: said here, before connecting
+    r = controller.run_on_node_host(tb, node, argv)
+    sys.stdout.write(r.stdout)
+    sys.stdout.flush()
+    sys.stderr.write(r.stderr)
+    if r.rc != 0:
+        raise typer.Exit(r.rc if r.rc > 0 else 1)
+
+
 def register(app: typer.Typer) -> None:
     @app.command(help="Show the output of the jobs started in NODE (-f: keep following it).")
     def logs(node: str = typer.Argument(..., help="The worker (or switch) whose logs to show."),
@@ -94,12 +120,21 @@ def register(app: typer.Typer) -> None:
         from testbed.cli.common import err_console
         from testbed.runtime.env import log_dir
 
-        tb = resolve_name(name)
+        tb = resolve_name(name, clusters=True)
+        from testbed.cli.attach import spread
+
+        if spread(tb):
+            _across_hosts(tb, node, follow, tail)
+            return
         st = lifecycle.load(tb)
         nodes = [n["name"] for n in st.get("topology", {}).get("nodes", [])]
         if node not in nodes:
             raise StateError(f"testbed {tb!r} has no node {node!r}; nodes: {', '.join(nodes[:12])}"
                              f"{' ...' if len(nodes) > 12 else ''}")
+        part = st.get("part")
+        if part is not None and node not in part.get("nodes", ()):
+            raise StateError(f"{node} is not on this host ({part.get('host')}): testbed {tb} spans several hosts; "
+                             f"run it on the controller (where `testbed up --hosts` ran), which asks {node}'s host")
         d = log_dir(tb, node)
         shown = show(d, follow=follow, lines=tail)
         if not shown and not follow:

@@ -1,17 +1,80 @@
-"""testbed node down|up|crash|slow|restore NODE: fail, restart and slow down nodes of a running testbed."""
+"""testbed node down|up|crash|slow|restore NODE: fail, restart and slow down nodes of a running testbed.
+
+A testbed over several hosts: a node's faults change its links, and so the
+routes of switches on every host, and every host keeps the node's fault record
+(faults.nodes). The command goes to every host at once; each acts on what it
+holds (testbed.faults.control: the node's processes and cgroup only on its
+host, a link end where it is, the routes of its own switches). What the node's
+host says is printed, or each host that failed and why (exit 1).
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
-from testbed.cli.common import NameOption, console, require_root, resolve_name
+from testbed.cli.common import NameOption, console, err_console, require_root, resolve_name
+
+
+def _check(name: str, node: str, verb: str) -> str:
+    """The host of `node` in testbed `name` (over several hosts), after the checks the hosts would make
+    (a known node; crash and slow act on workers): refused here, before any host is asked."""
+    from testbed.cluster import controller
+    from testbed.faults.control import FaultError
+    from testbed.topology.model import Topology
+
+    doc = controller.load(name)
+    topo = Topology.from_json(doc["topology"])
+    n = topo.nodes.get(node)
+    if n is None or node not in doc["placement"]:
+        some = ", ".join(list(topo.nodes)[:12]) + (" ..." if len(topo.nodes) > 12 else "")
+        raise FaultError(f"node: testbed {name!r} has no node {node!r} (nodes: {some})")
+    if verb == "crash" and not n.is_worker:
+        raise FaultError(f"node: {node} is a switch; crash acts on workers (use `node down` for a switch)")
+    if verb == "slow" and not n.is_worker:
+        raise FaultError(f"node: {node} is a switch; slow acts on workers")
+    return doc["placement"][node]
+
+
+def _across_hosts(name: str, node: str, verb: str, extra: list[str] | None = None) -> None:
+    """`testbed node VERB NODE` on every host of testbed `name` at once."""
+    from testbed.cluster import controller
+
+    home = _check(name, node, verb)
+    results: dict[str, Any] = controller.run_on_every_host(name, ["node", verb, node, *(extra or []), "--name", name])
+    failed = {h: r for h, r in results.items() if isinstance(r, Exception) or r.rc != 0}
+
+    def why(r: Any) -> str:
+        return str(r) if isinstance(r, Exception) else \
+            (r.stderr.strip() or r.stdout.strip() or f"exit status {r.rc}").removeprefix("error: ")
+
+    if failed:
+        for h, r in results.items():
+            if h in failed:
+                err_console.print(f"[red]{h}:[/] {why(r)}", highlight=False)
+            else:
+                err_console.print(f"{h}: {r.stdout.strip()}", highlight=False)
+        raise typer.Exit(1)
+    said = results[home].stdout.strip() if home in results else f"{node}: {verb}"
+    others = ", ".join(h for h in results if h != home)
+    if not others:
+        console.print(f"{said} (on {home})", highlight=False)
+    elif verb in ("down", "up"):
+        console.print(f"{said} (on {home}; {others}: its link ends and the routes there too)", highlight=False)
+    else:
+        console.print(f"{said} (on {home}; recorded on {others} too)", highlight=False)
 
 
 def register(app: typer.Typer) -> None:
     node_app = typer.Typer(help="Fail, restart or slow down a node of a running testbed.", no_args_is_help=True)
     app.add_typer(node_app, name="node")
+
+    def target(name: Optional[str], verb: str) -> tuple[str, bool]:
+        from testbed.cli.attach import spread
+
+        tb = resolve_name(name, clusters=True, verb=f"testbed node {verb}")
+        return tb, spread(tb)
 
     @node_app.command("down")
     def down(node: str, name: Optional[str] = NameOption) -> None:
@@ -19,7 +82,10 @@ def register(app: typer.Typer) -> None:
         from testbed.faults import control
 
         require_root("testbed node down")
-        control.node_down(resolve_name(name), node)
+        tb, across = target(name, "down")
+        if across:
+            return _across_hosts(tb, node, "down")
+        control.node_down(tb, node)
         console.print(f"{node}: down", highlight=False)
 
     @node_app.command("up")
@@ -28,7 +94,10 @@ def register(app: typer.Typer) -> None:
         from testbed.faults import control
 
         require_root("testbed node up")
-        control.node_up(resolve_name(name), node)
+        tb, across = target(name, "up")
+        if across:
+            return _across_hosts(tb, node, "up")
+        control.node_up(tb, node)
         console.print(f"{node}: up", highlight=False)
 
     @node_app.command("crash")
@@ -37,7 +106,10 @@ def register(app: typer.Typer) -> None:
         from testbed.faults import control
 
         require_root("testbed node crash")
-        n = control.node_crash(resolve_name(name), node)
+        tb, across = target(name, "crash")
+        if across:
+            return _across_hosts(tb, node, "crash")
+        n = control.node_crash(tb, node)
         console.print(f"{node}: crashed ({n} processes killed)", highlight=False)
 
     @node_app.command("slow")
@@ -47,7 +119,12 @@ def register(app: typer.Typer) -> None:
         from testbed.faults import control
 
         require_root("testbed node slow")
-        control.node_slow(resolve_name(name), node, cpus)
+        tb, across = target(name, "slow")
+        if across:
+            if not (cpus > 0):
+                raise control.FaultError(f"--cpus must be positive (got {cpus})")
+            return _across_hosts(tb, node, "slow", ["--cpus", repr(cpus)])
+        control.node_slow(tb, node, cpus)
         console.print(f"{node}: limited to {cpus:g} CPUs", highlight=False)
 
     @node_app.command("restore")
@@ -56,5 +133,8 @@ def register(app: typer.Typer) -> None:
         from testbed.faults import control
 
         require_root("testbed node restore")
-        control.node_restore(resolve_name(name), node)
+        tb, across = target(name, "restore")
+        if across:
+            return _across_hosts(tb, node, "restore")
+        control.node_restore(tb, node)
         console.print(f"{node}: CPU limit restored", highlight=False)

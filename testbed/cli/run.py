@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import List, Optional
 
 import typer
@@ -12,9 +11,10 @@ from testbed.cli.common import NameOption, console, resolve_name
 
 def _run_over_hosts(name: str, cmd: List[str], workers: str, nproc_per_node: int, port: Optional[int],
                     timeout: Optional[float], env: dict, real: Optional[str], record_ops: bool,
-                    replay: Optional[str]) -> None:
-    """A testbed over several hosts: one rank per worker, started on the workers' hosts; their output is
-    gathered here. The probe, report and verdict are not built across hosts yet (said, not hidden)."""
+                    replay: Optional[str], no_probe: bool, real_clock: bool, grace: float) -> None:
+    """A testbed over several hosts: every host runs its workers' ranks (`testbed run --this-host-only`
+    there, the same master and port), their run directories come back here, merged, and are
+    reported and judged as one run."""
     from testbed.cli.common import err_console, fail
     from testbed.cluster import controller
 
@@ -22,24 +22,20 @@ def _run_over_hosts(name: str, cmd: List[str], workers: str, nproc_per_node: int
         cmd = cmd[1:]
     if not cmd:
         fail("nothing to run: give a command after --", 2)
-    if nproc_per_node != 1 or real is not None or record_ops or replay:
-        fail("across hosts, `testbed run` starts one rank per worker: --nproc-per-node, --real, --record-ops and "
-             "--replay are not built for several hosts yet", 2)
+    if real is not None or record_ops or replay:
+        fail("--real, --record-ops and --replay are not built for testbeds over several hosts yet", 2)
     chosen = None if workers == "all" else [w.strip() for w in workers.split(",") if w.strip()]
-    err_console.print("[yellow]across hosts:[/] the ranks run and their output comes back; the probe, the report "
-                      "and the verdict are not built for several hosts yet", highlight=False)
-    summary = controller.run_job(name, cmd, workers=chosen, port=port, timeout=timeout, env=env,
-                                 progress=lambda m: err_console.print(m, highlight=False))
-    bad = [r for r in summary["ranks"] if r["rc"] != 0]
-    for r in bad[:4]:
-        tail = (Path(summary["run_dir"]) / "logs" / f"{r['worker']}.log").read_text().strip().splitlines()[-8:]
-        err_console.print(f"[red]rank {r['rank']} ({r['worker']} on {r['host']}) exited {r['rc']}:[/]\n  "
-                          + "\n  ".join(tail), highlight=False)
-    console.print(f"run {'completed' if not bad else 'failed'}: {len(summary['ranks'])} rank(s) on "
-                  f"{', '.join(summary['hosts'])} in {summary['wall_s']:.1f} s; logs in {summary['run_dir']}",
-                  highlight=False)
-    if bad:
-        raise typer.Exit(summary["rc"] if summary["rc"] > 0 else 1)
+    result = controller.run_job(name, cmd, workers=chosen, nproc_per_node=nproc_per_node, port=port,
+                                timeout=timeout, env=env, probe=not no_probe, real_clock=real_clock, grace=grace,
+                                progress=lambda m: err_console.print(m, highlight=False))
+    from testbed.report import report as make_report
+
+    text, a, _plots = make_report(result["run_dir"], plots=False)
+    console.print(text, highlight=False)
+    for host, why in result.get("problems", {}).items():
+        err_console.print(f"[red]{host}:[/] {why}", highlight=False)
+    if result["rc"] != 0:
+        raise typer.Exit(result["rc"] if 0 < result["rc"] < 256 else 1)
 
 
 def register(app: typer.Typer) -> None:
@@ -70,6 +66,9 @@ def register(app: typer.Typer) -> None:
         replay: Optional[str] = typer.Option(None, "--replay", help="Replay a recorded run (its directory or "
                                              "ops-N.jsonl) with every rank a phantom: the job's traffic without "
                                              "the job, e.g. on another topology or under a scenario"),
+        this_host_only: bool = typer.Option(False, "--this-host-only", hidden=True,
+                                            help="(the controller's) one host's ranks of a run over several hosts; "
+                                                 "prints the run directory as JSON, no report"),
     ) -> None:
         """Start CMD on every selected worker the torchrun way; logs and probe data go to runs/<time>-<testbed>/.
 
@@ -93,15 +92,22 @@ def register(app: typer.Typer) -> None:
 
         if controller.exists(target) and not store.exists(target):
             _run_over_hosts(target, cmd or [], workers, nproc_per_node, port, timeout, extra, real, record_ops,
-                            replay)
+                            replay, no_probe, real_clock, grace)
             return
         cluster = cluster_from_state(target)
-        machine = calibration.constants_or_none(progress=lambda m: err_console.print(m, highlight=False))
+        # one host's part of a run over several hosts: the controller judges it with its own constants
+        machine = None if this_host_only else \
+            calibration.constants_or_none(progress=lambda m: err_console.print(m, highlight=False))
         result = run(cluster, cmd or [], workers=workers, nproc_per_node=nproc_per_node, master=master, port=port,
                      timeout=timeout, env=extra, probe=not no_probe, grace=grace, machine=machine,
                      emulated_clock=not real_clock,
                      real=[w.strip() for w in real.split(",") if w.strip()] if real is not None else None,
-                     record_ops=record_ops, replay=replay)
+                     record_ops=record_ops, replay=replay, this_host_only=this_host_only)
+        if this_host_only:
+            import json
+
+            print(json.dumps({"run_dir": str(result.run_dir), "rc": result.rc}))
+            raise typer.Exit(result.rc)
         from testbed.report import report as make_report
 
         text, a, plots = make_report(result.run_dir, plots=report)

@@ -209,7 +209,7 @@ def describe_placement(hosts, placement, baseline_bps: int | None) -> None:
 
     cut = placement.cut_links
     if cut and len(cut) <= CUT_LINKS_LISTED:
-        ct = Table(title=f"cut links ({len(cut)}): tunnels between hosts once multi-host up exists",
+        ct = Table(title=f"cut links ({len(cut)}): VXLAN tunnels between hosts at `up --hosts`",
                    title_justify="left")
         for col in ("link", "tier", "hosts", "a->b", "b->a"):
             ct.add_column(col)

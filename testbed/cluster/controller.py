@@ -438,21 +438,27 @@ def run_on_every_host(name: str, argv: Sequence[str], timeout: float | None = 60
 # -- a job across hosts ------------------------------------------------------------------------------------
 
 
-def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = None, port: int | None = None,
-            workdir: str | None = None, env: dict[str, str] | None = None, timeout: float | None = None,
+def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = None, nproc_per_node: int = 1,
+            port: int | None = None, workdir: str | None = None, env: dict[str, str] | None = None,
+            timeout: float | None = None, probe: bool = True, real_clock: bool = False, grace: float = 5.0,
             base_dir: str | Path | None = None, progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
-    """CMD on every selected worker, one rank each, on the workers' hosts at once: RANK, WORLD_SIZE and
-    MASTER_ADDR/PORT the torchrun way, the master the first worker's emulated address (so the
-    rendezvous crosses the emulated network). Each rank's output comes back to a run directory here
-    (logs/<worker>.log, summary.json). Not yet across hosts: the probe, monitor, report and verdict
-    of a single-host `testbed run`. Returns the summary."""
+    """CMD on the selected workers of a testbed over several hosts, as one run.
+
+    Every host that holds some of the workers runs `testbed run --this-host-only` with the whole
+    worker list, the same master (the first worker, on its emulated address: the rendezvous crosses
+    the emulated network) and the same port, and starts its own workers' ranks with their global
+    ranks, the probe and the monitor, as a single-host run does. Their run directories come back
+    here and are merged into one (probe files, logs, link counters by node; the summary's ranks
+    from every host; monitor.json from the master's host, the others under parts/HOST/) that
+    `testbed report` reads like any run. Returns {"run_dir", "rc", "hosts", "problems"}."""
+    import base64
+    import io
     import random
     import shlex
+    import tarfile
 
-    from testbed.cluster.remote import SshHost
     from testbed.jobs import rundir
     from testbed.topology.model import Topology
-    from testbed.topology.plan import plan_network
 
     doc = load(name)
     topo = Topology.from_json(doc["topology"])
@@ -460,62 +466,150 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
     unknown = [w for w in chosen if w not in topo.workers]
     if unknown:
         raise TestbedError(f"--workers: {unknown[0]!r} is not a worker of testbed {name}")
-    master = chosen[0]
-    addr = next((p.address for p in plan_network(topo).ports(master) if p.address), None)
-    if addr is None:
-        raise TestbedError(f"worker {master} has no address to rendezvous on")
     port = int(port or random.randint(20000, 29999))
     workdir = workdir or os.getcwd()
     by_name = {h.name: h for h in doc["_hosts"]}
+    hosts = [h for h in doc.get("hosts", {}) if any(doc["placement"][w] == h for w in chosen)]
+    master_host = doc["placement"][chosen[0]]
     rd = rundir.create(name, base_dir)
-    (rd / "logs").mkdir(exist_ok=True)
-    base_env = {**(env or {}), "MASTER_ADDR": addr.split("/")[0], "MASTER_PORT": str(port),
-                "WORLD_SIZE": str(len(chosen)), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                "GROUP_WORLD_SIZE": str(len(chosen))}
-    progress(f"{len(chosen)} rank(s) on {len({doc['placement'][w] for w in chosen})} host(s), master {master} "
-             f"({base_env['MASTER_ADDR']}:{port}); run directory {rd}")
-    t0 = time.monotonic()
+    progress(f"{len(chosen) * nproc_per_node} rank(s) on {len(hosts)} host(s) ({', '.join(hosts)}), master "
+             f"{chosen[0]} on {master_host}, port {port}; run directory {rd}")
+    ctls = _controls([by_name[h] for h in hosts], doc.get("known_hosts"), bool(doc.get("trust_new")))
 
-    def rank(i: int, worker: str) -> Any:
-        host = by_name[doc["placement"][worker]]
-        renv = {**base_env, "RANK": str(i), "GROUP_RANK": str(i), "NODE_RANK": str(i)}
-        # as on one host, the Python that runs testbed there comes first (its venv has torch)
-        venv = os.path.dirname(host.testbed_argv[0]) if os.path.isabs(host.testbed_argv[0]) else ""
-        path = f'PATH={shlex.quote(venv)}:"$PATH" ' if venv else ""
-        script = f"cd {shlex.quote(workdir)} && {path}exec env " + " ".join(
-            shlex.quote(f"{k}={v}") for k, v in sorted(renv.items())) + " " + shlex.join(cmd)
-        ctl = SshHost(host, known_hosts=doc.get("known_hosts"), trust_new=bool(doc.get("trust_new")))
-        try:
-            return ctl.run([*host.testbed_argv, "exec", worker, "--name", name, "--", "sh", "-c", script],
-                           timeout=timeout)
-        finally:
-            ctl.close()
+    def start(ctl: Any) -> Any:
+        h = by_name[ctl.name]
+        argv = [*h.testbed_argv, "run", "--name", name, "--workers", ",".join(chosen), "--master", chosen[0],
+                "--port", str(port), "--nproc-per-node", str(nproc_per_node), "--grace", str(grace),
+                "--this-host-only"]
+        argv += ["--timeout", str(timeout)] if timeout else []
+        argv += ["--no-probe"] if not probe else []
+        argv += ["--real-clock"] if real_clock else []
+        for k, v in sorted((env or {}).items()):
+            argv += ["--env", f"{k}={v}"]
+        script = f"cd {shlex.quote(workdir)} && exec {shlex.join([*argv, '--', *cmd])}"
+        return ctl.run(["sh", "-c", script], timeout=None if timeout is None else timeout + 600)
 
-    import threading
+    def fetch(ctl: Any, remote_dir: str) -> bytes:
+        r = ctl.run(["sh", "-c", f"tar -C {shlex.quote(remote_dir)} --dereference -cf - . | base64 -w0"],
+                    timeout=600, check=True)
+        return base64.b64decode(r.stdout)
 
-    results: dict[str, Any] = {}
+    problems: dict[str, str] = {}
+    rcs: dict[str, int] = {}
+    try:
+        results = _parallel(ctls, hosts, start)
+        for h, r in results.items():
+            if isinstance(r, Exception):
+                problems[h] = f"its ranks could not be run: {r}"
+                rcs[h] = 1
+                continue
+            line = next((ln for ln in reversed(r.stdout.strip().splitlines()) if ln.startswith("{")), "")
+            try:
+                info = json.loads(line)
+                remote_dir = str(info["run_dir"])
+                rcs[h] = int(info["rc"])
+            except (ValueError, KeyError, TypeError):
+                problems[h] = f"its run did not start: {_why(r)}"
+                rcs[h] = r.rc or 1
+                continue
+            try:
+                blob = fetch(ctls[h], remote_dir)
+            except Exception as exc:  # noqa: BLE001 - reported with the host: the others still merge
+                problems[h] = f"its run directory {remote_dir} could not be fetched: {exc}"
+                continue
+            part_dir = rd / "parts" / h
+            part_dir.mkdir(parents=True)
+            with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+                tar.extractall(part_dir, filter="data")   # (the data filter refuses links out and absolute paths)
+            (part_dir / "remote.txt").write_text(f"{h}:{remote_dir}\n")
+            boot = ctls[h].run(["cat", "/proc/sys/kernel/random/boot_id"], timeout=60)
+            (part_dir / "boot_id").write_text(boot.stdout.strip() if boot.rc == 0 else h)
+    finally:
+        _close(ctls)
+    _merge_parts(rd, hosts, master_host, doc, problems)
+    rc = next((v for v in rcs.values() if v != 0), 0)
+    return {"run_dir": rd, "rc": rc, "hosts": hosts, "problems": problems}
 
-    def one(i: int, w: str) -> None:
-        try:
-            results[w] = rank(i, w)
-        except Exception as exc:  # noqa: BLE001 - the rank's failure, reported with the others
-            results[w] = exc
 
-    threads = [threading.Thread(target=one, args=(i, w), daemon=True) for i, w in enumerate(chosen)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    ranks = []
-    for i, w in enumerate(chosen):
-        r = results.get(w)
-        rc = r.rc if not isinstance(r, Exception) and r is not None else -1
-        text = (r.stdout + r.stderr) if not isinstance(r, Exception) and r is not None else f"{r}\n"
-        (rd / "logs" / f"{w}.log").write_text(text)
-        ranks.append({"rank": i, "worker": w, "host": doc["placement"][w], "rc": rc})
-    summary = {"testbed": name, "command": list(cmd), "hosts": sorted({r["host"] for r in ranks}),
-               "master": f"{base_env['MASTER_ADDR']}:{port}", "ranks": ranks, "wall_s": round(time.monotonic() - t0, 3),
-               "rc": max((r["rc"] for r in ranks), key=lambda x: (x != 0, abs(x)), default=0),
-               "run_dir": str(rd)}
-    (rd / "summary.json").write_text(json.dumps(summary, indent=1))
-    return summary
+def _merge_parts(rd: Path, hosts: Sequence[str], master_host: str, doc: dict[str, Any],
+                 problems: dict[str, str]) -> None:
+    """One run directory out of every host's: what `testbed report` reads."""
+    import shutil
+
+    from testbed.jobs import counters, rundir
+    from testbed.topology.model import Topology
+
+    parts = [(h, rd / "parts" / h) for h in hosts if (rd / "parts" / h / "summary.json").is_file()]
+    for sub in ("probe", "logs"):
+        (rd / sub).mkdir(exist_ok=True)
+        for _h, p in parts:
+            for f in sorted((p / sub).glob("*")):
+                if f.is_file() and not (rd / sub / f.name).exists():
+                    shutil.copyfile(f, rd / sub / f.name)
+    summaries = {h: json.loads((p / "summary.json").read_text()) for h, p in parts}
+    topo = Topology.from_json(doc["topology"])
+    merged_counters = {}
+    for which in ("counters-before.json", "counters-after.json"):
+        nodes: dict[str, Any] = {}
+        t = None
+        for _h, p in parts:
+            try:
+                c = json.loads((p / which).read_text())
+            except (OSError, ValueError):
+                continue
+            nodes.update(c.get("nodes") or {})
+            t = c.get("t") if t is None else t
+        merged_counters[which] = {"t": t, "nodes": nodes}
+        rundir.write_json(rd / which, merged_counters[which])
+    for f in ("topology.json", "monitor.json"):
+        src = rd / "parts" / master_host / f
+        if not src.is_file():
+            src = next((p / f for _h, p in parts if (p / f).is_file()), None)
+        if src is not None and src.is_file():
+            shutil.copyfile(src, rd / f)
+    events = []
+    for _h, p in parts:
+        if (p / "testbed-events.jsonl").is_file():
+            events += [ln for ln in (p / "testbed-events.jsonl").read_text().splitlines() if ln.strip()]
+    if events:
+        (rd / "testbed-events.jsonl").write_text("\n".join(events) + "\n")
+    base = dict(summaries.get(master_host) or next(iter(summaries.values()), {}))
+    ranks = [dict(r, host=h) for h, sm in summaries.items() for r in sm.get("ranks") or []]
+    ranks.sort(key=lambda r: (r.get("rank") is None, r.get("rank") or 0))
+    statuses = {h: sm.get("status") for h, sm in summaries.items()}
+    failed = [sm for sm in summaries.values() if sm.get("rc")]
+    from testbed.jobs import calibration
+
+    machine = calibration.cached()
+    base.update({
+        "run_dir": str(rd), "ranks": ranks, "hosts": {h: {"status": statuses.get(h), "rc": summaries[h].get("rc"),
+                                                          "run_dir": summaries[h].get("run_dir")} for h in statuses},
+        "status": "completed" if not failed and not problems else (failed[0].get("status") if failed else "failed"),
+        "rc": failed[0].get("rc") if failed else (1 if problems else 0),
+        "first_failure": next((sm.get("first_failure") for sm in failed if sm.get("first_failure")), None),
+        "started": min((sm.get("started") or 0 for sm in summaries.values()), default=None),
+        "ended": max((sm.get("ended") or 0 for sm in summaries.values()), default=None),
+        "links": counters.link_bytes(topo, merged_counters["counters-before.json"],
+                                     merged_counters["counters-after.json"]),
+        "leftover_pids": [p for sm in summaries.values() for p in sm.get("leftover_pids") or []],
+        "over_hosts": {"placement": doc["placement"], "monitor_from": master_host, "problems": problems},
+        "machine": machine.constants().to_json() if machine is not None else None,
+    })
+    # ranks per compute device, the verdict's CPU check: hosts with the same boot id are one machine
+    # (emulated hosts share this one); the most loaded machine decides
+    machines: dict[str, list[str]] = {}
+    for h, p in parts:
+        bid = (p / "boot_id").read_text().strip() if (p / "boot_id").is_file() else h
+        machines.setdefault(bid, []).append(h)
+    world = int(base.get("world_size") or len(ranks) or 1)
+    load = []
+    for hs in machines.values():
+        devices = max(int(summaries[h].get("gpus") or 0) or int(summaries[h].get("cores") or 1) for h in hs)
+        load.append(sum(len(summaries[h].get("ranks") or []) for h in hs) / max(1, devices))
+    if load and max(load) > 0:
+        base["cores"] = max(1, round(world / max(load)))
+        base["gpus"] = 0 if not any(sm.get("gpus") for sm in summaries.values()) else base["cores"]
+    base["over_hosts"]["machines"] = list(machines.values())
+    if base.get("started") and base.get("ended"):
+        base["duration_s"] = base["ended"] - base["started"]
+    rundir.write_json(rd / "summary.json", base)

@@ -530,11 +530,15 @@ def _kill(pids: Sequence[int], sig: int, wait: float) -> None:
 
 
 def node_down(name: str, node: str) -> None:
-    """A switch: all its links down. A worker: its container stopped, and its links down."""
+    """A switch: all its links down. A worker: its container stopped, and its links down.
+
+    On a host of a testbed over several hosts (every host is sent the command): the worker is
+    stopped only on its own host; each host downs its own ends of the node's links and converges
+    its own switches' routes, and records the node down."""
     with locked(name) as h:
         n = h.node(node)
         ns = h.faults()["nodes"].setdefault(node, {})
-        if n.is_worker and ns.get("state") not in ("down", "crashed"):
+        if n.is_worker and h.here(node) and ns.get("state") not in ("down", "crashed"):
             rt = _runtime(h)
             rec = _worker_record(h, node)
             strays = _strays(h, rt, node, rec)
@@ -556,11 +560,12 @@ def node_down(name: str, node: str) -> None:
 
 
 def node_up(name: str, node: str) -> None:
-    """Undo node down/crash: a worker's container started again; its links up."""
+    """Undo node down/crash: a worker's container started again; its links up. Over several hosts,
+    as node_down: the worker restarted on its host, link ends and routes on each."""
     with locked(name) as h:
         n = h.node(node)
         ns = h.faults()["nodes"].setdefault(node, {})
-        if n.is_worker and ns.get("state") in ("down", "crashed"):
+        if n.is_worker and h.here(node) and ns.get("state") in ("down", "crashed"):
             rt = _runtime(h)
             rec = _worker_record(h, node)
             try:
@@ -581,11 +586,18 @@ def node_up(name: str, node: str) -> None:
 
 
 def node_crash(name: str, node: str) -> int:
-    """kill -9 of everything in worker `node` (its links stay up). Returns how many processes."""
+    """kill -9 of everything in worker `node` (its links stay up). Returns how many processes
+    (0 on a host of a testbed over several hosts that does not hold it: it only records the crash)."""
     with locked(name) as h:
         n = h.node(node)
         if not n.is_worker:
             raise FaultError(f"node: {node} is a switch; crash acts on workers (use `node down` for a switch)")
+        if not h.here(node):   # on another host, which kills it: the record only, kept the same here
+            ns = h.faults()["nodes"].setdefault(node, {})
+            ns["state"] = "crashed"
+            ns["since"] = time.time()
+            h.log(f"node crash {node} (on another host)")
+            return 0
         rt = _runtime(h)
         rec = _worker_record(h, node)
         before = set(netns.pids_in([h.netns(node)]))
@@ -655,6 +667,10 @@ def _slow(h: Handle, node: str, cpus: float) -> None:
     if not n.is_worker:
         raise FaultError(f"node: {node} is a switch; slow acts on workers")
     ns = h.faults()["nodes"].setdefault(node, {})
+    if not h.here(node):   # on another host, which caps it: the record only, kept the same here
+        ns["cpus"] = cpus
+        h.log(f"node slow {node} cpus={cpus:g} (on another host)")
+        return
     rt = _runtime(h)
     rec = _worker_record(h, node)
     done = False
@@ -695,7 +711,9 @@ def _restore(h: Handle, node: str) -> None:
     ns = h.faults()["nodes"].setdefault(node, {})
     if "cpus" not in ns and not ns.get("cgroup"):
         return
-    if ns.get("cgroup"):
+    if not h.here(node):   # on another host, which lifts the cap: the record only
+        ns.pop("cgroup", None)
+    elif ns.get("cgroup"):
         _own_cgroup_release(ns)
     else:
         rt = _runtime(h)
@@ -714,7 +732,7 @@ def _restore(h: Handle, node: str) -> None:
                 if n.memory_bytes is not None:
                     cgroups.set_limits(paths, memory_bytes=n.memory_bytes)
     ns.pop("cpus", None)
-    h.log(f"node restore {node}")
+    h.log(f"node restore {node}" + ("" if h.here(node) else " (on another host)"))
 
 
 # -- partitions -------------------------------------------------------------------------------------------------------

@@ -119,6 +119,7 @@ class Cluster:
     gpus: int = 0                      # GPUs handed to workers (what ranks time-share; 0: CPU cores)
     runtime: str = "netns"             # the testbed's runtime kind
     state_dir: Path | None = None      # the testbed's state dir: visible inside every worker, same path
+    part: frozenset[str] | None = None   # over several hosts: the nodes this host holds (cluster.part)
 
 
 def cluster_from_state(name: str) -> Cluster:
@@ -151,6 +152,10 @@ def cluster_from_state(name: str) -> Cluster:
     for w, rec in records.items():
         if rec.get("netns"):
             cl.netns_of[w] = rec["netns"]
+    part = (data.get("part") or {}).get("nodes")
+    if part is not None:   # counters and the monitor read only this host's namespaces
+        cl.part = frozenset(part)
+        cl.netns_of = {n: ns for n, ns in cl.netns_of.items() if n in cl.part}
     return cl
 
 
@@ -278,7 +283,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         on_start: Callable[[Path], None] | None = None, machine: Any = None,
         monitor: bool = True, emulated_clock: bool = True, stop: threading.Event | None = None,
         real: Sequence[str] | None = None, record_ops: bool = False,
-        replay: str | os.PathLike | None = None) -> RunResult:
+        replay: str | os.PathLike | None = None, this_host_only: bool = False) -> RunResult:
     """Run CMD across the cluster; return the exit status and the run directory.
 
     machine: the calibrated MachineConstants, recorded for the verdict (testbed.report.verdict);
@@ -290,7 +295,9 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     record_ops: rank 0 records every operation of its process groups (probe/ops-0.jsonl, as
     phantoms would be told them; gloo jobs); with `real`, the leader always records;
     replay: a recorded run directory (or its ops-N.jsonl): no command runs, every rank is a
-    phantom fed that sequence with its recorded gaps (scaled to this testbed's dilation)."""
+    phantom fed that sequence with its recorded gaps (scaled to this testbed's dilation);
+    this_host_only: on one host of a testbed over several hosts, start the ranks of this host's
+    workers only (the controller starts the others on theirs, with the same master and port)."""
     cmd = list(cmd)
     trace = None
     if replay is not None:
@@ -307,6 +314,15 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     if nproc_per_node < 1:
         raise RunError("--nproc-per-node must be >= 1")
     chosen = select_workers(cluster, workers)
+    if cluster.part is not None and not this_host_only:
+        raise RunError(f"testbed {cluster.name} spans several hosts and this host holds part of it: start jobs "
+                       "from the controller, where it was brought up (`testbed run` there starts every host's ranks)")
+    if this_host_only and (cluster.part is None or port is None or real is not None or replay is not None):
+        raise RunError("--this-host-only is the controller's: one host's ranks of a testbed over several hosts, "
+                       "with --port given; no --real or --replay")
+    here = [w for w in chosen if cluster.part is None or w in cluster.part]
+    if not here:
+        raise RunError(f"none of the run's workers ({', '.join(chosen)}) is on this host")
     if real is not None:
         real = list(real)
         unknown = [w for w in real if w not in chosen]
@@ -351,6 +367,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     # Topology snapshot and counters before.
     topo = cluster.topology
     nodes = list(topo.nodes) if topo is not None else list(chosen)
+    if cluster.part is not None:
+        nodes = [n for n in nodes if n in cluster.part]
     if topo is not None:
         rundir.write_json(rd / "topology.json", {**topo.to_json(), "hosts": cluster.address})
     before = counters.snapshot(cluster.name, nodes, cluster.netns_of)
@@ -389,6 +407,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                     "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
                     "TORCHELASTIC_MAX_RESTARTS": "0"}
             ranks.append(Rank(w, node_rank, lr, rank, f"{w}:r{rank}", list(cmd), renv))
+    ranks = [r for r in ranks if r.worker in here]   # over several hosts: this host's ranks only
     feeds: list[str] = []
     if real is not None:
         feeds = _make_phantoms(ranks, set(real), shared / "phantom", cluster.runtime)
@@ -403,7 +422,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         if lead.rank is None:
             lead.env["TESTBED_PHANTOM_LEADER_LOCAL_RANK"] = "0"   # one of the agent's ranks records
 
-    logs: dict[str, Any] = {w: open(rd / "logs" / f"{w}.log", "a", buffering=1) for w in chosen}
+    logs: dict[str, Any] = {w: open(rd / "logs" / f"{w}.log", "a", buffering=1) for w in here}
     log_lock = threading.Lock()
     readers: list[threading.Thread] = []
 
@@ -905,7 +924,9 @@ def _collect_probe(rd: Path, shared: Path) -> None:
             # only the ranks' own files, plain and of a sane size: a rank is not trusted to name them
             if PROBE_FILE.match(f.name) and f.is_file() and not f.is_symlink() \
                     and f.stat().st_size <= PROBE_FILE_MAX_BYTES:
-                os.replace(f, link / f.name)
+                # the state dir is under /run (a tmpfs on most machines), the run dir on disk: a
+                # rename would fail across the two (EXDEV); move copies then removes
+                shutil.move(f, link / f.name)
     shutil.rmtree(shared, ignore_errors=True)   # <state dir>/runs stays: Docker workers mount it
 
 
