@@ -309,3 +309,72 @@ def test_replay_checks_its_trace(star, tmp_path):
         run(star, [], replay=tmp_path, base_dir=tmp_path, echo=False)
     with pytest.raises(RunError, match="either a command or --replay"):
         run(star, ["true"], replay=bad, base_dir=tmp_path, echo=False)
+
+
+def _chakra_traces(d: Path, world: int) -> None:
+    """A Chakra execution trace per rank, written with MLCommons' own schema and encoder: compute,
+    an all_reduce of 4 MiB, compute, an all_gather of a 1 MiB shard, a broadcast of 256 KiB, a
+    send (not replayable), a barrier."""
+    from chakra.schema.protobuf import et_def_pb2 as et
+    from chakra.src.third_party.utils.protolib import encodeMessage
+
+    def coll(i: int, kind: int, size: int) -> "et.Node":
+        n = et.Node(id=i, name=f"coll{i}", type=et.COMM_COLL_NODE, duration_micros=500)
+        n.attr.append(et.AttributeProto(name="comm_type", int64_val=kind))
+        n.attr.append(et.AttributeProto(name="comm_size", int64_val=size))
+        return n
+
+    for rank in range(world):
+        with open(d / f"job.{rank}.et", "wb") as f:
+            encodeMessage(f, et.GlobalMetadata(version="0.0.4"))
+            encodeMessage(f, et.Node(id=1, name="fwd", type=et.COMP_NODE, duration_micros=20_000))
+            encodeMessage(f, coll(2, et.ALL_REDUCE, 4 << 20))
+            encodeMessage(f, et.Node(id=3, name="bwd", type=et.COMP_NODE, duration_micros=10_000))
+            encodeMessage(f, coll(4, et.ALL_GATHER, 1 << 20))
+            encodeMessage(f, coll(5, et.BROADCAST, 256 << 10))
+            encodeMessage(f, et.Node(id=6, name="send", type=et.COMM_SEND_NODE))
+            encodeMessage(f, coll(7, et.BARRIER, 0))
+
+
+def test_a_chakra_trace_replays_like_the_job_that_made_it(star, tmp_path):
+    """An MLCommons Chakra execution trace (read with the mlc-chakra package) replayed by four
+    phantoms puts on every link what a real 4-rank job issuing the same collectives puts there
+    (within 1%, control traffic aside); what cannot be replayed (a send) is reported."""
+    pytest.importorskip("chakra.schema.protobuf.et_def_pb2", reason="mlc-chakra is not installed (pip install mlc-chakra)")
+    from testbed.jobs.run import run
+
+    code = ("import torch, torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\n"
+            "w = dist.get_world_size()\n"
+            "dist.all_reduce(torch.zeros((4 << 20) // 4))\n"
+            "dist.all_gather_into_tensor(torch.zeros(w * (1 << 20) // 4), torch.zeros((1 << 20) // 4))\n"
+            "dist.broadcast(torch.zeros((256 << 10) // 4), 0)\n"
+            "dist.barrier()\n")
+    real = run(star, [sys.executable, "-c", code], echo=False, base_dir=tmp_path, workdir=str(REPO), monitor=False,
+               timeout=300)
+    assert real.rc == 0, _log(real)[-3000:]
+    traces = tmp_path / "chakra"
+    traces.mkdir()
+    _chakra_traces(traces, 4)
+    rep = run(star, [], echo=False, base_dir=tmp_path, workdir=str(REPO), monitor=False, timeout=300,
+              replay=traces)
+    assert rep.rc == 0, _log(rep)[-3000:]
+    assert rep.summary["replay"]["format"] == "chakra" and rep.summary["replay"]["skipped"] == {"send/recv": 1}
+    assert [r["phantom"] for r in rep.summary["ranks"]] == [True] * 4
+    _same_bytes_on_every_link(real, rep, 0.01, 30_000)
+    _no_orphans(rep)
+
+
+def test_a_broken_chakra_trace_is_refused_naming_the_file(star, tmp_path):
+    pytest.importorskip("chakra.schema.protobuf.et_def_pb2", reason="mlc-chakra is not installed (pip install mlc-chakra)")
+    from testbed.jobs.run import RunError, run
+
+    (tmp_path / "job.0.et").write_bytes(b"\x05hello")
+    (tmp_path / "job.1.et").write_bytes(b"\x05hello")
+    with pytest.raises(RunError, match=r"job\.0\.et: not a Chakra trace"):
+        run(star, [], echo=False, base_dir=tmp_path, monitor=False, timeout=60, replay=tmp_path)
+    only = tmp_path / "one"
+    only.mkdir()
+    _chakra_traces(only, 1)
+    with pytest.raises(RunError, match="one rank's trace"):
+        run(star, [], echo=False, base_dir=tmp_path, monitor=False, timeout=60, replay=only)

@@ -89,6 +89,7 @@ def _clean_hosts() -> bool:
 
 def cleanup_cmd() -> None:
     """Remove what dead testbeds left behind (half-built or half-gone); healthy testbeds are kept.
+
     On the controller of testbeds over several hosts, on every one of their hosts too."""
     from testbed import lifecycle
     from testbed.cluster import controller

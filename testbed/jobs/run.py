@@ -607,7 +607,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                    "argv": r.argv if r is ranks[0] else None, "phantom": r.phantom} for r in ranks],
         "leftover_pids": leftovers,
         "replay": None if trace is None else {"source": str(trace.source), "ops": len(trace.lines),
-                                               "recorded_dilation": trace.dilation},
+                                               "recorded_dilation": trace.dilation, "format": trace.kind,
+                                               "skipped": dict(trace.skipped)},
         "phantoms": None if not feeds else {
             "real_workers": list(real or []), **_real_and_phantom_ranks(ranks, world, phantom_stats),
             **{k: v for k, v in (phantom_stats or {}).items() if k != "ranks"}},
@@ -726,6 +727,8 @@ class Trace:
     world: int
     rank: int
     dilation: float        # of the recorded run (1 when unknown)
+    kind: str = "testbed"  # or "chakra": an MLCommons Chakra execution trace (testbed.jobs.chakra)
+    skipped: dict[str, int] = field(default_factory=dict)   # what the trace holds that cannot be replayed
 
 
 TRACE_MAX_BYTES = 256 << 20
@@ -736,6 +739,14 @@ def load_trace(path: str | os.PathLike) -> Trace:
     line: JSON objects with the fields the phantoms read, an init first, at most 256 MiB."""
     p = Path(path)
     run_dir = None
+    from testbed.jobs import chakra
+
+    if p.exists() and chakra.is_chakra(p):
+        try:
+            c = chakra.convert(p)
+        except chakra.ChakraError as exc:
+            raise RunError(str(exc)) from None
+        return Trace(c.source, c.lines, c.times, c.world, 0, 1.0, "chakra", c.skipped)
     if p.is_dir():
         run_dir = p
         found = sorted((p / "probe").glob("ops-*.jsonl")) if (p / "probe").is_dir() else []
@@ -796,6 +807,10 @@ def _feed(trace: Trace, fifos: Sequence[str], s_now: float, stop: threading.Even
                     view = view[os.write(fd, view):]
             if stop.is_set():
                 return
+        # Held open until the run ends: a FIFO's buffered lines are freed with its last open end, so
+        # a short trace played before a phantom opened its FIFO (Python and torch take seconds to
+        # start) would otherwise never reach it.
+        stop.wait()
     except OSError:
         return   # the run is ending: the phantoms' FIFOs went with it
     finally:

@@ -183,6 +183,9 @@ def phantom_check(summary: dict[str, Any], rows: list["ClassRow"], s: float) -> 
     replay = summary.get("replay")
     if isinstance(replay, dict):
         who = f"a replay of {replay.get('source')} ({replay.get('ops')} records) by {len(phantoms)} phantom(s)"
+        skipped = replay.get("skipped")
+        if isinstance(skipped, dict) and skipped:   # in the trace, not on the links: said, not hidden
+            who += " (not replayable, left out: " + ", ".join(f"{v} {k}" for k, v in sorted(skipped.items())) + ")"
     if ph.get("errors"):
         return Check("phantoms", False, f"{who}; a phantom fell out of step: {ph['errors'][0]}")
     late = ph.get("announce_late_p50_s")

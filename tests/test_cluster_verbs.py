@@ -1,0 +1,292 @@
+"""The verbs on a testbed over several hosts, end to end, against two emulated hosts
+(testbed/cluster/emulate.py): `node down|up|crash|slow|restore` (sent to every host, each acting on
+what it holds), `logs` and `ps` (on the nodes' hosts), `attach` and `cp` (refused with the ssh route,
+which is run here to show it works; cp between two nodes of one host runs there) and `cleanup`
+(on every host too).
+
+One testbed for the module: the LINE topology of tests/test_cluster.py, pinned so that h1 holds w0,
+w1 and s0 and h2 holds w2, w3 and s1 (s0-s1 is the cut link). Each test puts back what it changed.
+The CLI runs as a process, as a user runs it; the controller keeps its record in a state directory
+of its own (TESTBED_STATE_DIR), the hosts in their own /run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from testbed.cluster import emulate
+
+REPO = Path(__file__).resolve().parents[1]
+CAN_EMULATE = os.geteuid() == 0 and Path(emulate.SSHD).exists() and shutil.which("ssh-keygen") is not None \
+    and shutil.which("ssh") is not None and shutil.which("scp") is not None
+pytestmark = [pytest.mark.root, pytest.mark.skipif(not CAN_EMULATE, reason="needs root, openssh-server and -client")]
+
+LINE = """name: line
+defaults:
+  link: {bandwidth: 10gbit}
+nodes:
+  w0: {kind: worker}
+  w1: {kind: worker}
+  w2: {kind: worker}
+  w3: {kind: worker}
+  s0: {kind: switch}
+  s1: {kind: switch}
+links:
+  - endpoints: [w0, s0]
+  - endpoints: [w1, s0]
+  - endpoints: [w2, s1]
+  - endpoints: [w3, s1]
+  - {endpoints: [s0, s1], bandwidth: 1gbit}
+"""
+PINS = ["--pin", "w0=h1", "--pin", "w1=h1", "--pin", "s0=h1", "--pin", "w2=h2", "--pin", "w3=h2", "--pin", "s1=h2"]
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    state = tmp_path_factory.mktemp("controller")   # the controller's own state root (0700, root's)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TESTBED_STATE_DIR", str(state))
+        with emulate.emulated(2, tmp_path_factory.mktemp("emu") / "hosts", cores=8) as e:
+            yield e
+
+
+def tb(*args: str, timeout: float = 300, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    """`testbed ARGS` as a process, the way a user runs it."""
+    r = subprocess.run([sys.executable, "-m", "testbed", *args], capture_output=True, text=True, timeout=timeout,
+                       cwd=REPO, env={**os.environ, "COLUMNS": "250"}, **kw)
+    if check and r.returncode != 0:
+        raise AssertionError(f"testbed {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def on_host(emu, host: str, *argv: str, check: bool = True):
+    ctl = next(c for c in emu.controls() if c.name == host)
+    try:
+        return ctl.run(list(argv), check=check)
+    finally:
+        ctl.close()
+
+
+def host_state(emu, host: str, name: str) -> dict:
+    """Testbed `name`'s local state on `host` (its own /run), read there."""
+    return json.loads(on_host(emu, host, "cat", f"/run/testbed/{name}/state.json").stdout)
+
+
+@pytest.fixture(scope="module")
+def line(emu, tmp_path_factory):
+    from testbed.cluster import controller
+
+    topo = tmp_path_factory.mktemp("topo") / "line.yaml"
+    topo.write_text(LINE)
+    name = f"mv{uuid.uuid4().hex[:6]}"
+    tb("up", str(topo), "--name", name, "--hosts", str(emu.hosts_file), "--known-hosts", str(emu.known_hosts),
+       "--time-dilation", "none", *PINS)
+    try:
+        yield name
+    finally:
+        if controller.exists(name):
+            tb("down", name, check=False)
+        for host in ("h1", "h2"):
+            assert not [ns for ns in on_host(emu, host, "ip", "netns", "list").stdout.split() if name in ns]
+
+
+def reaches(name: str, src: str, dst: str, wait: int = 2) -> bool:
+    return tb("exec", src, "--name", name, "--", "ping", "-c", "1", "-W", str(wait), dst,
+              check=False).returncode == 0
+
+
+def node_record(emu, host: str, name: str, node: str) -> dict:
+    return ((host_state(emu, host, name).get("faults") or {}).get("nodes") or {}).get(node) or {}
+
+
+def test_node_down_of_a_remote_worker_cuts_it_off_on_every_host_and_up_restores(emu, line):
+    assert reaches(line, "w0", "w2")
+    r = tb("node", "down", "w2", "--name", line)
+    assert r.stdout.startswith("w2: down (on h2; h1:"), r.stdout
+    assert not reaches(line, "w0", "w2", 1)
+    assert reaches(line, "w0", "w1") and reaches(line, "w0", "w3")
+    for host in ("h1", "h2"):   # the same record on every host
+        st = host_state(emu, host, line)
+        assert st["faults"]["nodes"]["w2"]["state"] == "down", host
+        link = next(rec for rec in st["links"] if rec["endpoints"] == ["w2", "s1"])
+        assert (link["state"], link["down_by"]) == ("down", ["node:w2"]), host
+    assert "w2" not in host_state(emu, "h1", line)["runtime"]["workers"]   # h1 touched no worker of h2's
+    r = tb("node", "up", "w2", "--name", line)
+    assert r.stdout.startswith("w2: up (on h2"), r.stdout
+    assert reaches(line, "w0", "w2") and reaches(line, "w2", "w1")
+    for host in ("h1", "h2"):
+        st = host_state(emu, host, line)
+        assert st["faults"]["nodes"]["w2"]["state"] == "up"
+        assert all(rec["state"] == "up" for rec in st["links"]), host
+
+
+def test_node_down_of_a_remote_switch_takes_the_cut_link_end_down_here_too(emu, line):
+    """s1 (on h2) down: its links go down, the cut link s0-s1 at both ends: h1 downs s0's end."""
+    from testbed.net import names
+
+    st = host_state(emu, "h1", line)
+    cut = next(rec for rec in st["links"] if rec["endpoints"] == ["s0", "s1"])
+    s0_if = cut["ifnames"][0]
+
+    def s0_end_up() -> bool:
+        out = on_host(emu, "h1", "ip", "-n", names.netns(line, "s0"), "-o", "link", "show", s0_if).stdout
+        return "state DOWN" not in out and ",UP" in out
+
+    assert s0_end_up()
+    tb("node", "down", "s1", "--name", line)
+    assert not s0_end_up()
+    assert not reaches(line, "w0", "w2", 1)
+    assert reaches(line, "w0", "w1")
+    tb("node", "up", "s1", "--name", line)
+    assert s0_end_up()
+    assert reaches(line, "w0", "w2") and reaches(line, "w0", "w3")
+
+
+def test_node_crash_kills_on_its_host_and_up_restarts(emu, line):
+    tb("exec", "w2", "--name", line, "--", "sh", "-c", "sleep 300 </dev/null >/dev/null 2>&1 &")
+    r = tb("node", "crash", "w2", "--name", line)
+    m = re.match(r"w2: crashed \((\d+) processes killed\) \(on h2; recorded on h1 too\)", r.stdout)
+    assert m and int(m.group(1)) >= 1, r.stdout
+    assert node_record(emu, "h1", line, "w2")["state"] == node_record(emu, "h2", line, "w2")["state"] == "crashed"
+    # a switch cannot crash: refused on the controller, before any host is asked
+    r = tb("node", "crash", "s1", "--name", line, check=False)
+    assert r.returncode == 2 and "s1 is a switch" in r.stderr, r.stderr
+    tb("node", "up", "w2", "--name", line)
+    assert node_record(emu, "h1", line, "w2")["state"] == node_record(emu, "h2", line, "w2")["state"] == "up"
+    assert tb("exec", "w2", "--name", line, "--", "hostname").stdout.strip() == "w2"
+    assert reaches(line, "w2", "w0")
+
+
+QUOTA = r"""
+import json, sys
+from pathlib import Path
+from testbed.runtime import cgroups
+st = json.loads(Path(sys.argv[1]).read_text())
+pid = st["runtime"]["workers"][sys.argv[2]]["pid"]
+hier = cgroups.hierarchy()
+for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+    _, ctrls, rel = line.split(":", 2)
+    if hier.version == 2 and ctrls == "":
+        text = (hier.mounts[""] / rel.lstrip("/") / "cpu.max").read_text().split()
+        print("none" if text[0] == "max" else int(text[0]) / int(text[1]))
+    elif hier.version == 1 and "cpu" in ctrls.split(","):
+        g = hier.mounts["cpu"] / rel.lstrip("/")
+        q = int((g / "cpu.cfs_quota_us").read_text())
+        print("none" if q < 0 else q / int((g / "cpu.cfs_period_us").read_text()))
+"""
+
+
+def test_node_slow_caps_the_remote_worker_on_its_host_and_restore_lifts_it(emu, line):
+    def quota() -> str:   # read on h2, over SSH: the CPU quota of the cgroup w2's init is in
+        return on_host(emu, "h2", sys.executable, "-c", QUOTA, f"/run/testbed/{line}/state.json", "w2").stdout.strip()
+
+    before = quota()
+    r = tb("node", "slow", "w2", "--cpus", "0.3", "--name", line)
+    assert r.stdout.startswith("w2: limited to 0.3 CPUs (on h2; recorded on h1 too)"), r.stdout
+    assert float(quota()) == pytest.approx(0.3)
+    h1, h2 = node_record(emu, "h1", line, "w2"), node_record(emu, "h2", line, "w2")
+    assert h1["cpus"] == h2["cpus"] == 0.3 and not h1.get("cgroup")
+    r = tb("node", "slow", "w2", "--cpus", "0", "--name", line, check=False)
+    assert r.returncode == 2 and "--cpus must be positive" in r.stderr
+    tb("node", "restore", "w2", "--name", line)
+    assert quota() == before
+    assert "cpus" not in node_record(emu, "h1", line, "w2") and "cpus" not in node_record(emu, "h2", line, "w2")
+
+
+def test_logs_and_ps_of_remote_nodes(emu, line):
+    d = f"/run/testbed/{line}/logs/w2"   # h2's own /run: the controller has no such file
+    on_host(emu, "h2", "sh", "-c", f"mkdir -p {d} && printf 'one\\ntwo\\nhello from w2\\n' > {d}/job.log")
+    assert not Path(d).exists()
+    assert tb("logs", "w2", "--name", line).stdout == "one\ntwo\nhello from w2\n"
+    assert tb("logs", "w2", "--tail", "1", "--name", line).stdout == "hello from w2\n"
+    r = tb("logs", "w9", "--name", line, check=False)
+    assert r.returncode != 0 and "has no node 'w9'" in r.stderr, r.stderr
+    r = tb("logs", "w2", "-f", "--name", line, check=False)
+    assert r.returncode == 2 and "logs -f does not follow across hosts yet" in r.stderr and "ssh -t" in r.stderr
+
+    tb("exec", "w2", "--name", line, "--", "sh", "-c", "sleep 311 </dev/null >/dev/null 2>&1 &")
+    tb("exec", "w0", "--name", line, "--", "sh", "-c", "sleep 312 </dev/null >/dev/null 2>&1 &")
+    try:
+        rows = json.loads(tb("ps", "--json", "--name", line).stdout)
+        where = {(r["node"], r["host"]) for r in rows}
+        assert {("w0", "h1"), ("w1", "h1"), ("w2", "h2"), ("w3", "h2")} <= where, where
+        assert any(r["node"] == "w2" and r["host"] == "h2" and r["command"] == "sleep 311" for r in rows), rows
+        assert any(r["node"] == "w0" and r["host"] == "h1" and r["command"] == "sleep 312" for r in rows), rows
+        assert not any(r["node"] in ("s0", "s1") for r in rows)
+        out = tb("ps", "w2", "--name", line).stdout
+        assert "HOST" in out and "sleep 311" in out and "h2" in out and "sleep 312" not in out, out
+        rows = json.loads(tb("ps", "w0", "w3", "--json", "--name", line).stdout)
+        assert {r["node"] for r in rows} == {"w0", "w3"} and {r["host"] for r in rows} == {"h1", "h2"}
+    finally:
+        tb("exec", "w2", "--name", line, "--", "pkill", "-f", "sleep 311", check=False)
+        tb("exec", "w0", "--name", line, "--", "pkill", "-f", "sleep 312", check=False)
+        on_host(emu, "h2", "rm", "-rf", d)
+
+
+def _commands(stderr: str) -> list[list[str]]:
+    """The commands a refusal quotes in backquotes."""
+    return [shlex.split(c) for c in re.findall(r"`(s(?:sh|cp) [^`]+)`", stderr)]
+
+
+def test_attach_prints_the_ssh_command_that_works(emu, line):
+    r = tb("attach", "w2", "--name", line, check=False)
+    assert r.returncode == 2, r.stderr
+    assert "w2 is on host h2" in r.stderr and "ssh -t" in r.stderr, r.stderr
+    [cmd] = _commands(r.stderr)
+    assert cmd[:2] == ["ssh", "-t"] and cmd[-1].endswith(f"attach w2 --name {line}"), cmd
+    # run as printed (no terminal here: ssh says so; the shell in w2 reads its commands from stdin)
+    ran = subprocess.run(cmd, input="echo inside-$TESTBED_NODE-$(hostname)\nexit 0\n", capture_output=True,
+                         text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert "inside-w2-w2" in ran.stdout, ran.stdout + ran.stderr
+
+
+def test_cp_between_nodes_of_one_host_runs_there_and_across_hosts_says_how(emu, line, tmp_path):
+    tb("exec", "w2", "--name", line, "--", "sh", "-c", "echo w2-data > /tmp/a.txt")
+    tb("cp", "w2:/tmp/a.txt", "w3:/tmp/b.txt", "--name", line)
+    assert tb("exec", "w3", "--name", line, "--", "cat", "/tmp/b.txt").stdout == "w2-data\n"
+    # this machine -> a node on h2: refused, with the two steps, which work
+    src = tmp_path / f"in-{uuid.uuid4().hex[:6]}.txt"
+    src.write_text("from the controller\n")
+    r = tb("cp", str(src), "w2:/tmp/c.txt", "--name", line, check=False)
+    assert r.returncode == 2 and "does not copy across hosts yet (w2 is on host h2" in r.stderr, r.stderr
+    steps = _commands(r.stderr)
+    assert [c[0] for c in steps] == ["scp", "ssh"], steps
+    try:
+        for c in steps:
+            subprocess.run(c, stdin=subprocess.DEVNULL, check=True, capture_output=True, timeout=120)
+        assert tb("exec", "w2", "--name", line, "--", "cat", "/tmp/c.txt").stdout == "from the controller\n"
+    finally:
+        Path("/tmp", src.name).unlink(missing_ok=True)   # where it stopped on h2 (/tmp is shared here)
+    # a node on h1 -> a node on h2: refused too, four steps through this machine
+    r = tb("cp", "w0:/etc/hostname", "w2:/tmp/", "--name", line, check=False)
+    assert r.returncode == 2 and "w0 is on host h1; w2 is on host h2" in r.stderr, r.stderr
+    assert [c[0] for c in _commands(r.stderr)] == ["ssh", "scp", "scp", "ssh"]
+
+
+def test_cleanup_on_the_controller_cleans_every_host_and_keeps_the_testbed(emu, line):
+    dead = f"zz{uuid.uuid4().hex[:6]}"   # an `up` on h2 that died before writing its state
+    on_host(emu, "h2", "mkdir", "-p", "-m", "700", f"/run/testbed/{dead}")
+    r = tb("cleanup")
+    assert f"host h2 ({line}): removed {dead}: claimed by an `up` that died" in r.stdout, r.stdout
+    assert f"host h1 ({line}): nothing to clean up" in r.stdout, r.stdout
+    assert on_host(emu, "h2", "test", "-e", f"/run/testbed/{dead}", check=False).rc != 0
+    assert reaches(line, "w0", "w2")   # the healthy testbed is kept on both hosts
+    doc = json.loads(tb("status", line, "--json").stdout)
+    assert not any("lost" in h for h in doc["hosts"].values())
+
+
+def test_verbs_not_across_hosts_name_those_that_are(emu, line):
+    r = tb("top", "--name", line, check=False)
+    assert r.returncode != 0
+    assert "node, logs, ps and cleanup do" in r.stderr, r.stderr
