@@ -448,7 +448,9 @@ PubkeyAuthentication yes
 PasswordAuthentication no
 KbdInteractiveAuthentication no
 HostbasedAuthentication no
-UsePAM no
+# PAM as Debian's own sshd: without it sshd refuses root outright where root's password is locked
+# ("!" in /etc/shadow, as in the stock-kernel VM), whatever the key
+UsePAM yes
 # DIR may lie under /tmp (world-writable): StrictModes would refuse our authorized_keys there
 StrictModes no
 UseDNS no
