@@ -427,6 +427,11 @@ def _phantom_targets(d: dict[str, Any]) -> list[str]:
             rss = p.get("phantom_rss_mb")
             fixed = f" --scale-dilation {r['dilation']:g}" if "fixed" in r["topology"] else ""
             why = f": {p['reasons'][0]}" if p.get("verdict") != "faithful" and p.get("reasons") else ""
+            big = max(p.get("classes") or [], key=lambda c: c.get("count", 0) * c.get("measured_s", 0), default=None)
+            if big and big.get("model_s"):
+                why += (f"; {big['op']} {big['bytes'] / 2**20:.1f} MiB (x{big['count']}): {big['measured_s'] * 1e3:.1f} ms, "
+                        f"{100 * (big['measured_s'] / big['model_s'] - 1):+.1f}% against the model's "
+                        f"{big['model_s'] * 1e3:.1f} ms")
             if p.get("run_verdict"):
                 why += f"; `testbed run`'s own verdict (no expected iteration): {p['run_verdict']}"
             out.append(f"- Phantom ranks at scale, {r['topology']} ({r['workers']} workers, s={r.get('dilation'):g}, "

@@ -54,7 +54,9 @@ def _judge(run_dir: Path, expected: float | None) -> dict:
     p50s = [r["iter_p50_s"] for r in a["ranks"] if r.get("iter_p50_s")]
     v = a["verdict"]
     return {"iter_p50_s": statistics.median(p50s) if p50s else None, "verdict": v.status,
-            "reasons": list(v.reasons)[:4]}
+            "reasons": list(v.reasons)[:4],
+            "classes": [{"op": c.op, "bytes": c.nbytes, "count": c.count, "measured_s": c.measured_s,
+                         "model_s": c.model_s, "error": c.error} for c in v.classes]}
 
 
 def _rss_mb_of_phantoms(run_id: str) -> float | None:
@@ -88,7 +90,7 @@ def case(key: str, steps: int, machine, scale: bool = False, dilation: str = "au
     name = f"pa{uuid.uuid4().hex[:5]}"
     topo = load_topology_text(TOPOLOGIES[key], f"<{key}>")
     out: dict = {"topology": key if dilation == "auto" else f"{key} (fixed s={dilation})",
-                 "workers": len(topo.workers)}
+                 "workers": len(topo.workers), "steps": steps}
     t0 = time.time()
     with lifecycle.running(topo, name, time_dilation=dilation, machine=machine,
                            real_ranks=1 if scale else None):

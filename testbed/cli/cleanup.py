@@ -58,7 +58,7 @@ def _clean_hosts() -> bool:
 
     def one(key: tuple[Any, ...]) -> None:
         h, doc, _ = hosts[key]
-        ctl = SshHost(h, known_hosts=doc.get("known_hosts"), trust_new=bool(doc.get("trust_new")))
+        ctl = SshHost(h, known_hosts=doc.get("known_hosts"))
         try:
             results[key] = ctl.run([*h.testbed_argv, "cleanup"], timeout=HOST_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - that host's failure, reported with the others

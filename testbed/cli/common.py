@@ -79,8 +79,7 @@ def forward_to_hosts(name: str, *, every: bool = True) -> None:
     from testbed.cluster import controller
 
     argv = list(sys.argv[1:]) + ["--name", name]
-    results = controller.run_on_every_host(name, argv) if every else \
-        dict([next(iter(controller.run_on_every_host(name, argv).items()))])
+    results = controller.run_on_every_host(name, argv) if every else controller.run_on_one_host(name, argv)
     bad = 0
     for host, r in results.items():
         out = getattr(r, "stdout", "")

@@ -6,8 +6,9 @@ between hosts that share a cut link (MTU, one-way latency; a link the
 underlay cannot carry is refused before anything is built), then run each
 host's part (`testbed part up`, testbed.cluster.part) on all hosts at once.
 If any host fails, every host that built its part takes it down again: all or
-nothing, as on one host. A host whose SSH session drops mid-`up` rolls back
-on its own (`up` treats SIGHUP like Ctrl-C).
+nothing, as on one host. A Ctrl-C waits for every host's answer first (a host's
+`part up` runs on without its SSH session: no terminal hangs it up), then takes
+down what was built.
 
 The controller keeps one file, <state root>/.clusters/NAME.json: the hosts
 file's text (re-validated on every load), the placement and each host's part
@@ -65,7 +66,7 @@ def _save(name: str, doc: dict[str, Any]) -> None:
     d = state_path(name).parent
     d.mkdir(mode=0o700, exist_ok=True)
     tmp = d / f".{name}.json.tmp"
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w") as f:
         json.dump(doc, f, indent=1)
     os.replace(tmp, state_path(name))
 
@@ -75,7 +76,10 @@ def load(name: str) -> dict[str, Any]:
     placement names only those hosts."""
     from testbed.topology.hosts import load_hosts_text
 
+    paths.check_root()   # refuses a state root that is not root's alone, before anything is trusted
     p = state_path(name)
+    if p.is_symlink():
+        raise StateError(f"{p} is a symbolic link: not a record testbed wrote")
     try:
         doc = json.loads(p.read_text())
     except FileNotFoundError:
@@ -87,11 +91,17 @@ def load(name: str) -> dict[str, Any]:
         raise StateError(f"{p}: not a cluster record of testbed {name!r}")
     hosts = load_hosts_text(doc["hosts_text"], f"{p}:hosts_text")
     known = {h.name for h in hosts}
-    bad = [h for h in doc["placement"].values() if h not in known]
+    bad = [h for h in doc["placement"].values() if not isinstance(h, str) or h not in known]
     if bad:
         raise StateError(f"{p}: placement names host {bad[0]!r}, which its hosts file lacks")
     doc["_hosts"] = hosts
     return doc
+
+
+def _forget(name: str) -> None:
+    """Remove the controller's record of `name` (and the host keys its `up` learned)."""
+    state_path(name).unlink(missing_ok=True)
+    (state_path(name).parent / f"{name}.known_hosts").unlink(missing_ok=True)
 
 
 def list_names() -> list[str]:
@@ -100,6 +110,30 @@ def list_names() -> list[str]:
 
 
 # -- hosts -------------------------------------------------------------------------------------------------
+
+
+def _host_keys_file(name: str, given: str | None, trust_new: bool) -> str | None:
+    """The known-hosts file every command on this testbed checks host keys against, as an absolute
+    path. With trust_new (only `up` takes it), the testbed's own copy under .clusters/, seeded from
+    the given file (or ~/.ssh/known_hosts): the keys `up` accepts are added there, and every later
+    verb accepts only those."""
+    if given is not None:
+        given = os.path.abspath(os.path.expanduser(given))
+        if not os.path.isfile(given) and not trust_new:
+            raise ClusterError(f"--known-hosts {given}: no such file (give the hosts' keys, or "
+                               "--trust-new-host-keys to accept and remember them)")
+    if not trust_new:
+        return given
+    d = state_path(name).parent
+    paths.check_root(create=True)
+    d.mkdir(mode=0o700, exist_ok=True)
+    mine = d / f"{name}.known_hosts"
+    seed = given or os.path.expanduser("~/.ssh/known_hosts")
+    text = Path(seed).read_text() if os.path.isfile(seed) else ""
+    fd = os.open(mine, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return str(mine)
 
 
 def _controls(hosts: Sequence[Host], known_hosts: str | None, trust_new: bool) -> dict[str, Any]:
@@ -116,12 +150,36 @@ def _close(ctls: dict[str, Any]) -> None:
             pass
 
 
-def _parallel(ctls: dict[str, Any], names: Sequence[str], fn: Callable[[Any], Any]) -> dict[str, Any]:
-    """fn(ctl) on the named hosts at once: host -> result or the exception it raised."""
-    from testbed.cluster.remote import run_parallel
+def _parallel(ctls: dict[str, Any], names: Sequence[str], fn: Callable[[Any], Any],
+              finish: bool = False) -> dict[str, Any]:
+    """fn(ctl) on the named hosts at once: host -> result or the exception it raised. finish: a
+    Ctrl-C waits for every host's answer before it is raised (a host's `part up` goes on after
+    the SSH session is gone: there is no terminal to hang up, so only its answer says what it built)."""
+    import threading
 
-    chosen = [ctls[n] for n in names]
-    return dict(zip(names, run_parallel(chosen, fn)))
+    results: dict[str, Any] = {}
+
+    def one(n: str) -> None:
+        try:
+            results[n] = fn(ctls[n])
+        except Exception as exc:  # noqa: BLE001 - in the host's place, for the caller
+            results[n] = exc
+
+    threads = [threading.Thread(target=one, args=(n,), name=f"host-{n}", daemon=True) for n in names]
+    for th in threads:
+        th.start()
+    interrupted = None
+    for th in threads:
+        while th.is_alive():
+            try:
+                th.join()
+            except KeyboardInterrupt as exc:
+                if not finish:
+                    raise
+                interrupted = exc   # (a second Ctrl-C too: the hosts' answers still decide)
+    if interrupted is not None:
+        raise interrupted
+    return {n: results.get(n) for n in names}
 
 
 def _why(res: Any) -> str:
@@ -215,7 +273,11 @@ def _underlay(topo: Topology, placement: Any, hosts: Hosts, asks: dict[str, list
                 continue
             pair = frozenset((a, b))
             one_way[pair] = tunnels.underlay_one_way_s([float(x) for x in row["rtts_s"]])
-            mtu = int(row["mtu"])
+            try:
+                mtu = int(row["mtu"])
+            except (KeyError, TypeError, ValueError):
+                problems.append(f"{a} -> {b} ({b_addr}): the probe gave no MTU")
+                continue
             for cut in pairs[pair]:
                 link = topo.links[cut.index]
                 why = tunnels.mtu_problem(max(link.ab.mtu, link.ba.mtu), mtu, b_addr)
@@ -268,6 +330,7 @@ def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str,
     placement = place(topo, hosts, pins)
     t = lap("placement", t0)
     used = [h.name for h in hosts if placement.nodes_on(h.name)]
+    known_hosts = _host_keys_file(name, known_hosts, trust_new)
     ctls = _controls([h for h in hosts if h.name in used], known_hosts, trust_new)
     by_name = {h.name: h for h in hosts}
     try:
@@ -291,7 +354,7 @@ def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str,
                                      one_way)
         doc = {"name": name, "status": "building", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "hosts_text": hosts.text, "hosts_source": hosts.source, "placement": dict(placement.assignment),
-               "known_hosts": known_hosts, "trust_new": trust_new, "time_dilation": factor,
+               "known_hosts": known_hosts, "time_dilation": factor,
                "topology": topo.to_json(), "cut_links": [c.to_json() for c in placement.cut_links],
                "hosts": {n: {"nodes": len(parts[n].nodes), "tunnels": len(parts[n].tunnels)} for n in used},
                "underlay_one_way_s": {"|".join(sorted(p)): v for p, v in one_way.items()}}
@@ -305,7 +368,11 @@ def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str,
             return ctl.run([*by_name[ctl.name].testbed_argv, "part", "up"], stdin=json.dumps(spec).encode(),
                            timeout=UP_TIMEOUT_S)
 
-        results = _parallel(ctls, used, build)
+        try:
+            results = _parallel(ctls, used, build, finish=True)
+        except KeyboardInterrupt:
+            progress("interrupted: every host has answered; taking down what was built")
+            raise
         t = lap("build parts", t)
         failed = {h: r for h, r in results.items() if isinstance(r, Exception) or r.rc != 0}
         if failed:
@@ -315,7 +382,10 @@ def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str,
             msg = "\n  ".join(f"{h}: {_why(r)}" for h, r in failed.items())
             tail = "" if not left else "\n  left behind: " + "; ".join(f"{h}: {w}" for h, w in left.items())
             if not left:
-                state_path(name).unlink(missing_ok=True)
+                _forget(name)
+            else:
+                doc["status"] = "failed"   # (taken down already: not again below)
+                _save(name, doc)
             raise ClusterError(f"testbed {name} could not be built on every host (the others were taken down"
                                f"{': ' + ', '.join(built) if built else ''}):\n  {msg}{tail}")
         for h, r in results.items():
@@ -330,11 +400,15 @@ def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str,
         doc["_hosts"] = hosts
         return doc
     except BaseException:
-        if state_path(name).exists() and json.loads(state_path(name).read_text()).get("status") == "building":
-            # interrupted on the controller (Ctrl-C): take down whatever was built
+        rec = state_path(name)
+        status = json.loads(rec.read_text()).get("status") if rec.is_file() else None
+        if status == "building":
+            # interrupted on the controller (Ctrl-C, after every host answered): take down what was built
             left = _down_on(ctls, by_name, name, used)
             if not left:
-                state_path(name).unlink(missing_ok=True)
+                _forget(name)
+        elif status is None:
+            _forget(name)   # refused before anything was built: only the host keys it learned, if any
         raise
     finally:
         _close(ctls)
@@ -364,7 +438,7 @@ def down(name: str, progress: Callable[[str], None] = lambda _m: None) -> dict[s
     hosts: Hosts = doc["_hosts"]
     by_name = {h.name: h for h in hosts}
     todo = [h for h in doc.get("hosts", {}) if h in by_name] or sorted(set(doc["placement"].values()))
-    ctls = _controls([by_name[h] for h in todo], doc.get("known_hosts"), bool(doc.get("trust_new")))
+    ctls = _controls([by_name[h] for h in todo], doc.get("known_hosts"), False)
     try:
         progress(f"taking {name} down on {len(todo)} host(s): {', '.join(todo)}")
         left = _down_on(ctls, by_name, name, todo)
@@ -376,7 +450,7 @@ def down(name: str, progress: Callable[[str], None] = lambda _m: None) -> dict[s
         doc["hosts"] = {h: v for h, v in doc.get("hosts", {}).items() if h in left}
         _save(name, doc)
     else:
-        state_path(name).unlink(missing_ok=True)
+        _forget(name)
     return left
 
 
@@ -387,7 +461,7 @@ def status(name: str) -> dict[str, Any]:
     hosts: Hosts = doc["_hosts"]
     by_name = {h.name: h for h in hosts}
     names = [h for h in doc.get("hosts", {}) if h in by_name]
-    ctls = _controls([by_name[h] for h in names], doc.get("known_hosts"), bool(doc.get("trust_new")))
+    ctls = _controls([by_name[h] for h in names], doc.get("known_hosts"), False)
     try:
         res = _parallel(ctls, names, lambda c: c.run([*by_name[c.name].testbed_argv, "status", name, "--json"],
                                                      timeout=120))
@@ -415,11 +489,30 @@ def run_on_node_host(name: str, node: str, argv: Sequence[str], timeout: float |
     if host is None:
         raise TestbedError(f"no node {node!r} in testbed {name} (nodes: {', '.join(list(doc['placement'])[:12])} ...)")
     h = next(x for x in doc["_hosts"] if x.name == host)
-    ctls = _controls([h], doc.get("known_hosts"), bool(doc.get("trust_new")))
+    ctls = _controls([h], doc.get("known_hosts"), False)
     try:
         return ctls[host].run([*h.testbed_argv, *argv], timeout=timeout)
     finally:
         _close(ctls)
+
+
+def run_on_one_host(name: str, argv: Sequence[str], timeout: float | None = 600) -> dict[str, Any]:
+    """argv on the first of the testbed's hosts that answers (a read every host answers alike):
+    {host: RemoteResult}, or every host's exception if none answers."""
+    from testbed.cluster.remote import HostUnreachable
+
+    doc = load(name)
+    by_name = {h.name: h for h in doc["_hosts"]}
+    tried: dict[str, Any] = {}
+    for host in [h for h in doc.get("hosts", {}) if h in by_name]:
+        ctls = _controls([by_name[host]], doc.get("known_hosts"), False)
+        try:
+            return {host: ctls[host].run([*by_name[host].testbed_argv, *argv], timeout=timeout)}
+        except HostUnreachable as exc:
+            tried[host] = exc
+        finally:
+            _close(ctls)
+    return tried
 
 
 def run_on_every_host(name: str, argv: Sequence[str], timeout: float | None = 600) -> dict[str, Any]:
@@ -428,7 +521,7 @@ def run_on_every_host(name: str, argv: Sequence[str], timeout: float | None = 60
     doc = load(name)
     by_name = {h.name: h for h in doc["_hosts"]}
     names = [h for h in doc.get("hosts", {}) if h in by_name]
-    ctls = _controls([by_name[h] for h in names], doc.get("known_hosts"), bool(doc.get("trust_new")))
+    ctls = _controls([by_name[h] for h in names], doc.get("known_hosts"), False)
     try:
         return _parallel(ctls, names, lambda c: c.run([*by_name[c.name].testbed_argv, *argv], timeout=timeout))
     finally:
@@ -454,7 +547,9 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
     import base64
     import io
     import random
+    import re
     import shlex
+    import shutil
     import tarfile
 
     from testbed.jobs import rundir
@@ -474,7 +569,7 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
     rd = rundir.create(name, base_dir)
     progress(f"{len(chosen) * nproc_per_node} rank(s) on {len(hosts)} host(s) ({', '.join(hosts)}), master "
              f"{chosen[0]} on {master_host}, port {port}; run directory {rd}")
-    ctls = _controls([by_name[h] for h in hosts], doc.get("known_hosts"), bool(doc.get("trust_new")))
+    ctls = _controls([by_name[h] for h in hosts], doc.get("known_hosts"), False)
 
     def start(ctl: Any) -> Any:
         h = by_name[ctl.name]
@@ -490,8 +585,9 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
         return ctl.run(["sh", "-c", script], timeout=None if timeout is None else timeout + 600)
 
     def fetch(ctl: Any, remote_dir: str) -> bytes:
-        r = ctl.run(["sh", "-c", f"tar -C {shlex.quote(remote_dir)} --dereference -cf - . | base64 -w0"],
-                    timeout=600, check=True)
+        # bash's pipefail: a tar that failed must not look like an empty archive
+        r = ctl.run(["bash", "-o", "pipefail", "-c",
+                     f"tar -C {shlex.quote(remote_dir)} --dereference -cf - . | base64 -w0"], timeout=600, check=True)
         return base64.b64decode(r.stdout)
 
     problems: dict[str, str] = {}
@@ -512,22 +608,26 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
                 problems[h] = f"its run did not start: {_why(r)}"
                 rcs[h] = r.rc or 1
                 continue
+            part_dir = rd / "parts" / h
             try:
                 blob = fetch(ctls[h], remote_dir)
+                part_dir.mkdir(parents=True)
+                with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+                    # what a host sends is not trusted: the data filter refuses links out, absolute
+                    # paths, devices and set-id bits
+                    tar.extractall(part_dir, filter="data")
+                (part_dir / "remote.txt").write_text(f"{h}:{remote_dir}\n")
+                boot = ctls[h].run(["cat", "/proc/sys/kernel/random/boot_id"], timeout=60)
+                bid = boot.stdout.strip()
+                (part_dir / "boot_id").write_text(bid if boot.rc == 0 and re.fullmatch(r"[0-9a-f-]{36}", bid) else h)
             except Exception as exc:  # noqa: BLE001 - reported with the host: the others still merge
                 problems[h] = f"its run directory {remote_dir} could not be fetched: {exc}"
+                shutil.rmtree(part_dir, ignore_errors=True)
                 continue
-            part_dir = rd / "parts" / h
-            part_dir.mkdir(parents=True)
-            with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-                tar.extractall(part_dir, filter="data")   # (the data filter refuses links out and absolute paths)
-            (part_dir / "remote.txt").write_text(f"{h}:{remote_dir}\n")
-            boot = ctls[h].run(["cat", "/proc/sys/kernel/random/boot_id"], timeout=60)
-            (part_dir / "boot_id").write_text(boot.stdout.strip() if boot.rc == 0 else h)
     finally:
         _close(ctls)
     _merge_parts(rd, hosts, master_host, doc, problems)
-    rc = next((v for v in rcs.values() if v != 0), 0)
+    rc = next((v for v in rcs.values() if v != 0), 1 if problems else 0)
     return {"run_dir": rd, "rc": rc, "hosts": hosts, "problems": problems}
 
 

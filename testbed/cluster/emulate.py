@@ -18,7 +18,7 @@ Each emulated host hN (N = 1..n) is:
   machine, and vanish with the host) and a UTS namespace (hostname = hN). A holder process
   (`sleep infinity`) keeps these namespaces alive while sshd is stopped;
 - its own sshd (Debian's /usr/sbin/sshd -D -e, our config under DIR/hN/: ListenAddress = its
-  underlay address, its own host key, keys only, root login with a key, no PAM) running in those
+  underlay address, its own host key, keys only, root login with a key, PAM as Debian configures it) running in those
   namespaces, so every command that arrives over SSH lands inside the host.
 
 The underlay is a bridge in a namespace of its own (tbh<id>-u) joining each host's eth0

@@ -383,12 +383,23 @@ def _apply_profiles(h: Handle, i: int, new_ab: LinkProfile, new_ba: LinkProfile)
                 "kernel lacks; without netem only links built with a delay (delay lines) can change their delay")
         if prof.loss > 0 and not caps.can_lose:
             raise CapabilityError("loss needs sch_netem or cls_bpf, and this kernel has neither")
+    under = ((h.st.get("part") or {}).get("underlay_s") or {}).get(str(i))
+
+    def sent(p: LinkProfile) -> LinkProfile:
+        """As the sending end shapes it: on a cut link, less the underlay's own latency (the builder's rule)."""
+        p = dilate(p, s)
+        if under and p.delay_s > 0:
+            from testbed.net.tunnels import netem_delay_for
+
+            p = p.with_changes(delay_s=netem_delay_for(p.delay_s, float(under)))
+        return p
+
     for node, ifname, old, new in ((link.a, rec["ifnames"][0], old_ab, new_ab),
                                    (link.b, rec["ifnames"][1], old_ba, new_ba)):
         if old == new or not h.here(node):
             continue
         with _ipr(h.netns(node)) as ipr:
-            shaping.change(ipr, ifname, dilate(old, s), dilate(new, s), caps)
+            shaping.change(ipr, ifname, sent(old), sent(new), caps)
     if dl is not None and ((old_ab.delay_s, old_ab.jitter_s, old_ba.delay_s, old_ba.jitter_s) !=
                            (new_ab.delay_s, new_ab.jitter_s, new_ba.delay_s, new_ba.jitter_s)):
         from testbed.net import delayline
