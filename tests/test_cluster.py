@@ -282,3 +282,19 @@ def test_a_delayed_cut_link_with_netem_matches_a_local_one(emu, name, tmp_path):
     assert rtt_local > 1.9   # the two 1 ms delays are there
     assert abs(rtt_cut / rtt_local - 1) <= 0.10, (rtt_cut, rtt_local)
     assert abs(bw_cut / bw_local - 1) <= 0.05, (bw_cut, bw_local)
+
+
+def test_a_partition_across_hosts_cuts_and_heals(emu, name, tmp_path):
+    """`testbed partition w0,w1 w2,w3` on a testbed over two hosts: each host drops at its own
+    workers; the two groups (one per host) cannot reach each other, each group still reaches
+    itself; `heal` restores every pair."""
+    up(emu, _topo_file(tmp_path, LINE), name, *PINS)
+    r = tb("partition", "w0,w1", "w2,w3", "--name", name)
+    assert "h1:" in r.stdout and "h2:" in r.stdout
+    assert tb("exec", "w0", "--name", name, "--", "ping", "-c", "1", "-W", "1", "w2", check=False).returncode != 0
+    assert tb("exec", "w3", "--name", name, "--", "ping", "-c", "1", "-W", "1", "w1", check=False).returncode != 0
+    tb("exec", "w0", "--name", name, "--", "ping", "-c", "1", "-W", "2", "w1")
+    tb("exec", "w2", "--name", name, "--", "ping", "-c", "1", "-W", "2", "w3")
+    tb("heal", "--name", name)
+    tb("exec", "w0", "--name", name, "--", "ping", "-c", "1", "-W", "2", "w2")
+    tb("exec", "w3", "--name", name, "--", "ping", "-c", "1", "-W", "2", "w1")

@@ -62,7 +62,7 @@ def resolve_name(name: str | None, *, clusters: bool = False, verb: str = "this 
         if clusters:
             return name
         raise StateError(f"testbed {name!r} spans several hosts, and {verb} does not work across hosts yet "
-                         f"(up, down, status, ls, exec, link, run, node, logs, ps and cleanup do; attach and cp "
+                         f"(up, down, status, ls, exec, link, run, node, partition, heal, logs, ps and cleanup do; attach and cp "
                          f"print the ssh command to run): run it on the node's host "
                          f"(`testbed status {name}` shows where each node is)")
     if name not in local:

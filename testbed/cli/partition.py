@@ -6,7 +6,14 @@ from typing import List, Optional
 
 import typer
 
-from testbed.cli.common import NameOption, console, require_root, resolve_name
+from testbed.cli.common import NameOption, console, forward_to_hosts, require_root, resolve_name
+
+
+def _spread(name: str) -> bool:
+    from testbed import store
+    from testbed.cluster import controller
+
+    return controller.exists(name) and not store.exists(name)
 
 
 def register(app: typer.Typer) -> None:
@@ -23,7 +30,11 @@ def register(app: typer.Typer) -> None:
 
         require_root("testbed partition")
         split = [[x.strip() for x in g.split(",") if x.strip()] for g in groups]
-        resolved = control.partition(resolve_name(name), split)
+        target = resolve_name(name, clusters=True)
+        if _spread(target):
+            forward_to_hosts(target)   # every host: each drops at its own workers, from the same groups
+            return
+        resolved = control.partition(target, split)
         console.print("partitioned: " + " | ".join(",".join(g) for g in resolved), highlight=False)
 
     @app.command("heal")
@@ -32,5 +43,9 @@ def register(app: typer.Typer) -> None:
         from testbed.faults import control
 
         require_root("testbed heal")
-        healed = control.heal(resolve_name(name))
+        target = resolve_name(name, clusters=True)
+        if _spread(target):
+            forward_to_hosts(target)
+            return
+        healed = control.heal(target)
         console.print("healed" if healed else "no partition to heal")

@@ -772,6 +772,8 @@ def partition(name: str, groups: Sequence[Sequence[str]]) -> list[list[str]]:
         done = []
         try:
             for w, j in member.items():
+                if not h.here(w):
+                    continue   # over several hosts: each host filters at its own workers
                 blocked = [addr.split("/")[0] for v, k in member.items() if k != j
                            for addr in h.plan.addresses(v)]
                 script = (f"table ip {NFT_TABLE} {{\n"
