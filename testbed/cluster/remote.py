@@ -584,9 +584,27 @@ def _json_object(text: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _check_version(ctl: HostControl, cmd: list[str], rep: HostReport, expect: str | None, timeout: float) -> bool:
-    """Fill rep.version; False when testbed is not usable there (nothing more to ask it)."""
-    r = ctl.run([*cmd, "version", "--json"], timeout=timeout)
+def _outcome(future: Any) -> Any:
+    """A check's RemoteResult, or the exception it raised (raised again where it is judged)."""
+    try:
+        return future.result()
+    except Exception as exc:  # noqa: BLE001 - judged in order by check_host
+        return exc
+
+
+def _answer(ctl: HostControl, argv: list[str], timeout: float, ready: Any) -> RemoteResult:
+    if ready is None:
+        return ctl.run(argv, timeout=timeout)
+    if isinstance(ready, Exception):
+        raise ready
+    return ready
+
+
+def _check_version(ctl: HostControl, cmd: list[str], rep: HostReport, expect: str | None, timeout: float,
+                   ready: Any = None) -> bool:
+    """Fill rep.version; False when testbed is not usable there (nothing more to ask it). ready: the
+    answer to `version --json` when it was asked already."""
+    r = _answer(ctl, [*cmd, "version", "--json"], timeout, ready)
     if r.rc != 0 and "no such option" in (r.stderr + r.stdout).lower():
         r = ctl.run([*cmd, "version"], timeout=timeout)   # a testbed from before `version --json`
     if r.rc in (126, 127):
@@ -611,8 +629,8 @@ def _check_version(ctl: HostControl, cmd: list[str], rep: HostReport, expect: st
 
 
 def _check_doctor(ctl: HostControl, cmd: list[str], rep: HostReport, doctor_args: Sequence[str],
-                  timeout: float) -> None:
-    r = ctl.run([*cmd, "doctor", "--json", *doctor_args], timeout=timeout)
+                  timeout: float, ready: Any = None) -> None:
+    r = _answer(ctl, [*cmd, "doctor", "--json", *doctor_args], timeout, ready)
     doc = _json_object(r.stdout) if r.rc == 0 else None
     if doc is None:
         last = (_tail(r.stderr, 1) or _tail(r.stdout, 1) or ["no JSON on stdout"])[0]
@@ -646,7 +664,15 @@ def check_host(ctl: HostControl, testbed_cmd: Sequence[str], *, expect_version: 
     rep = HostReport(name=ctl.name, address=str(getattr(ctl, "address", ctl.name)))
     cmd = [os.fspath(w) for w in testbed_cmd]
     try:
-        r = ctl.run(["id", "-u"], timeout=min(timeout, 30.0))
+        # the three questions at once, on one connection (the answers are judged in order below:
+        # an `up` waits for the slowest host's checks)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            ahead = {"version": pool.submit(ctl.run, [*cmd, "version", "--json"], timeout=timeout),
+                     "doctor": pool.submit(ctl.run, [*cmd, "doctor", "--json", *doctor_args], timeout=timeout)}
+            r = ctl.run(["id", "-u"], timeout=min(timeout, 30.0))
+            done = {k: _outcome(f) for k, f in ahead.items()}
         rep.reachable = True
         rep.sudo = getattr(ctl, "uses_sudo", None)
         try:
@@ -656,8 +682,8 @@ def check_host(ctl: HostControl, testbed_cmd: Sequence[str], *, expect_version: 
         if rep.uid is not None and rep.uid != 0:
             rep.problems.append(f"commands on {rep.name} run as uid {rep.uid}, not root: log in as root or allow "
                                 "passwordless sudo")
-        elif rep.uid == 0 and _check_version(ctl, cmd, rep, expect_version, timeout):
-            _check_doctor(ctl, cmd, rep, doctor_args, timeout)
+        elif rep.uid == 0 and _check_version(ctl, cmd, rep, expect_version, timeout, done["version"]):
+            _check_doctor(ctl, cmd, rep, doctor_args, timeout, done["doctor"])
     except HostUnreachable as exc:
         rep.problems.append(str(exc))
     except SudoRefused as exc:
