@@ -69,24 +69,8 @@ PING_COUNT, PING_INTERVAL = 20, 0.05
 LINK_ROUNDS = 3             # goodput and RTT: median of this many samples each
 UP_TIMEOUT_S, DOWN_TIMEOUT_S = 300.0, 120.0
 
-# tests/test_cluster.py's LINE: two workers per side of a 1 Gbit/s link between two switches
-LINE = """name: line
-defaults:
-  link: {bandwidth: 10gbit}
-nodes:
-  w0: {kind: worker}
-  w1: {kind: worker}
-  w2: {kind: worker}
-  w3: {kind: worker}
-  s0: {kind: switch}
-  s1: {kind: switch}
-links:
-  - endpoints: [w0, s0]
-  - endpoints: [w1, s0]
-  - endpoints: [w2, s1]
-  - endpoints: [w3, s1]
-  - {endpoints: [s0, s1], bandwidth: 1gbit}
-"""
+# two workers per side of a 1 Gbit/s link between two switches (as the multi-host tests use it)
+LINE = (REPO / "topologies" / "two-sides.yaml").read_text()   # s0-s1, 1 Gbit/s, is the link between hosts
 PINS = ["--pin", "w0=h1", "--pin", "w1=h1", "--pin", "s0=h1", "--pin", "w2=h2", "--pin", "w3=h2", "--pin", "s1=h2"]
 PHASES = ("placement", "check hosts", "underlay", "build parts")
 

@@ -27,23 +27,7 @@ CAN_EMULATE = os.geteuid() == 0 and Path(emulate.SSHD).exists() and shutil.which
 pytestmark = [pytest.mark.root, pytest.mark.skipif(not CAN_EMULATE, reason="needs root and openssh-server")]
 
 # two workers per side of a 1 Gbit/s link between two switches: pinned so that s0-s1 is the cut link
-LINE = """name: line
-defaults:
-  link: {bandwidth: 10gbit}
-nodes:
-  w0: {kind: worker}
-  w1: {kind: worker}
-  w2: {kind: worker}
-  w3: {kind: worker}
-  s0: {kind: switch}
-  s1: {kind: switch}
-links:
-  - endpoints: [w0, s0]
-  - endpoints: [w1, s0]
-  - endpoints: [w2, s1]
-  - endpoints: [w3, s1]
-  - {endpoints: [s0, s1], bandwidth: 1gbit}
-"""
+LINE = (REPO / "topologies" / "two-sides.yaml").read_text()   # s0-s1, 1 Gbit/s, is the link between hosts
 PINS = ["--pin", "w0=h1", "--pin", "w1=h1", "--pin", "s0=h1", "--pin", "w2=h2", "--pin", "w3=h2", "--pin", "s1=h2"]
 
 

@@ -31,23 +31,7 @@ CAN_EMULATE = os.geteuid() == 0 and Path(emulate.SSHD).exists() and shutil.which
     and shutil.which("ssh") is not None and shutil.which("scp") is not None
 pytestmark = [pytest.mark.root, pytest.mark.skipif(not CAN_EMULATE, reason="needs root, openssh-server and -client")]
 
-LINE = """name: line
-defaults:
-  link: {bandwidth: 10gbit}
-nodes:
-  w0: {kind: worker}
-  w1: {kind: worker}
-  w2: {kind: worker}
-  w3: {kind: worker}
-  s0: {kind: switch}
-  s1: {kind: switch}
-links:
-  - endpoints: [w0, s0]
-  - endpoints: [w1, s0]
-  - endpoints: [w2, s1]
-  - endpoints: [w3, s1]
-  - {endpoints: [s0, s1], bandwidth: 1gbit}
-"""
+LINE = (REPO / "topologies" / "two-sides.yaml").read_text()   # s0-s1, 1 Gbit/s, is the link between hosts
 PINS = ["--pin", "w0=h1", "--pin", "w1=h1", "--pin", "s0=h1", "--pin", "w2=h2", "--pin", "w3=h2", "--pin", "s1=h2"]
 
 
@@ -214,8 +198,10 @@ def test_logs_and_ps_of_remote_nodes(emu, line):
     r = tb("logs", "w2", "-f", "--name", line, check=False)
     assert r.returncode == 2 and "logs -f does not follow across hosts yet" in r.stderr and "ssh -t" in r.stderr
 
-    tb("exec", "w2", "--name", line, "--", "sh", "-c", "sleep 311 </dev/null >/dev/null 2>&1 &")
-    tb("exec", "w0", "--name", line, "--", "sh", "-c", "sleep 312 </dev/null >/dev/null 2>&1 &")
+    # started in the background, their PIDs (in the workers' PID namespaces) kept to end them by
+    pid2 = tb("exec", "w2", "--name", line, "--", "sh", "-c", "sleep 311 </dev/null >/dev/null 2>&1 & echo $!").stdout.strip()
+    pid0 = tb("exec", "w0", "--name", line, "--", "sh", "-c", "sleep 312 </dev/null >/dev/null 2>&1 & echo $!").stdout.strip()
+    assert pid2.isdigit() and pid0.isdigit(), (pid2, pid0)
     try:
         rows = json.loads(tb("ps", "--json", "--name", line).stdout)
         where = {(r["node"], r["host"]) for r in rows}
@@ -228,8 +214,8 @@ def test_logs_and_ps_of_remote_nodes(emu, line):
         rows = json.loads(tb("ps", "w0", "w3", "--json", "--name", line).stdout)
         assert {r["node"] for r in rows} == {"w0", "w3"} and {r["host"] for r in rows} == {"h1", "h2"}
     finally:
-        tb("exec", "w2", "--name", line, "--", "pkill", "-f", "sleep 311", check=False)
-        tb("exec", "w0", "--name", line, "--", "pkill", "-f", "sleep 312", check=False)
+        tb("exec", "w2", "--name", line, "--", "kill", pid2, check=False)
+        tb("exec", "w0", "--name", line, "--", "kill", pid0, check=False)
         on_host(emu, "h2", "rm", "-rf", d)
 
 
