@@ -49,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -79,39 +79,8 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-def _tail(text: str | bytes | None, n: int = 1500) -> str:
-    if isinstance(text, bytes):
-        text = text.decode(errors="replace")
-    return (text or "")[-n:].strip()
-
-
-@contextlib.contextmanager
-def shielded() -> Iterator[None]:
-    """Ctrl-C and SIGTERM ignored while cleanup runs (restored after)."""
-    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _end_child(p: subprocess.Popen, grace: float) -> None:
-    """SIGINT to a process we started (testbed rolls back), then SIGKILL after `grace` seconds."""
-    if p.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        p.send_signal(signal.SIGINT)
-    try:
-        p.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            p.kill()
-        p.wait()
+# the same process helpers as the verbs benchmark (bench/perf_verbs.py, beside this file)
+from perf_verbs import _end_child, _raise_interrupt, _tail, shielded  # noqa: E402
 
 
 def run_timed(argv: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
