@@ -191,6 +191,32 @@ def test_a_host_that_fails_its_part_rolls_back_the_other(emu, name, tmp_path):
     assert name not in tb("ls").stdout
 
 
+def test_a_host_with_another_testbed_or_none_is_refused_with_why(emu, name, tmp_path):
+    """`up` asks each host everything in one session (`part up --check`); a host whose testbed cannot
+    answer that (an older version, none installed) is asked the separate questions, so the error
+    still says exactly what is wrong there, and nothing is built anywhere."""
+    import yaml
+
+    older = tmp_path / "older-testbed"
+    older.write_text("#!/bin/sh\n"   # a testbed from before `part up --check`, at another version
+                     'if [ "$1" = version ]; then echo \'{"version": "0.0.1", "python": "3.11.2"}\'; exit 0; fi\n'
+                     'echo "Error: No such option: --check" >&2; exit 2\n')
+    older.chmod(0o755)
+    topo = _topo_file(tmp_path, LINE)
+    for testbed_cmd, said in ((str(older), "h2 runs testbed 0.0.1 and this controller"),
+                              (str(tmp_path / "no-such-testbed"), "testbed is not installed on h2")):
+        doc = yaml.safe_load(emu.hosts_file.read_text())
+        doc["hosts"][1]["testbed"] = testbed_cmd
+        hosts = tmp_path / "hosts.yaml"
+        hosts.write_text(yaml.safe_dump(doc))
+        r = tb("up", topo, "--name", name, "--hosts", str(hosts), "--known-hosts", str(emu.known_hosts),
+               "--time-dilation", "none", *PINS, check=False)
+        assert r.returncode != 0 and "hosts not ready" in r.stderr and said in r.stderr, r.stderr
+        assert "h1:" not in r.stderr.split("hosts not ready", 1)[1], r.stderr   # h1 itself was fine
+        assert not [ns for h in ("h1", "h2") for ns in host_netns(emu, h) if name in ns]
+        assert name not in tb("ls").stdout
+
+
 def test_an_unreachable_host_is_refused_at_up_and_shown_lost_later(emu, name, tmp_path):
     topo = _topo_file(tmp_path, LINE)
     emu.stop_sshd("h2")

@@ -341,7 +341,7 @@ def test_create_failures_roll_back_and_say_why(hosts):
     assert "EEXIST" in text and "link 4" in text and "node nA" in text and f"VNI {a.vni}" in text
 
     same_name = replace(a, vni=a.vni % (2**24 - 1) + 1)
-    with pytest.raises(TunnelError, match=r"rename it to eth3: EEXIST.*already has an interface eth3"):
+    with pytest.raises(TunnelError, match=r"create the VXLAN device: EEXIST.*already has an interface eth3"):
         in_ns(hosts.hA, lambda: tunnels.create(same_name, hosts.nA))
 
     with pytest.raises(TunnelError, match=r"node nA .*no-such-ns.*open the node's namespace"):

@@ -3,11 +3,36 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import typer
 from rich.table import Table
 
 from testbed.cli.common import console
+
+
+def _findings(scale: str, cached: bool) -> tuple[Any, Any, list[Any]]:
+    """(capabilities, the --for topology or None, its limit checks)."""
+    import shlex
+
+    from testbed.net import limits
+    from testbed.net.capabilities import probe
+    from testbed.topology.loader import load_topology
+
+    words = shlex.split(scale)
+    overrides = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--set"]
+    topo = load_topology(words[0], overrides) if words else None
+    checked = limits.check(len(topo.nodes), len(topo.workers)) if topo is not None else []
+    return probe(measure_floor=True, refresh=not cached), topo, checked
+
+
+def report(scale: str = "", cached: bool = True) -> dict[str, Any]:
+    """`doctor --json`'s document (also what `part up --check` answers for a controller)."""
+    caps, topo, checked = _findings(scale, cached)
+    return {**caps.to_json(), "limits": {
+        "for": scale, "nodes": len(topo.nodes) if topo else None,
+        "checks": [{"name": c.name, "have": c.have, "need": c.need, "ok": c.ok, "blocks_up": c.hard,
+                    "fix": c.fix} for c in checked]}}
 
 
 def register(app: typer.Typer) -> None:
@@ -21,23 +46,10 @@ def register(app: typer.Typer) -> None:
                                            help="Use the kernel probe cached this boot (by `up` or an earlier "
                                                 "doctor) when there is one, instead of probing again.")) -> None:
         """Probe the kernel and machine: netem, HTB, TAP delay line, BPF loss, Docker, GPUs, latency floor."""
-        import shlex
-
-        from testbed.net import limits
-        from testbed.net.capabilities import probe
-        from testbed.topology.loader import load_topology
-
-        words = shlex.split(scale)
-        overrides = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--set"]
-        topo = load_topology(words[0], overrides) if words else None
-        checked = limits.check(len(topo.nodes), len(topo.workers)) if topo is not None else []
-        caps = probe(measure_floor=True, refresh=not cached)
         if as_json:
-            print(json.dumps({**caps.to_json(), "limits": {
-                "for": scale, "nodes": len(topo.nodes) if topo else None,
-                "checks": [{"name": c.name, "have": c.have, "need": c.need, "ok": c.ok, "blocks_up": c.hard,
-                            "fix": c.fix} for c in checked]}}, indent=2, sort_keys=True))
+            print(json.dumps(report(scale, cached), indent=2, sort_keys=True))
             return
+        caps, topo, checked = _findings(scale, cached)
         table = Table(title=f"testbed doctor (kernel {caps.kernel})")
         table.add_column("capability")
         table.add_column("found")

@@ -4,7 +4,10 @@ The controller (`testbed up TOPOLOGY --hosts HOSTS.yaml`) runs these on each
 host over SSH; a user does not need them. `part up` reads its spec (JSON) on
 stdin and builds this host's nodes; `part probe` measures the underlay to the
 other hosts (MTU, round trips) so the controller can refuse a cut link the
-underlay cannot carry. Everything else on a host is the usual verbs on its
+underlay cannot carry. `part up --check --probe ADDR...` is the controller's
+whole `up` in one session: it first prints the answers to the host checks and
+the underlay measurement (one JSON line), then waits for the spec (one line;
+EOF: the controller called it off, nothing is built). Everything else on a host is the usual verbs on its
 local state: `testbed down NAME` there removes its part, even with the
 controller gone.
 """
@@ -41,16 +44,69 @@ def _spec(text: str) -> dict[str, Any]:
     return spec
 
 
+def _answers(probe: list[str], count: int) -> dict[str, Any]:
+    """What a controller asks before it builds, answered in one go: uid, `version --json`,
+    `doctor --json --cached` (no --for: each part's limits are checked when it is built) and the
+    underlay toward `probe` (measured beside the kernel probe)."""
+    import os
+    import threading
+
+    from testbed.cli import doctor, version
+
+    rows: list[dict[str, Any]] = []
+    pinger = threading.Thread(target=lambda: rows.extend(_probe_rows(probe, count)), daemon=True)
+    pinger.start()
+    answers: dict[str, Any] = {"uid": os.geteuid(), "version": version.info()}
+    try:
+        answers["doctor"] = doctor.report("", cached=True)
+        from testbed.net.capabilities import probe as capabilities
+        from testbed.net.capabilities import delay_threshold
+
+        answers["delay_threshold_s"] = delay_threshold(capabilities(measure_floor=True, refresh=False))
+    except Exception as exc:  # noqa: BLE001 - an answer too: the controller names it as this host's problem
+        answers["doctor_error"] = f"{type(exc).__name__}: {exc}"
+    pinger.join()
+    answers["probe"] = rows
+    return answers
+
+
 @part_app.command("up")
-def part_up() -> None:
+def part_up(check: bool = typer.Option(False, "--check", help="First print the answers to the controller's "
+                                                            "checks (one JSON line), then read the spec as one "
+                                                            "line; EOF instead: build nothing."),
+            probe: list[str] = typer.Option([], "--probe", help="With --check: an underlay address to measure "
+                                                                "(repeatable)."),
+            count: int = typer.Option(5, "--count", min=1, max=50, help="Round trips per --probe address.")) -> None:
     """Build this host's part from the spec on stdin; print what was built (JSON)."""
+    from testbed.errors import TestbedError
+
+    if check:
+        # one SSH session per host for the whole `up`: the checks' answers, the controller's
+        # decision (the spec, or EOF), the build. The process's start-up is paid once.
+        _check_addresses(probe)
+        sys.stdout.write(json.dumps({"check": _answers(probe, count)}) + "\n")
+        sys.stdout.flush()
+        from testbed import lifecycle  # noqa: F401 - imported while the controller decides
+        text = sys.stdin.readline()
+        if not text.strip():
+            print(json.dumps({"built": False}))
+            return
+    else:
+        text = sys.stdin.read()
+    require_root("testbed part up")
+    spec = _spec(text)
+    try:
+        st = _build(spec)
+    except TestbedError as exc:
+        fail(str(exc), 1)
+    print(json.dumps(st))
+
+
+def _build(spec: dict[str, Any]) -> dict[str, Any]:
     from testbed import lifecycle
     from testbed.cluster.part import Part
-    from testbed.errors import TestbedError
     from testbed.topology.model import Topology
 
-    require_root("testbed part up")
-    spec = _spec(sys.stdin.read())
     try:
         topo = Topology.from_json(spec["topology"])
         part = Part.from_json(spec["part"])
@@ -59,38 +115,50 @@ def part_up() -> None:
     runtime = spec.get("runtime")
     if runtime not in (None, "netns", "docker"):
         fail(f"part up: runtime must be netns or docker (got {runtime!r})", 2)
-    try:
-        st = lifecycle.up(topo, spec["name"], time_dilation=spec.get("time_dilation") or "none", runtime=runtime,
-                          net_admin=bool(spec.get("net_admin")), part=part)
-    except TestbedError as exc:
-        fail(str(exc), 1)
-    print(json.dumps({"name": st["name"], "host": part.host, "nodes": sorted(part.nodes),
-                      "workers": sorted(st["runtime"]["workers"]), "tunnels": len(part.tunnels),
-                      "seconds": (st.get("timings") or {}).get("total")}))
+    st = lifecycle.up(topo, spec["name"], time_dilation=spec.get("time_dilation") or "none", runtime=runtime,
+                      net_admin=bool(spec.get("net_admin")), part=part)
+    return {"name": st["name"], "host": part.host, "nodes": sorted(part.nodes),
+            "workers": sorted(st["runtime"]["workers"]), "tunnels": len(part.tunnels),
+            "seconds": (st.get("timings") or {}).get("total")}
 
 
-@part_app.command("probe")
-def part_probe(peers: list[str] = typer.Argument(..., help="Underlay addresses of the other hosts."),
-               count: int = typer.Option(5, "--count", min=1, max=50, help="Round trips per peer.")) -> None:
-    """The underlay toward each peer: the MTU its route leaves by and round-trip times (JSON)."""
+def _check_addresses(peers: list[str]) -> None:
     import ipaddress
 
-    from testbed.net import tunnels
-
-    out = []
     for peer in peers:
         try:
             ipaddress.ip_address(peer)
         except ValueError:
-            fail(f"part probe: not an IP address: {peer!r}", 2)
+            fail(f"part: not an IP address: {peer!r}", 2)
+
+
+def _probe_rows(peers: list[str], count: int) -> list[dict[str, Any]]:
+    """The underlay toward each peer: {"peer", "mtu", "rtts_s"} or {"peer", "error"}."""
+    from testbed.net import tunnels
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(peer: str) -> dict[str, Any]:
         row: dict[str, Any] = {"peer": peer}
         try:
             row["mtu"] = tunnels.underlay_mtu(peer)
             row["rtts_s"] = tunnels.measure_rtts(peer, count)
         except tunnels.TunnelError as exc:
             row["error"] = str(exc)
-        out.append(row)
-    print(json.dumps(out))
+        return row
+
+    if not peers:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(peers))) as pool:   # the peers at once
+        return list(pool.map(one, peers))
+
+
+@part_app.command("probe")
+def part_probe(peers: list[str] = typer.Argument(..., help="Underlay addresses of the other hosts."),
+               count: int = typer.Option(5, "--count", min=1, max=50, help="Round trips per peer.")) -> None:
+    """The underlay toward each peer: the MTU its route leaves by and round-trip times (JSON)."""
+    _check_addresses(peers)
+    print(json.dumps(_probe_rows(peers, count)))
 
 
 def register(app: typer.Typer) -> None:

@@ -44,6 +44,7 @@ if TYPE_CHECKING:   # (the CLI imports this module for exists() and list_names()
 UP_TIMEOUT_S = 1800.0
 DOWN_TIMEOUT_S = 600.0
 PROBE_COUNT = 10
+CHECK_TIMEOUT_S = 120.0   # how long `up` waits for a host's answers to the checks
 
 
 class ClusterError(TestbedError):
@@ -202,15 +203,11 @@ def _resolve_dilation(setting: Any) -> Any:
     return setting
 
 
-def _threshold(doctor: dict[str, Any] | None) -> float:
-    """A host's delay threshold (shaping.delay_threshold) from its `doctor --json`: a delay at or below
+def _threshold(answers: dict[str, Any]) -> float:
+    """A host's delay threshold (shaping.delay_threshold, as the host computed it): a delay at or below
     it gets no delay element there, so a cut link with it is as fast as the underlay."""
-    from testbed.net.shaping import DELAY_LINE_OVERHEAD_S
-
-    doctor = doctor or {}
-    floor = doctor.get("latency_floor_s")
-    floor = float(floor) if isinstance(floor, (int, float)) and not isinstance(floor, bool) else 0.0
-    return floor if doctor.get("netem") else floor + DELAY_LINE_OVERHEAD_S
+    v = answers.get("delay_threshold_s")
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1 else 0.0
 
 
 def _probe_asks(placement: Any, hosts: Hosts) -> dict[str, list[str]]:
@@ -222,32 +219,104 @@ def _probe_asks(placement: Any, hosts: Hosts) -> dict[str, list[str]]:
     return asks
 
 
-def _start_probes(ctls: dict[str, Any], hosts: Hosts, asks: dict[str, list[str]]) -> Callable[[], dict[str, Any]]:
-    """Start `testbed part probe` on the asking hosts (in threads, beside the host checks); the
-    returned function waits for the results."""
-    import threading
+class _PartSession:
+    """One host's `testbed part up --check` over one SSH session: the host first prints its answers to
+    the checks (one JSON line: uid, version, doctor, the underlay toward its --probe addresses), then
+    waits on stdin for the spec (one line: build) or EOF (called off: nothing is built). One session
+    and one testbed process per host for the whole `up`: the start-up of each is paid once."""
 
-    by_name = {h.name: h for h in hosts}
-    box: dict[str, Any] = {}
+    def __init__(self, ctl: Any, argv: Sequence[str]):
+        import threading
 
-    def work() -> None:
-        box.update(_parallel(ctls, list(asks), lambda c: c.run(
-            [*by_name[c.name].testbed_argv, "part", "probe", "--count", str(PROBE_COUNT), *asks[c.name]],
-            timeout=120)))
+        self.ctl, self.argv = ctl, list(argv)
+        r, self._w = os.pipe()
+        self._stdin = os.fdopen(r, "rb", buffering=0)   # unbuffered: the feeder passes on each write at once
+        self._head = bytearray()
+        self._line: bytes | None = None
+        self._told = threading.Event()      # the answers line came, or the session ended without it
+        self.result: Any = None             # RemoteResult or the exception run() raised
+        self._thread = threading.Thread(target=self._run, name=f"part-{ctl.name}", daemon=True)
+        self._thread.start()
 
-    th = threading.Thread(target=work, name="underlay-probes", daemon=True)
-    th.start()
+    def _heard(self, data: bytes) -> None:
+        if self._line is None:
+            self._head += data
+            if b"\n" in self._head:
+                self._line = bytes(self._head.split(b"\n", 1)[0])
+                self._told.set()
 
-    def wait() -> dict[str, Any]:
-        th.join()
-        return box
+    def _run(self) -> None:
+        try:
+            self.result = self.ctl.run(self.argv, stdin=self._stdin, timeout=UP_TIMEOUT_S, on_stdout=self._heard)
+        except Exception as exc:  # noqa: BLE001 - the host's outcome, judged by up()
+            self.result = exc
+        finally:
+            self._told.set()
+            self.send(None)   # (the session is over: nobody reads the pipe any more)
 
-    return wait
+    def answers(self, timeout: float) -> dict[str, Any] | None:
+        """The host's answers to the checks, or None: the session ended without them (see result)
+        or they took longer than `timeout`."""
+        self._told.wait(timeout)
+        try:
+            doc = json.loads(self._line or b"")
+        except ValueError:
+            return None
+        return doc.get("check") if isinstance(doc, dict) and isinstance(doc.get("check"), dict) else None
+
+    def send(self, spec: bytes | None) -> None:
+        """The decision: the spec (one line: build it) or None (EOF: build nothing). Once."""
+        w, self._w = self._w, None
+        if w is None:
+            return
+        try:
+            if spec is not None:
+                os.write(w, spec.rstrip(b"\n") + b"\n")   # (a pipe holds 64 KiB; the feeder empties it)
+        except OSError:
+            pass   # the session is already over: its result says why
+        finally:
+            os.close(w)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        self._thread.join(timeout)
+        return self.result
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+
+def _wait_all(sessions: dict[str, _PartSession]) -> dict[str, Any]:
+    """Every session's result. A Ctrl-C waits for every host's answer before it is raised (a host's
+    `part up` goes on after the SSH session is gone: only its answer says what it built)."""
+    interrupted = None
+    for s in sessions.values():
+        while not s.done:
+            try:
+                s.wait()
+            except KeyboardInterrupt as exc:
+                interrupted = exc
+    if interrupted is not None:
+        raise interrupted
+    return {n: s.result for n, s in sessions.items()}
+
+
+def _call_off(sessions: dict[str, _PartSession], grace_s: float = 5.0) -> None:
+    """Tell every host to build nothing, and wait a while for them to end; a host still busy after
+    that (it never answered) has its connection dropped, so its process ends on EOF."""
+    for s in sessions.values():
+        s.send(None)
+    end = time.monotonic() + grace_s
+    for s in sessions.values():
+        s.wait(max(0.0, end - time.monotonic()))
+        if not s.done:
+            s.ctl.close()
 
 
 def _underlay(topo: Topology, placement: Any, hosts: Hosts, asks: dict[str, list[str]], results: dict[str, Any],
               factor: float, thresholds: dict[str, float]) -> dict[frozenset[str], float]:
-    """Judge the underlay measurements between the hosts cut links join; refuse what it cannot carry:
+    """Judge the underlay measurements between the hosts cut links join (results: asking host -> its
+    rows, {"peer", "mtu", "rtts_s"} or {"peer", "error"}); refuse what it cannot carry:
     a link MTU the underlay cannot encapsulate, a delay (that gets a delay element) below the
     underlay's own one-way latency. Returns {host pair} -> one-way latency (s)."""
     from testbed.net import tunnels
@@ -257,13 +326,10 @@ def _underlay(topo: Topology, placement: Any, hosts: Hosts, asks: dict[str, list
         pairs.setdefault(frozenset((cut.host_a, cut.host_b)), []).append(cut)
     problems, one_way = [], {}
     for a, res in results.items():
-        if isinstance(res, Exception) or res.rc != 0:
-            problems.append(f"{a}: could not measure the underlay: {_why(res)}")
-            continue
         try:
-            rows = {r["peer"]: r for r in json.loads(res.stdout)}
-        except (ValueError, TypeError, KeyError):
-            problems.append(f"{a}: `testbed part probe` printed no JSON")
+            rows = {r["peer"]: r for r in res}
+        except (TypeError, KeyError):
+            problems.append(f"{a}: its underlay measurement was not a list of rows")
             continue
         for b_addr in asks[a]:
             b = next(h.name for h in hosts if h.underlay == b_addr)
@@ -296,6 +362,46 @@ def _underlay(topo: Topology, placement: Any, hosts: Hosts, asks: dict[str, list
     return one_way
 
 
+def _judge_hosts(sessions: dict[str, _PartSession], by_name: dict[str, Host]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every host's check report (remote.HostReport) and its answers, from its session. A host whose
+    session gave no answers (a testbed without `part up --check`, none installed, ...) is asked the
+    separate questions instead, so its report says why as precisely as ever."""
+    from testbed.cluster.remote import HostUnreachable, SudoRefused, check_host, report_from_answers
+
+    reports: dict[str, Any] = {}
+    answered: dict[str, Any] = {}
+    t0 = time.monotonic()
+    for n, s in sessions.items():
+        answers = s.answers(max(0.0, CHECK_TIMEOUT_S - (time.monotonic() - t0)))
+        argv = by_name[n].testbed_argv
+        if answers is not None:
+            reports[n] = report_from_answers(s.ctl, argv, answers, seconds=time.monotonic() - t0)
+            answered[n] = answers
+        elif not s.done:
+            reports[n] = _problem_report(s.ctl, f"gave no answers to the checks within {CHECK_TIMEOUT_S:g} s")
+        elif isinstance(s.result, (HostUnreachable, SudoRefused)):
+            reports[n] = _problem_report(s.ctl, str(s.result))
+        else:
+            reports[n] = check_host(s.ctl, argv, doctor_args=("--for", "", "--cached"))
+            if not reports[n].problems:
+                reports[n].problems.append(f"`testbed part up --check` failed: {_why(s.result)}")
+    return reports, answered
+
+
+def _probe_words(host: Host, hosts: Hosts) -> list[str]:
+    """`--probe ADDR` for every other host's underlay: measured by every host before placement
+    decides which pairs a cut link joins (a few ms per peer, at once)."""
+    return [w for h in hosts if h.name != host.name for w in ("--probe", h.underlay)]
+
+
+def _problem_report(ctl: Any, why: str) -> Any:
+    from testbed.cluster.remote import HostReport
+
+    rep = HostReport(name=ctl.name, address=str(getattr(ctl, "address", ctl.name)))
+    rep.problems.append(why)
+    return rep
+
+
 def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str, str] | None = None,
        time_dilation: Any = None, runtime: str | None = None, net_admin: bool = False,
        known_hosts: str | None = None, trust_new: bool = False,
@@ -303,7 +409,6 @@ def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str,
     """Build testbed `name` over the hosts; all or nothing. Returns the controller's record."""
     from testbed import store
     from testbed.cluster import part as parts_mod
-    from testbed.cluster.remote import check_hosts
     from testbed.net import names
     from testbed.topology.placement import place
     from testbed.topology.plan import plan_network
@@ -327,29 +432,31 @@ def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str,
     factor = 1.0 if setting in (None, "none") else float(setting)
     if factor < 1:
         raise TestbedError(f"--time-dilation: a factor >= 1, or none (got {setting!r})")
-    placement = place(topo, hosts, pins)
-    t = lap("placement", t0)
-    used = [h.name for h in hosts if placement.nodes_on(h.name)]
     known_hosts = _host_keys_file(name, known_hosts, trust_new)
-    ctls = _controls([h for h in hosts if h.name in used], known_hosts, trust_new)
+    ctls = _controls(list(hosts), known_hosts, trust_new)
     by_name = {h.name: h for h in hosts}
+    used: list[str] = []
+    # every host's session starts now (connect, check, measure the underlay toward every other host)
+    # and runs while the nodes are placed; the hosts placement leaves out are then called off
+    sessions = {h.name: _PartSession(ctls[h.name], [*h.testbed_argv, "part", "up", "--check", "--count",
+                                                    str(PROBE_COUNT), *_probe_words(h, hosts)]) for h in hosts}
     try:
+        placement = place(topo, hosts, pins)
+        t = lap("placement", t0)
+        used = [h.name for h in hosts if placement.nodes_on(h.name)]
+        for n in set(sessions) - set(used):
+            sessions.pop(n).send(None)
+        plan = plan_network(topo)   # (before the hosts answer: it does not depend on them)
         progress(f"checking {len(used)} host(s): {', '.join(used)}"
                  + ("; measuring the underlay between the hosts cut links join" if placement.cut_links else ""))
         asks = _probe_asks(placement, hosts)
-        probes = _start_probes(ctls, hosts, asks)   # beside the checks, on the same connections
-        # doctor: the kernel probe this boot's `up` cached, if any; the limits are checked by each
-        # host's `part up` against its own part, not here against doctor's default topology
-        reports = check_hosts([ctls[n] for n in used], {n: by_name[n].testbed_argv for n in used},
-                              doctor_args=("--for", "", "--cached"))
-        problems = [f"{r.name}: {p}" for r in reports for p in r.problems]
-        probed = probes()
+        reports, answers = _judge_hosts(sessions, by_name)
+        problems = [f"{r.name}: {p}" for r in reports.values() for p in r.problems]
         if problems:
             raise ClusterError("hosts not ready:\n  " + "\n  ".join(problems))
         t = lap("check hosts", t)
-        one_way = _underlay(topo, placement, hosts, asks, probed, factor,
-                            {r.name: _threshold(r.doctor) for r in reports})
-        plan = plan_network(topo)
+        one_way = _underlay(topo, placement, hosts, asks, {n: answers[n].get("probe") for n in asks}, factor,
+                            {n: _threshold(a) for n, a in answers.items()})
         parts = parts_mod.make_parts(name, topo, plan, placement.assignment, {h.name: h.underlay for h in hosts},
                                      one_way)
         doc = {"name": name, "status": "building", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -361,15 +468,12 @@ def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str,
         t = lap("underlay", t)
         _save(name, doc)   # before any host builds: `down` and `cleanup` know where to look
         progress(f"building the parts on {len(used)} host(s) at once")
-
-        def build(ctl: Any) -> Any:
-            spec = {"name": name, "topology": topo.to_json(), "part": parts[ctl.name].to_json(),
+        for n in used:
+            spec = {"name": name, "topology": topo.to_json(), "part": parts[n].to_json(),
                     "time_dilation": "none" if factor == 1 else factor, "runtime": runtime, "net_admin": net_admin}
-            return ctl.run([*by_name[ctl.name].testbed_argv, "part", "up"], stdin=json.dumps(spec).encode(),
-                           timeout=UP_TIMEOUT_S)
-
+            sessions[n].send(json.dumps(spec).encode())
         try:
-            results = _parallel(ctls, used, build, finish=True)
+            results = _wait_all(sessions)
         except KeyboardInterrupt:
             progress("interrupted: every host has answered; taking down what was built")
             raise
@@ -400,6 +504,7 @@ def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str,
         doc["_hosts"] = hosts
         return doc
     except BaseException:
+        _call_off(sessions)   # hosts still waiting for the spec build nothing (the others have answered)
         rec = state_path(name)
         status = json.loads(rec.read_text()).get("status") if rec.is_file() else None
         if status == "building":

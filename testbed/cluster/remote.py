@@ -3,7 +3,8 @@
 The controller reaches every host through one narrow interface, HostControl::
 
     name                                                      the host's name in the hosts file
-    run(argv, *, stdin=None, timeout=None, check=False)       -> RemoteResult (rc, stdout, stderr)
+    run(argv, *, stdin=None, timeout=None, check=False,
+        on_stdout=None)                                       -> RemoteResult (rc, stdout, stderr)
     put(local, remote)                                        copy one file, atomically (a rename)
     close()
 
@@ -63,7 +64,8 @@ from testbed.errors import TestbedError
 from testbed.topology.hosts import Host
 
 __all__ = ["HostAuthFailed", "HostControl", "HostKeyRejected", "HostReport", "HostUnreachable", "RemoteError",
-           "RemoteResult", "RemoteTimeout", "SshHost", "SudoRefused", "check_host", "check_hosts", "run_parallel"]
+           "RemoteResult", "RemoteTimeout", "SshHost", "SudoRefused", "check_host", "check_hosts",
+           "report_from_answers", "run_parallel"]
 
 T = TypeVar("T")
 
@@ -174,9 +176,11 @@ class HostControl(Protocol):
 
     name: str
 
-    def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
-            check: bool = False) -> RemoteResult:
-        """Run argv as root on the host; stdin: bytes fed to it (then EOF), None: an empty stdin."""
+    def run(self, argv: Sequence[str], *, stdin: bytes | IO[bytes] | None = None, timeout: float | None = None,
+            check: bool = False, on_stdout: Callable[[bytes], None] | None = None) -> RemoteResult:
+        """Run argv as root on the host; stdin: bytes fed to it (then EOF), a binary file read until
+        its EOF (a pipe: a dialogue), None: an empty stdin. on_stdout: called with each piece of
+        stdout as it arrives (the result still holds all of it)."""
         ...
 
     def put(self, local: Path, remote: str) -> None:
@@ -389,6 +393,12 @@ class SshHost:
             self._conn = conn
             return conn.transport
 
+    def connect(self) -> None:
+        """Connect now (run() would on its first call): HostUnreachable or SudoRefused says why not."""
+        self._transport()
+        if self._sudo_refused is not None:
+            raise SudoRefused(self.name, *self._sudo_refused)
+
     def _probe_privilege(self, conn: Any) -> None:
         """Root, or sudo without a password? Decided once per host: from the login user's uid."""
         if conn.user == "root":
@@ -414,8 +424,8 @@ class SshHost:
 
     # -- running
 
-    def _exec(self, transport: Any, command: str, stdin: bytes | IO[bytes] | None,
-              wait_s: float | None) -> tuple[int | None, bytes, bytes, str | None]:
+    def _exec(self, transport: Any, command: str, stdin: bytes | IO[bytes] | None, wait_s: float | None,
+              on_stdout: Callable[[bytes], None] | None = None) -> tuple[int | None, bytes, bytes, str | None]:
         """Run `command` in a new session: (rc or None, stdout, stderr, why). rc None: no exit status
         (why says: "timeout", "lost" (the connection died) or "signal" (killed on the host))."""
         import paramiko
@@ -430,7 +440,7 @@ class SshHost:
             raise self._unreachable(f"the host refused a new session for `{command[:200]}`: {exc}") from None
         out, err = bytearray(), bytearray()
 
-        def drain(recv: Callable[[int], bytes], buf: bytearray) -> None:
+        def drain(recv: Callable[[int], bytes], buf: bytearray, tell: Callable[[bytes], None] | None) -> None:
             while True:
                 try:
                     data = recv(1 << 16)
@@ -439,6 +449,8 @@ class SshHost:
                 if not data:
                     return
                 buf += data
+                if tell is not None:
+                    tell(data)
 
         def feed() -> None:
             # the command may exit without reading all of its input: as with a pipe, not an error
@@ -450,8 +462,8 @@ class SshHost:
                         chan.sendall(chunk)
                 chan.shutdown_write()
 
-        threads = [threading.Thread(target=drain, args=(chan.recv, out), daemon=True),
-                   threading.Thread(target=drain, args=(chan.recv_stderr, err), daemon=True)]
+        threads = [threading.Thread(target=drain, args=(chan.recv, out, on_stdout), daemon=True),
+                   threading.Thread(target=drain, args=(chan.recv_stderr, err, None), daemon=True)]
         if stdin is None:
             chan.shutdown_write()
         else:
@@ -491,8 +503,8 @@ class SshHost:
         return shlex.join(words)
 
     def run(self, argv: Sequence[str], *, stdin: bytes | IO[bytes] | None = None, timeout: float | None = None,
-            check: bool = False) -> RemoteResult:
-        """Run argv as root on the host (see the module's docstring). stdin may also be a binary file."""
+            check: bool = False, on_stdout: Callable[[bytes], None] | None = None) -> RemoteResult:
+        """Run argv as root on the host (see the module's docstring and HostControl.run)."""
         args = tuple(os.fspath(a) for a in argv)
         if not args:
             raise ValueError("run: empty argv")
@@ -501,7 +513,7 @@ class SshHost:
             raise SudoRefused(self.name, *self._sudo_refused)
         t0 = time.monotonic()
         rc, out, err, why = self._exec(transport, self._command(args, timeout), stdin,
-                                       None if timeout is None else timeout + LOCAL_GRACE_S)
+                                       None if timeout is None else timeout + LOCAL_GRACE_S, on_stdout)
         stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
         if why == "lost":
             self.close()
@@ -673,17 +685,7 @@ def check_host(ctl: HostControl, testbed_cmd: Sequence[str], *, expect_version: 
                      "doctor": pool.submit(ctl.run, [*cmd, "doctor", "--json", *doctor_args], timeout=timeout)}
             r = ctl.run(["id", "-u"], timeout=min(timeout, 30.0))
             done = {k: _outcome(f) for k, f in ahead.items()}
-        rep.reachable = True
-        rep.sudo = getattr(ctl, "uses_sudo", None)
-        try:
-            rep.uid = int(r.stdout.strip())
-        except ValueError:
-            rep.problems.append(f"`id -u` on {rep.name} printed {r.stdout.strip()[:80]!r}, not a uid")
-        if rep.uid is not None and rep.uid != 0:
-            rep.problems.append(f"commands on {rep.name} run as uid {rep.uid}, not root: log in as root or allow "
-                                "passwordless sudo")
-        elif rep.uid == 0 and _check_version(ctl, cmd, rep, expect_version, timeout, done["version"]):
-            _check_doctor(ctl, cmd, rep, doctor_args, timeout, done["doctor"])
+        _judge(ctl, cmd, rep, r.stdout, done["version"], done["doctor"], expect_version, doctor_args, timeout)
     except HostUnreachable as exc:
         rep.problems.append(str(exc))
     except SudoRefused as exc:
@@ -693,6 +695,45 @@ def check_host(ctl: HostControl, testbed_cmd: Sequence[str], *, expect_version: 
     except RemoteError as exc:   # a timeout of one of the checks
         rep.problems.append(str(exc))
     rep.seconds = round(time.monotonic() - t0, 3)
+    return rep
+
+
+def _judge(ctl: HostControl, cmd: list[str], rep: HostReport, uid_text: str, version: Any, doctor: Any,
+           expect_version: str | None, doctor_args: Sequence[str], timeout: float) -> None:
+    """Fill rep from the answers to `id -u`, `version --json` and `doctor --json` (RemoteResults, or
+    the exceptions asking raised)."""
+    rep.reachable = True
+    rep.sudo = getattr(ctl, "uses_sudo", None)
+    try:
+        rep.uid = int(uid_text.strip())
+    except ValueError:
+        rep.problems.append(f"`id -u` on {rep.name} printed {uid_text.strip()[:80]!r}, not a uid")
+    if rep.uid is not None and rep.uid != 0:
+        rep.problems.append(f"commands on {rep.name} run as uid {rep.uid}, not root: log in as root or allow "
+                            "passwordless sudo")
+    elif rep.uid == 0 and _check_version(ctl, cmd, rep, expect_version, timeout, version):
+        _check_doctor(ctl, cmd, rep, doctor_args, timeout, doctor)
+
+
+def report_from_answers(ctl: HostControl, testbed_cmd: Sequence[str], answers: Mapping[str, Any], *,
+                        expect_version: str | None = __version__, seconds: float = 0.0) -> HostReport:
+    """check_host's report from answers a host gave in one go (`testbed part up --check`: {"uid",
+    "version" (version --json's document), "doctor" (doctor --json's)}), judged exactly as the
+    answers to the separate commands are. Never raises for what the answers say."""
+    rep = HostReport(name=ctl.name, address=str(getattr(ctl, "address", ctl.name)), seconds=round(seconds, 3))
+    cmd = [os.fspath(w) for w in testbed_cmd]
+
+    def said(key: str) -> RemoteResult:
+        value = answers.get(key)
+        ok = isinstance(value, dict)
+        why = str(answers.get(f"{key}_error") or f"no {key} in the host's answers")
+        return RemoteResult(rc=0 if ok else 1, stdout=json.dumps(value) if ok else "", stderr="" if ok else why,
+                            host=ctl.name,
+                            argv=(*cmd, key, "--json"))
+
+    uid = answers.get("uid")
+    _judge(ctl, cmd, rep, str(uid) if isinstance(uid, int) and not isinstance(uid, bool) else repr(uid),
+           said("version"), said("doctor"), expect_version, (), 0.0)
     return rep
 
 

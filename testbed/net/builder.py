@@ -33,7 +33,6 @@ namespaces, which removes every interface, qdisc and route in them.
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import os
 import signal
@@ -69,12 +68,6 @@ FIRST_IFINDEX = 16
 Recorder = Callable[[str, Any], None]
 """record(kind, item): called right after something outside our namespaces is created
 (kind "delay_line": a dict with its pid), so the caller can persist it."""
-
-
-def mac_for(testbed: str, key: str) -> str:
-    """A stable, locally administered unicast MAC for interface `key` of testbed `testbed`."""
-    h = hashlib.blake2b(f"{testbed}/{key}".encode(), digest_size=5).digest()
-    return "02:" + ":".join(f"{b:02x}" for b in h)
 
 
 def _plain(cidr: str) -> str:
@@ -203,7 +196,7 @@ class Builder:
                     if not (a_here or b_here):
                         pass   # another host's link
                     elif a_here != b_here:
-                        self._tunnel_end(lp, lp.a if a_here else lp.b)
+                        self._tunnel_end(lp, lp.a if a_here else lp.b, ipr)
                     elif needs_delay_line(link.ab, self.caps) or needs_delay_line(link.ba, self.caps):
                         self._start_delay_line(lp)
                     else:
@@ -221,7 +214,7 @@ class Builder:
                 os.close(fd)
         self._timed("links", t0)
 
-    def _tunnel_end(self, lp: LinkPlan, port: Any) -> None:
+    def _tunnel_end(self, lp: LinkPlan, port: Any, ipr: Any) -> None:
         """This host's end of a cut link: a VXLAN device with the port's name, MAC and MTU. Its
         delay is netem's on the device (shape()); a kernel without netem has only delay lines,
         which join two local TAPs and cannot reach another host."""
@@ -237,7 +230,7 @@ class Builder:
         end = self.part.tunnel(lp.index)
         if end is None:
             raise TestbedError(f"link {link.a}-{link.b} crosses hosts but this host's part has no tunnel for it")
-        tunnels.create(end, self.ns(port.node))
+        tunnels.create(end, self.ns(port.node), ipr)
 
     def _start_delay_line(self, lp: LinkPlan) -> None:
         from testbed.net import delayline
@@ -253,10 +246,10 @@ class Builder:
             self.record("delay_line", rec)
 
     def mac(self, lp: LinkPlan, side: str) -> str:
-        return mac_for(self.testbed, f"l{lp.index}{side}")
+        return names.mac_for(self.testbed, f"l{lp.index}{side}")
 
     def bridge_mac(self, switch: str) -> str:
-        return mac_for(self.testbed, f"br/{switch}")
+        return names.mac_for(self.testbed, f"br/{switch}")
 
     def _iproute_in(self, home: Any, node: str) -> Any:
         """An IPRoute socket bound to `node`'s namespace (made there, then back home)."""

@@ -424,3 +424,30 @@ def measure_latency_floor(count: int = 20) -> float:
 
 def to_json_text(caps: Capabilities) -> str:
     return json.dumps(caps.to_json(), indent=2, sort_keys=True)
+
+
+# -- what the capabilities imply for shaping (testbed.net.shaping re-exports these) ---------
+
+# When the floor could not be measured: what a veth + bridge hop costs on any machine
+# (DESIGN.md: tens of microseconds), so a 2 us datacenter link never goes through userspace.
+DEFAULT_FLOOR_S = 20e-6
+
+
+# What one pass through the userspace delay line adds on top of the delay it holds a frame for
+# (TAP read, the helper's wake-up, TAP write), measured here: ping over two 50 us, 200 us and
+# 1 ms delay-line links gave RTTs 400-470 us above 4x the delay, i.e. ~100-120 us per pass.
+DELAY_LINE_OVERHEAD_S = 100e-6
+
+
+def floor_of(caps: Any) -> float:
+    f = getattr(caps, "latency_floor_s", None)
+    return float(f) if f else DEFAULT_FLOOR_S
+
+
+def delay_threshold(caps: Any) -> float:
+    """Delay+jitter at or below this gets no delay element: the unshaped hop already costs the
+    floor, and without netem the delay line would add its own ~100 us on top of what it holds,
+    further from the asked-for delay than no element at all (time dilation multiplies small
+    datacenter delays into this range)."""
+    floor = floor_of(caps)
+    return floor if getattr(caps, "netem", False) else floor + DELAY_LINE_OVERHEAD_S

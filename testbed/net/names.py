@@ -7,6 +7,7 @@ own namespaces, so they only need to fit IFNAMSIZ (15 chars), not be unique.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 PREFIX = "tb-"
@@ -16,6 +17,13 @@ _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,39}$", re.IGNORECASE)
 
 def valid_testbed_name(name: str) -> bool:
     return bool(_NAME_RE.match(name))
+
+
+def mac_for(testbed: str, key: str) -> str:
+    """A stable, locally administered unicast MAC for interface `key` of testbed `testbed` (the same
+    on every host of a testbed over several hosts)."""
+    h = hashlib.blake2b(f"{testbed}/{key}".encode(), digest_size=5).digest()
+    return "02:" + ":".join(f"{b:02x}" for b in h)
 
 
 def netns(testbed: str, node: str) -> str:

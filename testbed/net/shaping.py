@@ -53,6 +53,8 @@ from pyroute2.netlink.rtnl.tcmsg import plugins as _tc_plugins
 from pyroute2.netlink.rtnl.tcmsg import sched_pfifo as _sched_pfifo
 
 from testbed.errors import CapabilityError
+# the latency floor and the delay threshold are the machine's (defined there, re-exported here)
+from testbed.net.capabilities import DEFAULT_FLOOR_S, DELAY_LINE_OVERHEAD_S, delay_threshold, floor_of  # noqa: F401
 from testbed.topology.model import LinkProfile
 
 # bfifo's options are pfifo's (struct tc_fifo_qopt { u32 limit }); pyroute2 0.9.7 only names pfifo.
@@ -82,30 +84,6 @@ DEFAULT_QUEUE = 1000
 
 
 # -- what a profile needs ---------------------------------------------------------
-
-# When the floor could not be measured: what a veth + bridge hop costs on any machine
-# (DESIGN.md: tens of microseconds), so a 2 us datacenter link never goes through userspace.
-DEFAULT_FLOOR_S = 20e-6
-
-
-# What one pass through the userspace delay line adds on top of the delay it holds a frame for
-# (TAP read, the helper's wake-up, TAP write), measured here: ping over two 50 us, 200 us and
-# 1 ms delay-line links gave RTTs 400-470 us above 4x the delay, i.e. ~100-120 us per pass.
-DELAY_LINE_OVERHEAD_S = 100e-6
-
-
-def floor_of(caps: Any) -> float:
-    f = getattr(caps, "latency_floor_s", None)
-    return float(f) if f else DEFAULT_FLOOR_S
-
-
-def delay_threshold(caps: Any) -> float:
-    """Delay+jitter at or below this gets no delay element: the unshaped hop already costs the
-    floor, and without netem the delay line would add its own ~100 us on top of what it holds,
-    further from the asked-for delay than no element at all (time dilation multiplies small
-    datacenter delays into this range)."""
-    floor = floor_of(caps)
-    return floor if getattr(caps, "netem", False) else floor + DELAY_LINE_OVERHEAD_S
 
 
 def has_delay(profile: LinkProfile, caps: Any) -> bool:

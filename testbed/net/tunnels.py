@@ -6,10 +6,11 @@ point-to-point VXLAN device at each end, carried over the hosts' underlay.
 VXLAN because the end must look like the veth end it replaces: an Ethernet
 device with the plan's name, MAC and MTU, shaped and bridged like any port.
 
-Each end is created in the host's namespace (where the underlay is), then
-moved into the node's namespace and renamed to the plan's interface name. A
-VXLAN device keeps the namespace it was created in for its UDP socket and
-underlay routing (the kernel's "link netns"), so the node's namespace holds
+Each end is created by one netlink request from the host's namespace (where
+the underlay is) that names the node's namespace as the device's home and the
+plan's interface name. A VXLAN device binds its UDP socket and routes its
+underlay in the namespace the request came from (the kernel's "link netns"),
+not in the one it lives in, so the node's namespace holds
 only the Ethernet end: workers still see only emulated interfaces, and the
 underlay stays out of their reach. The end is gone when either namespace
 goes (the node's deletes it; the host's deletes every end it carries).
@@ -26,7 +27,6 @@ import hashlib
 import ipaddress
 import os
 import re
-import secrets
 import subprocess
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
@@ -242,63 +242,54 @@ def _reason(exc: BaseException) -> str:
     return f"{name} ({text})" if name else text
 
 
-def create(end: TunnelEnd, node_netns: str) -> None:
-    """Make `end` in the calling thread's namespace (the host's, which holds the underlay), move it into
-    `node_netns` (a name under /run/netns, or a path) as `end.ifname`, and leave it down.
+def create(end: TunnelEnd, node_netns: str, ipr: Any = None) -> None:
+    """Make `end` in `node_netns` (a name under /run/netns, or a path) as `end.ifname`, with its UDP
+    socket in the calling thread's namespace (the host's, which holds the underlay), and leave it down.
 
-    Created under a temporary name so it never clashes with the host's own interfaces; either every
-    step happens or the device is deleted again, and TunnelError says which step failed and why.
+    One netlink request: a device created with a target namespace belongs to that namespace, while
+    VXLAN binds its socket in the namespace the request came from, so the node sees only an Ethernet
+    port and never the underlay. Either it is made whole or not at all; TunnelError says why not.
+    ipr: an IPRoute of the host's namespace to send it on (the builder's), else one of our own.
     """
-    from pyroute2 import IPRoute
-
-    temporary = f"tbvx{secrets.token_hex(5)}"
     underlay = ("vxlan_local6", "vxlan_group6") if ":" in end.local else ("vxlan_local", "vxlan_group")
     step = "open the node's namespace"
     node_fd = -1
-    host = None
-    made = moved = False
+    own = None
     try:
         node_fd = os.open(_ns_path(node_netns), os.O_RDONLY | os.O_CLOEXEC)
-        step = "open a netlink socket"
-        host = IPRoute()
+        if ipr is None:
+            from pyroute2 import IPRoute
+
+            step = "open a netlink socket"
+            ipr = own = IPRoute()
         step = "create the VXLAN device"
-        made = True   # from here a rollback looks for the temporary name (ours alone) and deletes it
         # vxlan_group with a unicast address is the one remote of a point-to-point tunnel;
         # learning off: every frame goes to that remote, nothing is learned from the underlay
-        host.link("add", ifname=temporary, kind="vxlan", address=end.mac, mtu=end.mtu,
-                  vxlan_id=end.vni, vxlan_port=end.port, vxlan_learning=0,
-                  **{underlay[0]: end.local, underlay[1]: end.remote})
-        step = "move it into the node's namespace"
-        (index,) = host.link_lookup(ifname=temporary)
-        host.link("set", index=index, net_ns_fd=node_fd)
-        moved = True
-        step = f"rename it to {end.ifname}"
-        with _iproute_in(node_fd) as node:
-            (index,) = node.link_lookup(ifname=temporary)
-            node.link("set", index=index, ifname=end.ifname)
-    except BaseException as exc:
-        if made:   # wherever it got to, under the temporary name only: never someone else's device
-            _remove_quietly(host, temporary)
-            if moved:
-                _remove_in(node_fd, temporary)
-        if isinstance(exc, Exception):
-            raise _create_error(end, node_netns, step, exc) from exc
-        raise
+        ipr.link("add", ifname=end.ifname, kind="vxlan", net_ns_fd=node_fd, address=end.mac, mtu=end.mtu,
+                 vxlan_id=end.vni, vxlan_port=end.port, vxlan_learning=0,
+                 **{underlay[0]: end.local, underlay[1]: end.remote})
+    except Exception as exc:
+        name_taken = False
+        if getattr(exc, "code", None) == errno.EEXIST:   # which clashed: the name there, or the VNI here?
+            with contextlib.suppress(Exception), _iproute_in(node_fd) as node:
+                name_taken = bool(node.link_lookup(ifname=end.ifname))
+        raise _create_error(end, node_netns, step, exc, name_taken) from exc
     finally:
-        if host is not None:
-            host.close()
+        if own is not None:
+            own.close()
         if node_fd >= 0:
             os.close(node_fd)
 
 
-def _create_error(end: TunnelEnd, node_netns: str, step: str, exc: BaseException) -> TunnelError:
+def _create_error(end: TunnelEnd, node_netns: str, step: str, exc: BaseException,
+                  name_taken: bool = False) -> TunnelError:
     reason = _reason(exc)
     hint = ""
-    if getattr(exc, "code", None) == errno.EEXIST and step.startswith("create"):
+    if name_taken:
+        hint = f"; {node_netns} already has an interface {end.ifname}"
+    elif getattr(exc, "code", None) == errno.EEXIST and step.startswith("create"):
         hint = (f"; VNI {end.vni} is already in use on UDP port {end.port} in this host's namespace "
                 "(another testbed's tunnel, or one left behind)")
-    elif getattr(exc, "code", None) == errno.EEXIST and step.startswith("rename"):
-        hint = f"; {node_netns} already has an interface {end.ifname}"
     return TunnelError(f"tunnel for link {end.link} of testbed {end.testbed}: node {end.node} "
                        f"({node_netns}): cannot {step}: {reason}{hint}")
 
@@ -309,23 +300,6 @@ def _iproute_in(ns_fd: int) -> Any:
 
     with netns.enter(ns_fd):
         return IPRoute()
-
-
-def _remove_quietly(ipr: Any, ifname: str) -> None:
-    """Best-effort rollback: delete `ifname` if this socket's namespace has it (the error that
-    made us roll back is the one worth reporting)."""
-    from pyroute2.netlink.exceptions import NetlinkError
-
-    with contextlib.suppress(NetlinkError, OSError):
-        for index in ipr.link_lookup(ifname=ifname):
-            ipr.link("del", index=index)
-
-
-def _remove_in(ns_fd: int, ifname: str) -> None:
-    from pyroute2.netlink.exceptions import NetlinkError
-
-    with contextlib.suppress(NetlinkError, OSError), _iproute_in(ns_fd) as ipr:
-        _remove_quietly(ipr, ifname)
 
 
 def delete(node_netns: str, ifname: str) -> None:
@@ -361,25 +335,23 @@ def _kind(link: Any) -> str | None:
 
 
 def underlay_mtu(remote_ip: str) -> int:
-    """The MTU toward `remote_ip` from the calling thread's namespace: the device the route leaves by,
-    lowered by the route's own MTU (a route `mtu`, or a path MTU the kernel learned) when that is smaller."""
+    """The MTU toward `remote_ip` from the calling thread's namespace: the kernel's path MTU for it
+    (the device the route leaves by, lowered by the route's own `mtu` or a path MTU it learned), read
+    from a connected UDP socket (IP_MTU / IPV6_MTU): no netlink, and nothing is sent."""
     import socket
 
-    from pyroute2 import IPRoute
-    from pyroute2.netlink.exceptions import NetlinkError
-
-    family = socket.AF_INET6 if ipaddress.ip_address(remote_ip).version == 6 else socket.AF_INET
-    with IPRoute() as ipr:
+    v6 = ipaddress.ip_address(remote_ip).version == 6
+    family, level, option = ((socket.AF_INET6, socket.IPPROTO_IPV6, _IPV6_MTU) if v6
+                             else (socket.AF_INET, socket.IPPROTO_IP, _IP_MTU))
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
         try:
-            (route,) = ipr.route("get", dst=remote_ip, family=family)
-        except NetlinkError as exc:
+            sock.connect((remote_ip, 9))   # a UDP connect only looks the route up
+        except OSError as exc:
             raise TunnelError(f"no route to the underlay address {remote_ip}: {_reason(exc)}") from exc
-        oif = route.get_attr("RTA_OIF")
-        (link,) = ipr.get_links(oif)
-        mtu = int(link.get_attr("IFLA_MTU"))
-        metrics = route.get_attr("RTA_METRICS")
-        route_mtu = metrics.get_attr("RTAX_MTU") if metrics is not None else None
-        return min(mtu, int(route_mtu)) if route_mtu else mtu
+        return int(sock.getsockopt(level, option))
+
+
+_IP_MTU, _IPV6_MTU = 14, 24   # linux/in.h, linux/in6.h (Python's socket module names neither)
 
 
 def measure_rtts(remote_ip: str, count: int = 5) -> list[float]:
@@ -389,8 +361,8 @@ def measure_rtts(remote_ip: str, count: int = 5) -> list[float]:
     ipaddress.ip_address(remote_ip)   # a ValueError here, not a ping of a host name
     if count < 1:
         raise ValueError(f"count: at least 1 ping is needed, got {count}")
-    # 20 ms apart (root may go below ping's 200 ms): the minimum is what counts, and `up` waits for it
-    cmd = ["ping", "-n", "-c", str(count), "-i", "0.02", "-W", "1", remote_ip]
+    # 5 ms apart (root may go below ping's 200 ms): the minimum is what counts, and `up` waits for it
+    cmd = ["ping", "-n", "-c", str(count), "-i", "0.005", "-W", "1", remote_ip]
     try:
         done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=count * 0.2 + 5,
                               env={"LC_ALL": "C", "PATH": os.environ.get("PATH", "/usr/bin:/bin")})
