@@ -21,6 +21,12 @@ ZeRO issue them), reduce_scatter, reduce, gather, scatter, all_to_all_single,
 barrier, new_group. Point-to-point (send/recv) cannot be mirrored: the real
 rank fails with a message saying so.
 
+NCCL jobs (experimental, not yet run on a GPU; tests/gpu/check_phantoms_nccl.py
+checks it): with TESTBED_PHANTOM_NCCL=1 in the environment, a phantom told of
+an nccl init joins with nccl and keeps its buffers on the CUDA device its
+worker was given (CUDA_VISIBLE_DEVICES comes with the worker; LOCAL_RANK picks
+among them, as a torchrun script does).
+
     python -m testbed.jobs.phantom     (started by testbed run; no arguments)
 """
 
@@ -34,7 +40,8 @@ import time
 from typing import Any
 
 READ_TIMEOUT_S = 600.0     # no announcement for this long: the real rank is gone
-POOL_PER_SIZE = 8          # free buffers kept per (size, dtype)
+POOL_PER_SIZE = 8          # free buffers kept per (size, dtype, device)
+NCCL_GATE = "TESTBED_PHANTOM_NCCL"   # "1": NCCL jobs are mirrored too (experimental; _testbed_mirror.py)
 
 
 class PhantomError(RuntimeError):
@@ -57,19 +64,46 @@ def _lines(fd: int, timeout: float):
         buf += chunk
 
 
+def cuda_index(environ: Any, count: int) -> int:
+    """This phantom's CUDA device among the `count` its worker sees: LOCAL_RANK's, as a torchrun
+    script picks it (one rank per worker: the worker's GPU)."""
+    if count < 1:
+        raise PhantomError(f"backend 'nccl' but this phantom sees no CUDA device (CUDA_VISIBLE_DEVICES="
+                           f"{environ.get('CUDA_VISIBLE_DEVICES')!r}): give the workers GPUs (gpus: in the topology)")
+    return int(environ.get("LOCAL_RANK") or 0) % count
+
+
+def join_backend(msg: dict[str, Any], torch: Any, environ: Any) -> tuple[str, Any]:
+    """The backend to join the real rank's process group with, and the device of this phantom's
+    buffers (None: the CPU's default, as for gloo). Sets the CUDA device for nccl."""
+    backend = msg.get("backend")
+    if backend == "gloo":
+        return "gloo", None
+    if backend != "nccl":
+        raise PhantomError(f"backend {backend!r}: phantoms mirror gloo jobs only")
+    if environ.get(NCCL_GATE) != "1":
+        raise PhantomError(f"backend 'nccl': phantoms mirror NCCL jobs only with {NCCL_GATE}=1 (experimental)")
+    if not torch.distributed.is_nccl_available():
+        raise PhantomError(f"backend 'nccl' but this phantom's torch {torch.__version__} has no NCCL")
+    torch.cuda.set_device(cuda_index(environ, torch.cuda.device_count() if torch.cuda.is_available() else 0))
+    return "nccl", torch.device("cuda", torch.cuda.current_device())
+
+
 class Mirror:
     """Replays announced operations on this rank's process groups."""
 
-    def __init__(self, torch: Any, dist: Any):
+    def __init__(self, torch: Any, dist: Any, device: Any = None):
         from torch._C import _distributed_c10d as options   # the operations' option classes
 
         self.torch, self.dist, self.opts = torch, dist, options
+        self.device = device                               # the default group's buffers' (None: CPU)
+        self.devices: dict[int, Any] = {0: device}         # group id -> its buffers' device
         self.groups: dict[int, Any] = {}
         self.rank = dist.get_rank()
         self.ops = 0
         self.late: list[float] = []
         self.pending: list[tuple[Any, str, Any]] = []   # (work, what it is, its buffers: kept alive)
-        self.pool: dict[tuple[int, str], list[Any]] = {}   # (elements, dtype) -> free zero buffers
+        self.pool: dict[tuple[int, str, str], list[Any]] = {}   # (elements, dtype, device) -> free zero buffers
         self.warnings: list[str] = []
 
     def group(self, gid: int) -> Any:
@@ -79,13 +113,13 @@ class Mirror:
             raise PhantomError(f"operation on group {gid}, which no new_group announced")
         return self.groups[gid]
 
-    def zeros(self, n: int, dtype: str) -> Any:
+    def zeros(self, n: int, dtype: str, device: Any = None) -> Any:
         """A zero buffer, from the pool when one of that size is free (a fresh one costs page
         faults: time the phantom would spend late at the next collective)."""
-        free = self.pool.get((int(n), dtype))
+        free = self.pool.get((int(n), dtype, "cpu" if device is None else str(device)))
         if free:
             return free.pop()
-        return self.torch.zeros(int(n), dtype=getattr(self.torch, dtype))
+        return self.torch.zeros(int(n), dtype=getattr(self.torch, dtype), device=device)
 
     def _release(self, buffers: Any) -> None:
         """Zero a completed operation's buffers and keep them (what came back is the real rank's)."""
@@ -94,7 +128,7 @@ class Mirror:
                 self._release(b)
         elif buffers is not None and hasattr(buffers, "zero_"):
             buffers.zero_()
-            key = (int(buffers.numel()), str(buffers.dtype).replace("torch.", ""))
+            key = (int(buffers.numel()), str(buffers.dtype).replace("torch.", ""), str(buffers.device))
             free = self.pool.setdefault(key, [])
             if len(free) < POOL_PER_SIZE:
                 free.append(buffers)
@@ -107,18 +141,24 @@ class Mirror:
         opts.reduceOp = getattr(self.dist.ReduceOp, red)
         return opts
 
-    def filled(self, data: str, counts: list[int], dtype: str) -> list[Any]:
+    def filled(self, data: str, counts: list[int], dtype: str, device: Any = None) -> list[Any]:
         """The real rank's small tensors, from the announcement (see _testbed_mirror._data)."""
         import base64
 
         flat = self.torch.frombuffer(bytearray(base64.b64decode(data)), dtype=getattr(self.torch, dtype))
         if flat.numel() != sum(counts):
             raise PhantomError(f"an announcement carries {flat.numel()} elements for {sum(counts)}")
-        return [t.clone() for t in flat.split([int(n) for n in counts])]
+        parts = flat.split([int(n) for n in counts])
+        return [t.clone() for t in parts] if device is None else [t.to(device) for t in parts]
 
     def new_group(self, msg: dict[str, Any]) -> None:
         ranks = msg.get("ranks")
-        self.groups[int(msg["g"])] = self.dist.new_group(ranks)
+        backend = msg.get("backend")   # an NCCL job's groups say theirs (a gloo side group's buffers: CPU)
+        if backend is None:
+            self.groups[int(msg["g"])] = self.dist.new_group(ranks)
+        else:
+            self.groups[int(msg["g"])] = self.dist.new_group(ranks, backend=backend)
+            self.devices[int(msg["g"])] = None if backend == "gloo" else self.device
         leader = os.environ.get("TESTBED_PHANTOM_LEADER")
         if ranks is not None and leader is not None and int(leader) not in ranks:
             self.warnings.append(f"group {msg['g']} (ranks {', '.join(map(str, ranks))}) has no real rank: "
@@ -130,12 +170,13 @@ class Mirror:
         pg = self.group(int(msg["g"]))
         if pg == d.GroupMember.NON_GROUP_MEMBER or pg is None:
             return   # the real rank's group does not include this phantom
+        dev = self.devices.get(int(msg["g"]), self.device)
         ts: list[Any] = []
         extra: Any = None    # other buffers of the call, kept alive until it completes
         if name != "barrier":
             dtype = msg["dtype"]
-            ts = self.filled(msg["data"], msg["n"], dtype) if msg.get("data") else \
-                [self.zeros(n, dtype) for n in msg["n"]]
+            ts = self.filled(msg["data"], msg["n"], dtype, dev) if msg.get("data") else \
+                [self.zeros(n, dtype, dev) for n in msg["n"]]
         me, size = pg.rank(), pg.size()
         if name == "allreduce":
             work = pg.allreduce(ts, self.reduction(self.opts.AllreduceOptions(), msg))
@@ -146,16 +187,16 @@ class Mirror:
             o.rootRank, o.rootTensor = int(msg["root"]), int(msg.get("root_tensor", 0))
             work = pg.broadcast(ts, o)
         elif name == "allgather":
-            extra = [[self.zeros(t.numel(), dtype) for _ in range(size)] for t in ts]
+            extra = [[self.zeros(t.numel(), dtype, dev) for _ in range(size)] for t in ts]
             work = pg.allgather(extra, ts, self.opts.AllgatherOptions())
         elif name == "reduce_scatter":
-            extra = [[self.zeros(t.numel(), dtype) for _ in range(size)] for t in ts]
+            extra = [[self.zeros(t.numel(), dtype, dev) for _ in range(size)] for t in ts]
             work = pg.reduce_scatter(ts, extra, self.reduction(self.opts.ReduceScatterOptions(), msg))
         elif name == "allgather_single":
-            extra = self.zeros(ts[0].numel() * size, dtype)
+            extra = self.zeros(ts[0].numel() * size, dtype, dev)
             work = pg._allgather_base(extra, ts[0], self.opts.AllgatherOptions())
         elif name == "reduce_scatter_single":
-            extra = self.zeros(ts[0].numel() * size, dtype)
+            extra = self.zeros(ts[0].numel() * size, dtype, dev)
             work = pg._reduce_scatter_base(ts[0], extra, self.reduction(self.opts.ReduceScatterOptions(), msg))
         elif name == "reduce":
             o = self.reduction(self.opts.ReduceOptions(), msg)
@@ -164,15 +205,15 @@ class Mirror:
         elif name == "gather":
             o = self.opts.GatherOptions()
             o.rootRank = int(msg["root"])
-            extra = [[self.zeros(t.numel(), dtype) for _ in range(size)] for t in ts] if me == o.rootRank else []
+            extra = [[self.zeros(t.numel(), dtype, dev) for _ in range(size)] for t in ts] if me == o.rootRank else []
             work = pg.gather(extra, ts, o)
         elif name == "scatter":
             o = self.opts.ScatterOptions()
             o.rootRank = int(msg["root"])
-            extra = [[self.zeros(t.numel(), dtype) for _ in range(size)] for t in ts] if me == o.rootRank else []
+            extra = [[self.zeros(t.numel(), dtype, dev) for _ in range(size)] for t in ts] if me == o.rootRank else []
             work = pg.scatter(ts, extra, o)
         elif name == "alltoall_base":
-            extra = self.zeros(msg["out_n"], dtype)
+            extra = self.zeros(msg["out_n"], dtype, dev)
             work = pg.alltoall_base(extra, ts[0], list(msg["out_splits"]), list(msg["in_splits"]),
                                     self.opts.AllToAllOptions())
         elif name == "barrier":
@@ -199,6 +240,8 @@ class Mirror:
     def drain(self) -> None:
         while self.pending:
             self._wait(self.pending.pop(0))
+        if self.device is not None:
+            self.torch.cuda.synchronize()   # NCCL's wait() only orders streams: done before the group goes
 
 
 def _write_stats(mirror: Mirror | None, error: str | None) -> None:
@@ -239,12 +282,11 @@ def main() -> int:
             msg = json.loads(raw)
             ev = msg.get("ev")
             if ev == "init":
-                if msg.get("backend") != "gloo":
-                    raise PhantomError(f"backend {msg.get('backend')!r}: phantoms mirror gloo jobs only")
+                backend, device = join_backend(msg, torch, os.environ)
                 if isinstance(msg.get("rank"), int) and msg["rank"] >= 0:   # under torchrun only it knows
                     os.environ.setdefault("TESTBED_PHANTOM_LEADER", str(msg["rank"]))
-                dist.init_process_group("gloo")
-                mirror = Mirror(torch, dist)
+                dist.init_process_group(backend)
+                mirror = Mirror(torch, dist, device)
             elif mirror is None:
                 raise PhantomError(f"{ev!r} before the real rank's init_process_group")
             elif ev == "new_group":

@@ -12,9 +12,16 @@ FIFO, then runs on the real gloo group. A phantom reads the line and issues
 the same operation with a buffer of the same size, so it takes its part in
 the real algorithm and the emulated links carry the job's real bytes.
 
+NCCL jobs (experimental, not yet run on a GPU): with TESTBED_PHANTOM_NCCL=1 in
+the ranks' environment, a job's NCCL groups are wrapped the same way
+(`NcclMirrorGroup` around a ProcessGroupNCCL) and the phantoms join with nccl
+on their worker's GPU; tests/gpu/check_phantoms_nccl.py checks it. Without the
+variable an nccl job is refused.
+
 A line: {"ev": "op", "op": NAME, "g": group id, "t": wall time, "dtype": ...,
 "n": element counts, ...}; {"ev": "init", "backend"} (before the rendezvous); {"ev":
-"new_group", "g": id, "ranks": [...] or null}; {"ev": "end"}. Group ids: 0 is
+"new_group", "g": id, "ranks": [...] or null, "backend" (NCCL jobs only: "nccl" or
+"gloo")}; {"ev": "end"}. Group ids: 0 is
 the default group, then 1, 2, ... in the order new_group is called (every
 rank calls it in the same order: torch requires that too).
 
@@ -25,17 +32,24 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import json
 import os
 import threading
 import time
 
 BACKEND = "testbed_mirror"
+BACKEND_NCCL = "testbed_mirror_nccl"   # a backend name of its own: the gloo one stays as it was
+NCCL_GATE = "TESTBED_PHANTOM_NCCL"     # "1": NCCL jobs are mirrored too (experimental)
+NCCL_NOTE = ("An unverified path for backend 'nccl' exists behind TESTBED_PHANTOM_NCCL=1 "
+             "(testbed run -e TESTBED_PHANTOM_NCCL=1 --real ...); tests/gpu/check_phantoms_nccl.py "
+             "checks it on a GPU machine.")
 _fds: list[int] = []
 _lock = threading.Lock()
 _tls = threading.local()
 _next_group = [1]
 _installed = False
+_job_backend = None   # "gloo" or "nccl", once the job's init_process_group ran
 
 
 _trace = None   # TESTBED_OPS_TRACE: the same lines, kept for `testbed run --replay`
@@ -178,6 +192,43 @@ def _dtype(tensors) -> str:
     return "float32"
 
 
+def job_backend(backend, environ=os.environ) -> str:
+    """"gloo" or "nccl": what the job's init_process_group asks for, when the mirror can wrap it;
+    RuntimeError (the refusal the job dies with) otherwise."""
+    name = str(backend).lower() if backend is not None else "gloo"
+    if name in ("gloo", "cpu:gloo"):
+        return "gloo"
+    if name in ("nccl", "cuda:nccl") and environ.get(NCCL_GATE) == "1":
+        return "nccl"
+    raise RuntimeError(f"testbed phantoms mirror gloo jobs only (this job asked for backend {backend!r}); "
+                       "run it without --real, or with gloo. " + NCCL_NOTE)
+
+
+def require_cuda(torch) -> None:
+    """Refuse an NCCL job where this rank's torch cannot run one, before the rendezvous (the
+    phantoms then never wait for a group that cannot form)."""
+    import torch.distributed as dist
+
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return
+    what = "has no NCCL" if torch.cuda.is_available() else "sees no CUDA device"
+    raise RuntimeError(f"testbed phantoms: {NCCL_GATE}=1 and backend 'nccl', but this rank's torch "
+                       f"{torch.__version__} {what} (CUDA_VISIBLE_DEVICES="
+                       f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}): give the workers GPUs (gpus: in the "
+                       "topology) and a CUDA build of torch, or run the job with gloo")
+
+
+def _new_group_backend(backend) -> tuple[str, str]:
+    """(our backend name, what the phantoms make) for new_group's backend argument in an NCCL job:
+    its side groups may be gloo ones (object collectives on the CPU), mirrored as such."""
+    name = str(backend).lower() if backend is not None else "nccl"   # None: the default group's
+    if name in ("nccl", "cuda:nccl", BACKEND_NCCL):
+        return BACKEND_NCCL, "nccl"
+    if name in ("gloo", "cpu:gloo", BACKEND):
+        return BACKEND, "gloo"
+    raise RuntimeError(f"testbed phantoms: new_group(backend={backend!r}) cannot be mirrored (nccl or gloo only)")
+
+
 def _make_group_class(dist):
     from torch._C import _distributed_c10d as C   # the operations' option classes
 
@@ -289,10 +340,50 @@ def _make_group_class(dist):
     return MirrorGroup
 
 
+def _make_nccl_group_class(torch, MirrorGroup):
+    cuda = torch.device("cuda")
+
+    class NcclMirrorGroup(MirrorGroup):
+        """An NCCL group that announces each operation before running it. To c10d's Python side it
+        looks like the NCCL group it wraps (object collectives then stage their bytes on the GPU,
+        code asking for its backend gets the ProcessGroupNCCL); nothing is registered in C++, so
+        an operation C++ reaches without our Python methods fails instead of running unannounced."""
+
+        def getBackendName(self):
+            return BACKEND_NCCL
+
+        @property
+        def _device_types(self):
+            return [cuda]
+
+        def _get_backend(self, device):
+            if torch.device(device).type != "cuda":
+                raise RuntimeError(f"testbed phantoms: an NCCL group has no backend for {device}")
+            return self.inner
+
+    return NcclMirrorGroup
+
+
 def _create(dist, MirrorGroup):
     def create(store, rank, size, timeout):
         gid = getattr(_tls, "gid", 0)
         return MirrorGroup(dist.ProcessGroupGloo(store, rank, size, timeout), gid)
+
+    return create
+
+
+def _create_nccl(dist, NcclMirrorGroup):
+    def create(common, options):
+        # what c10d gives a plain nccl group: the job's options (pg_options) or its defaults, the
+        # group's name and ranks; never split from a parent (the phantoms' groups are not either)
+        if options is None:
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = False
+        options._timeout = common.timeout
+        options.global_ranks_in_group = list(common.global_ranks_in_group)
+        options.group_name = common.group_id
+        inner = dist.ProcessGroupNCCL(common.store, common.group_rank, common.group_size, options)
+        return NcclMirrorGroup(inner, getattr(_tls, "gid", 0))
 
     return create
 
@@ -317,23 +408,35 @@ def install(torch) -> None:
         _trace = open(os.environ["TESTBED_OPS_TRACE"].replace("{RANK}", os.environ.get("RANK", "0")), "ab")
     MirrorGroup = _make_group_class(dist)
     dist.Backend.register_backend(BACKEND, _create(dist, MirrorGroup), devices=["cpu"])
+    if os.environ.get(NCCL_GATE) == "1":
+        # devices=["cuda"] as nccl's own: the group's store keys then carry the prefix the
+        # phantoms' real nccl groups use ("cuda/"), so both ends meet in the rendezvous
+        dist.Backend.register_backend(BACKEND_NCCL, _create_nccl(dist, _make_nccl_group_class(torch, MirrorGroup)),
+                                      extended_api=True, devices=["cuda"])
     orig_init = c10d.init_process_group
     orig_new_group = c10d.new_group
     orig_get_backend = c10d.get_backend
 
     @functools.wraps(orig_init)
     def init_process_group(backend=None, *args, **kwargs):
-        name = str(backend).lower() if backend is not None else "gloo"
-        if name not in ("gloo", "cpu:gloo"):
-            raise RuntimeError(f"testbed phantoms mirror gloo jobs only (this job asked for backend {backend!r}); "
-                               "run it without --real, or with gloo")
+        global _job_backend
+        device_id = kwargs.get("device_id")
+        if backend is None and device_id is not None and getattr(device_id, "type", "cuda") != "cpu":
+            backend = "nccl"   # what c10d picks for a CUDA device_id
+        kind = job_backend(backend)
+        if kind == "nccl":
+            require_cuda(torch)
+            # connected lazily, as the phantoms' groups are: eagerly (device_id), this rank would wait
+            # in NCCL's init for phantoms that wait for its first announcement
+            kwargs.pop("device_id", None)
+        _job_backend = kind
         _tls.gid = 0
         # before: the phantoms must join the rendezvous this call waits in
         world = kwargs.get("world_size", -1)
         world = int(world if world not in (None, -1) else os.environ.get("WORLD_SIZE", -1))
-        _announce({"ev": "init", "backend": "gloo", "t": time.time(), "world": world,
+        _announce({"ev": "init", "backend": kind, "t": time.time(), "world": world,
                    "rank": int(kwargs.get("rank", -1) if kwargs.get("rank", -1) != -1 else os.environ.get("RANK", -1))})
-        return orig_init(BACKEND, *args, **kwargs)
+        return orig_init(BACKEND if kind == "gloo" else BACKEND_NCCL, *args, **kwargs)
 
     @functools.wraps(orig_new_group)
     def new_group(ranks=None, *args, **kwargs):
@@ -342,7 +445,15 @@ def install(torch) -> None:
         said = None if ranks is None else [int(r) for r in ranks]
         if _check is not None:
             _check.expect("new_group", {"op": "new_group", "ranks": said})
-        _announce({"ev": "new_group", "g": gid, "ranks": said})
+        line = {"ev": "new_group", "g": gid, "ranks": said}
+        if _job_backend == "nccl":
+            # every group of an NCCL job goes through the mirror, gloo side groups included; the
+            # phantoms make a group of the same backend
+            bound = inspect.signature(orig_new_group).bind(ranks, *args, **kwargs).arguments
+            bound["backend"], line["backend"] = _new_group_backend(bound.get("backend"))
+            bound.pop("device_id", None)   # lazily connected too (see init_process_group)
+            args, kwargs = (), {k: v for k, v in bound.items() if k != "ranks"}
+        _announce(line)
         _tls.gid = gid
         try:
             return orig_new_group(ranks, *args, **kwargs)
@@ -352,7 +463,8 @@ def install(torch) -> None:
     @functools.wraps(orig_get_backend)
     def get_backend(group=None):
         b = orig_get_backend(group)
-        return "gloo" if str(b) == BACKEND else b   # the job asked for gloo, and runs on it
+        # the job asked for gloo (nccl), and runs on it
+        return {BACKEND: "gloo", BACKEND_NCCL: "nccl"}.get(str(b), b)
 
     for mod in (c10d, dist):
         if getattr(mod, "init_process_group", None) is orig_init:
