@@ -199,7 +199,8 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
        net_admin: bool = False, part: Any = None) -> dict[str, Any]:
     """Build testbed `name` (default: the topology's name) from a validated topology. All or nothing.
 
-    time_dilation (a factor >= 1, "auto", "none" or None for the topology's own setting): links
+    time_dilation (a factor >= 1, "auto", "none", None for the topology's own setting, or a
+    dilation.Choice made for several hosts by their controller): links
     are built at bandwidth/s and delay*s; the state keeps the topology's nominal profiles, s and
     why it was chosen. machine: the calibrated MachineConstants "auto" accounts the traffic with
     (testbed.jobs.calibration); without them "auto" counts ranks per core only. ranks: how many
@@ -254,9 +255,13 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     if real_ranks is not None and not 1 <= real_ranks <= n_ranks:
         raise TestbedError(f"--real-ranks {real_ranks}: between 1 and the {n_ranks} ranks the jobs will run "
                            "(--ranks; default one per worker)")
+    from testbed.topology.dilation import Choice
+
     try:
-        dilation = choose_dilation(setting, topo, plan, n_gpus=len(gplan.used), n_cpus=cores(), constants=machine,
-                                   ranks=ranks, real_ranks=real_ranks)
+        # a Choice: made by the controller of a testbed over several hosts, for all of them
+        dilation = setting if isinstance(setting, Choice) else \
+            choose_dilation(setting, topo, plan, n_gpus=len(gplan.used), n_cpus=cores(), constants=machine,
+                            ranks=ranks, real_ranks=real_ranks)
     except ValueError as exc:
         raise TestbedError(f"--time-dilation: {exc}") from None
     factor = dilation.factor

@@ -224,6 +224,109 @@ def _commands(stderr: str) -> list[list[str]]:
     return [shlex.split(c) for c in re.findall(r"`(s(?:sh|cp) [^`]+)`", stderr)]
 
 
+def _pids_with(marker: str, start: bool = False) -> list[int]:
+    """PIDs of processes whose command line holds `marker` (start: begins with it). The emulated
+    hosts share this machine's PID namespace, so their processes are seen here."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                line = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if line.startswith(marker) if start else marker in line:
+                found.append(int(d.name))
+    return [p for p in found if p != os.getpid()]
+
+
+def _interrupt_when(proc: subprocess.Popen, ready, within: float = 60.0) -> None:
+    import signal
+    import time
+
+    end = time.monotonic() + within
+    while not ready():
+        assert proc.poll() is None and time.monotonic() < end, "the command ended or never got going"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)   # what Ctrl-C on the controller's terminal does
+
+
+def test_ctrl_c_on_exec_across_hosts_reaches_the_command_there(emu, line):
+    """`testbed exec w2 -- CMD` (w2 on h2): a Ctrl-C on the controller stops CMD on h2 (its testbed
+    takes the end of its lifeline as a Ctrl-C), and its output up to then still comes back."""
+    import time
+
+    marker = f"{uuid.uuid4().int % 1000 + 1000}.5"   # a sleep no one else runs
+    script = f"trap 'echo got SIGINT; exit 3' INT; echo started; sleep {marker}; echo not interrupted"
+    proc = subprocess.Popen([sys.executable, "-m", "testbed", "exec", "w2", "--name", line, "--", "sh", "-c", script],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _interrupt_when(proc, lambda: _pids_with(f"sleep {marker}", start=True))
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert time.monotonic() - t0 < 15
+    # as a Ctrl-C on a terminal there: the whole command got SIGINT (nsenter, which enters the
+    # worker, dies of it: 130; the sleep too; the shell inside ran its trap, and its output came back)
+    assert proc.returncode == 130, (proc.returncode, out, err)
+    assert "started" in out and "got SIGINT" in out and "not interrupted" not in out, out
+    assert "passing the Ctrl-C on to h2" in err, err
+    deadline = time.monotonic() + 5
+    while (_pids_with(f"sleep {marker}", start=True) or _pids_with(f"exec w2 --name {line}")) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _pids_with(f"sleep {marker}", start=True), "the command's child still runs on h2"
+    assert not _pids_with(f"exec w2 --name {line}"), "testbed exec still runs on h2"
+
+
+def test_ctrl_c_on_run_across_hosts_stops_every_rank_and_still_reports(emu, line):
+    """`testbed run` over both hosts: a Ctrl-C on the controller stops the ranks on both hosts, the
+    hosts' run directories still come back and the merged summary says interrupted."""
+    import time
+
+    job = f"import time; time.sleep(120)  # tbctrlc{uuid.uuid4().hex[:8]}"   # the ranks' own command line
+    proc = subprocess.Popen([sys.executable, "-m", "testbed", "run", "--name", line, "--no-probe", "--",
+                             "python", "-c", job], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _interrupt_when(proc, lambda: len(_pids_with(f"python -c {job}", start=True)) >= 4, within=120)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert time.monotonic() - t0 < 60, "the hosts took too long to stop their ranks"
+    assert proc.returncode == 130, (proc.returncode, out[-2000:], err[-2000:])
+    assert "passing the Ctrl-C on to h1, h2" in err, err
+    assert not _pids_with(f"python -c {job}", start=True), "ranks left running"
+    run_dir = Path(re.search(r"run directory: (\S+)", out).group(1))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and len(summary["ranks"]) == 4, summary
+    assert sorted(summary["hosts"]) == ["h1", "h2"]
+
+
+def test_a_rank_failing_on_one_host_stops_the_ranks_on_the_others(emu, line):
+    """Rank 2 (w2, on h2) fails at once; the ranks on h1 would sleep for minutes: the controller stops
+    them `--grace` seconds later, as one host stops its other ranks, and the run reports the failure."""
+    import time
+
+    job = (f"import os, sys, time; sys.exit(3) if os.environ['RANK'] == '2' else time.sleep(120)  "
+           f"# tbfail{uuid.uuid4().hex[:8]}")
+    t0 = time.monotonic()
+    r = tb("run", "--name", line, "--no-probe", "--grace", "2", "--", "python", "-c", job, check=False, timeout=120)
+    took = time.monotonic() - t0
+    assert r.returncode == 3, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert "the run on h2 failed (exit status 3): stopping the ranks on the other hosts in 2 s" in r.stderr, r.stderr
+    assert took < 60, took
+    assert not _pids_with(f"python -c {job}", start=True), "ranks left running"
+    run_dir = Path(re.search(r"run directory: (\S+)", r.stdout).group(1))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "rank failed" and summary["rc"] == 3, summary["status"]
+    assert summary["hosts"]["h1"]["status"] == "interrupted", summary["hosts"]
+
+
 def test_attach_prints_the_ssh_command_that_works(emu, line):
     r = tb("attach", "w2", "--name", line, check=False)
     assert r.returncode == 2, r.stderr

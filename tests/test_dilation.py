@@ -134,3 +134,51 @@ def test_cfs_burst_only_where_the_period_is_stretched():
 
     assert cfs_burst(1.0) == 0 and cfs_burst(0.125) == 0 and cfs_burst(0.1) == 0
     assert cfs_burst(1 / 31.4) == cfs(1 / 31.4)[0] == 1_000
+
+
+# -- several hosts: one factor for all, the most loaded machine decides ---------------------------------------
+
+from testbed.topology.dilation import Machine, choose_over_machines  # noqa: E402
+
+
+def _machines(t, split: int, cores: tuple[int, int], constants=(HOST_BOUND, HOST_BOUND), shared: bool = False):
+    w = list(t.workers)
+    if shared:   # emulated hosts: one boot id, one machine
+        return [Machine(("h1", "h2"), tuple(w), cores[0], 0, constants[0])]
+    return [Machine(("h1",), tuple(w[:split]), cores[0], 0, constants[0]),
+            Machine(("h2",), tuple(w[split:]), cores[1], 0, constants[1])]
+
+
+def test_two_hosts_sharing_one_machine_count_as_one_machine():
+    t, plan = _ft()
+    one = choose("auto", t, plan, n_gpus=0, n_cpus=2, constants=HOST_BOUND)
+    both = choose_over_machines("auto", t, plan, _machines(t, 8, (2, 2), shared=True))
+    assert both.factor == one.factor == pytest.approx(8.0) and both.compute == 8.0
+    assert any(r.startswith("h1+h2: 16 ranks share 2 CPU core") for r in both.reasons)
+
+
+def test_two_machines_the_most_loaded_decides():
+    t, plan = _ft()
+    even = choose_over_machines("auto", t, plan, _machines(t, 8, (2, 2)))
+    assert even.compute == 4.0 and even.factor == pytest.approx(4.0, rel=0.05)   # 8 ranks on 2 cores each
+    uneven = choose_over_machines("auto", t, plan, _machines(t, 12, (2, 2)))
+    assert uneven.compute == 6.0 and uneven.factor == pytest.approx(6.0, rel=0.05)
+    big = choose_over_machines("auto", t, plan, _machines(t, 8, (64, 64)))
+    assert big.factor == 1.0
+
+
+def test_an_uncalibrated_machine_is_named_and_only_its_compute_counts():
+    t, plan = _ft()
+    c = choose_over_machines("auto", t, plan, _machines(t, 8, (4, 8), constants=(HOST_BOUND, None)))
+    assert c.compute == 2.0 and any(r.startswith("h2: traffic not accounted for") for r in c.reasons)
+    assert any(r.startswith("h1: its ranks' data-parallel traffic") for r in c.reasons)
+
+
+def test_fixed_factor_caps_cpu_against_the_machines_compute():
+    t, plan = _ft()
+    assert not choose_over_machines(4, t, plan, _machines(t, 8, (2, 2))).cap_cpu      # 8 ranks / 2 cores
+    capped = choose_over_machines("16", t, plan, _machines(t, 8, (2, 2)))
+    assert capped.cap_cpu and capped.factor == 16.0 and capped.reasons[0] == "fixed at 16"
+    assert choose_over_machines("none", t, plan, _machines(t, 8, (2, 2))).factor == 1.0
+    with pytest.raises(ValueError):
+        choose_over_machines("0.5", t, plan, _machines(t, 8, (2, 2)))

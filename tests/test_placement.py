@@ -89,6 +89,20 @@ def assert_valid(p, topo: Topology, hosts: Hosts, pins: dict[str, str] | None = 
 # -- the hosts file ------------------------------------------------------------------------------------------
 
 
+def test_a_relative_key_is_the_hosts_files_neighbour(tmp_path, monkeypatch):
+    d = tmp_path / "lab"
+    d.mkdir()
+    (d / "hosts.yaml").write_text(
+        "hosts:\n"
+        "  - {name: a, ssh: a.test, key: keys/id_a, underlay: 10.99.0.1, capacity: {cores: 1}}\n"
+        "  - {name: b, ssh: b.test, key: ~/.ssh/id_b, underlay: 10.99.0.2, capacity: {cores: 1}}\n"
+        "  - {name: c, ssh: c.test, key: /etc/k, underlay: 10.99.0.3, capacity: {cores: 1}}\n")
+    monkeypatch.chdir(tmp_path)   # elsewhere: the key is still found beside the file
+    a, b, c = load_hosts("lab/hosts.yaml")
+    assert a.key == str(d / "keys" / "id_a") and b.key == "~/.ssh/id_b" and c.key == "/etc/k"
+    assert load_hosts_text((d / "hosts.yaml").read_text())["a"].key == "keys/id_a"   # no base: as written
+
+
 def test_example_loads():
     hosts = load_hosts(EXAMPLE)
     assert hosts.names == ["node-a", "node-b"] and hosts.source == str(EXAMPLE)

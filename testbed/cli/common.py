@@ -21,10 +21,38 @@ def fail(message: str, code: int = 1) -> NoReturn:
     raise typer.Exit(code)
 
 
+LIFELINE_ENV = "TESTBED_LIFELINE"
+lifeline = False   # this process was started by a controller with its stdin as the lifeline
+
+
+def _watch_lifeline() -> None:
+    """TESTBED_LIFELINE=stdin (a controller over SSH sets it): stdin is the controller's lifeline, not
+    input. Its end (the controller passed a Ctrl-C on, or died and its SSH session closed) interrupts
+    this process as a Ctrl-C on a terminal would. Without a terminal nothing else would: an SSH
+    session that goes away sends no signal to a command run without a tty."""
+    global lifeline
+    if os.environ.pop(LIFELINE_ENV, None) != "stdin":   # (popped: ranks and commands do not inherit it)
+        return
+    lifeline = True
+    import signal
+    import threading
+
+    def watch() -> None:
+        try:
+            while os.read(0, 1 << 16):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watch, name="lifeline", daemon=True).start()
+
+
 def run_app(app: typer.Typer) -> None:
     """Run the app; user errors become one message and their exit status, never a traceback."""
     command = typer.main.get_command(app)
     try:
+        _watch_lifeline()   # (inside: a lifeline cut while this process starts is an interrupt too)
         # standalone mode: click prints usage errors and exits with their status itself.
         command.main(prog_name="testbed", standalone_mode=True)
     except TestbedError as exc:

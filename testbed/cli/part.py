@@ -15,6 +15,7 @@ controller gone.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Any
 
@@ -25,7 +26,7 @@ from testbed.cli.common import fail, require_root
 part_app = typer.Typer(help="One host's side of a testbed over several hosts (run by the controller over SSH).",
                        no_args_is_help=True, add_completion=False)
 
-_SPEC_FIELDS = {"name", "topology", "part", "time_dilation", "runtime", "net_admin"}
+_SPEC_FIELDS = {"name", "topology", "part", "time_dilation", "dilation", "runtime", "net_admin"}
 
 
 def _spec(text: str) -> dict[str, Any]:
@@ -56,7 +57,7 @@ def _answers(probe: list[str], count: int) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     pinger = threading.Thread(target=lambda: rows.extend(_probe_rows(probe, count)), daemon=True)
     pinger.start()
-    answers: dict[str, Any] = {"uid": os.geteuid(), "version": version.info()}
+    answers: dict[str, Any] = {"uid": os.geteuid(), "version": version.info(), "machine": _machine()}
     try:
         answers["doctor"] = doctor.report("", cached=True)
         from testbed.net.capabilities import probe as capabilities
@@ -68,6 +69,17 @@ def _answers(probe: list[str], count: int) -> dict[str, Any]:
     pinger.join()
     answers["probe"] = rows
     return answers
+
+
+def _machine() -> dict[str, Any]:
+    """What the controller's time dilation accounts this host's machine with: its boot (hosts with
+    one boot id share a machine), the cores testbed may use and this boot's calibration, if any."""
+    from testbed.jobs import calibration
+    from testbed.lifecycle import cores
+
+    cal = calibration.cached()
+    return {"boot_id": calibration.boot_id(), "cores": cores(),
+            "constants": cal.constants().to_json() if cal is not None else None}
 
 
 @part_app.command("up")
@@ -115,7 +127,17 @@ def _build(spec: dict[str, Any]) -> dict[str, Any]:
     runtime = spec.get("runtime")
     if runtime not in (None, "netns", "docker"):
         fail(f"part up: runtime must be netns or docker (got {runtime!r})", 2)
-    st = lifecycle.up(topo, spec["name"], time_dilation=spec.get("time_dilation") or "none", runtime=runtime,
+    dilation: Any = spec.get("time_dilation") or "none"
+    if spec.get("dilation") is not None:   # the controller's choice for every host (per machine)
+        from testbed.topology.dilation import Choice
+
+        try:
+            dilation = Choice.from_json(spec["dilation"])
+        except (ValueError, TypeError, KeyError) as exc:
+            fail(f"part up: dilation: {exc}", 2)
+        if not (math.isfinite(dilation.factor) and dilation.factor >= 1):
+            fail(f"part up: dilation.factor: a factor >= 1 (got {dilation.factor!r})", 2)
+    st = lifecycle.up(topo, spec["name"], time_dilation=dilation, runtime=runtime,
                       net_admin=bool(spec.get("net_admin")), part=part)
     return {"name": st["name"], "host": part.host, "nodes": sorted(part.nodes),
             "workers": sorted(st["runtime"]["workers"]), "tunnels": len(part.tunnels),

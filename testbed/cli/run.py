@@ -25,17 +25,31 @@ def _run_over_hosts(name: str, cmd: List[str], workers: str, nproc_per_node: int
     if real is not None or record_ops or replay:
         fail("--real, --record-ops and --replay are not built for testbeds over several hosts yet", 2)
     chosen = None if workers == "all" else [w.strip() for w in workers.split(",") if w.strip()]
+    def show(host: str, line: str) -> None:   # the ranks' lines as they come ("[w2:r2] ..." say whose)
+        if line.startswith("[testbed]"):
+            line = f"[testbed {host}]{line[len('[testbed]'):]}"
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+
     result = controller.run_job(name, cmd, workers=chosen, nproc_per_node=nproc_per_node, port=port,
                                 timeout=timeout, env=env, probe=not no_probe, real_clock=real_clock, grace=grace,
-                                progress=lambda m: err_console.print(m, highlight=False))
+                                progress=lambda m: err_console.print(m, highlight=False), on_output=show)
     from testbed.report import report as make_report
 
     text, a, _plots = make_report(result["run_dir"], plots=False)
-    console.print(text, highlight=False)
+    console.print(text, highlight=False, markup=False)
     for host, why in result.get("problems", {}).items():
         err_console.print(f"[red]{host}:[/] {why}", highlight=False)
+    rd = result["run_dir"]
+    console.print(f"run directory: {rd}  (testbed report {rd})", highlight=False)
     if result["rc"] != 0:
         raise typer.Exit(result["rc"] if 0 < result["rc"] < 256 else 1)
+
+
+def _tell_start(run_dir) -> None:
+    """--this-host-only: the controller learns where this host's run lives as it starts."""
+    import json
+
+    print(json.dumps({"started": str(run_dir)}), flush=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -102,7 +116,8 @@ def register(app: typer.Typer) -> None:
                      timeout=timeout, env=extra, probe=not no_probe, grace=grace, machine=machine,
                      emulated_clock=not real_clock,
                      real=[w.strip() for w in real.split(",") if w.strip()] if real is not None else None,
-                     record_ops=record_ops, replay=replay, this_host_only=this_host_only)
+                     record_ops=record_ops, replay=replay, this_host_only=this_host_only,
+                     on_start=_tell_start if this_host_only else None)
         if this_host_only:
             import json
 

@@ -219,6 +219,7 @@ def _up_over_hosts(topo: Any, name: Optional[str], hosts_file: str, pins: list[s
                   str(len(info.get("workers", []))), str(info.get("tunnels", 0)),
                   f"{secs:.2f} s" if isinstance(secs, (int, float)) else "-")
     console.print(t)
+    print_dilation(doc)
     cuts = doc.get("cut_links") or []
     console.print(f"{len(cuts)} link(s) cross hosts as VXLAN tunnels"
                   + (": " + ", ".join(f"{c['endpoints'][0]}-{c['endpoints'][1]}" for c in cuts[:6])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -90,7 +91,9 @@ def load(name: str) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("name") != name or not isinstance(doc.get("hosts_text"), str) \
             or not isinstance(doc.get("placement"), dict):
         raise StateError(f"{p}: not a cluster record of testbed {name!r}")
-    hosts = load_hosts_text(doc["hosts_text"], f"{p}:hosts_text")
+    src = doc.get("hosts_source")
+    hosts = load_hosts_text(doc["hosts_text"], f"{p}:hosts_text",
+                            base=os.path.dirname(src) if isinstance(src, str) and os.path.isabs(src) else None)
     known = {h.name for h in hosts}
     bad = [h for h in doc["placement"].values() if not isinstance(h, str) or h not in known]
     if bad:
@@ -151,36 +154,97 @@ def _close(ctls: dict[str, Any]) -> None:
             pass
 
 
-def _parallel(ctls: dict[str, Any], names: Sequence[str], fn: Callable[[Any], Any],
-              finish: bool = False) -> dict[str, Any]:
-    """fn(ctl) on the named hosts at once: host -> result or the exception it raised. finish: a
-    Ctrl-C waits for every host's answer before it is raised (a host's `part up` goes on after
-    the SSH session is gone: there is no terminal to hang up, so only its answer says what it built)."""
-    import threading
+class _Pipe:
+    """The write end of a remote command's stdin (its read end is what SshHost.run feeds from): a
+    spec sent in a dialogue, or a lifeline cut to pass a Ctrl-C on."""
 
+    def __init__(self) -> None:
+        r, self._w = os.pipe()
+        self.reader = os.fdopen(r, "rb", buffering=0)   # unbuffered: the feeder passes on each write at once
+        self._lock = threading.Lock()
+
+    @property
+    def is_open(self) -> bool:
+        return self._w is not None
+
+    def close(self, last: bytes | None = None) -> None:
+        """Write `last` (if any), then EOF. Once; later calls do nothing."""
+        with self._lock:
+            w, self._w = self._w, None
+        if w is None:
+            return
+        try:
+            if last:
+                os.write(w, last)   # (a pipe holds 64 KiB; the feeder empties it)
+        except OSError:
+            pass   # the command is over already: its result says why
+        finally:
+            os.close(w)
+
+
+# A remote testbed started under this env takes the end of its stdin as a Ctrl-C (cli.common: the
+# SSH session's end sends no signal to a command without a tty, so nothing else would stop it).
+LIFELINE_ARGV = ("env", "TESTBED_LIFELINE=stdin")
+
+
+def _parallel(ctls: dict[str, Any], names: Sequence[str], fn: Callable[..., Any], *, lifeline: bool = False,
+              progress: Callable[[str], None] = lambda _m: None, stop: threading.Event | None = None,
+              ) -> dict[str, Any]:
+    """fn(ctl) on the named hosts at once: host -> result or the exception it raised.
+
+    lifeline: fn(ctl, stdin) runs a testbed command under LIFELINE_ARGV with `stdin` as its stdin. A
+    Ctrl-C here cuts every host's lifeline (each host's testbed stops as on a Ctrl-C there: a run
+    stops its ranks and keeps its run directory) and waits for their answers; a second Ctrl-C
+    stops waiting (the caller's connections close, which ends the lifelines too). `stop` set (from
+    another thread) cuts them too, quietly."""
     results: dict[str, Any] = {}
+    pipes = {n: _Pipe() for n in names} if lifeline else {}
+    done = {n: threading.Event() for n in names}
 
     def one(n: str) -> None:
         try:
-            results[n] = fn(ctls[n])
+            results[n] = fn(ctls[n], pipes[n].reader) if lifeline else fn(ctls[n])
         except Exception as exc:  # noqa: BLE001 - in the host's place, for the caller
             results[n] = exc
+        finally:
+            done[n].set()
 
-    threads = [threading.Thread(target=one, args=(n,), name=f"host-{n}", daemon=True) for n in names]
-    for th in threads:
-        th.start()
-    interrupted = None
-    for th in threads:
-        while th.is_alive():
-            try:
-                th.join()
-            except KeyboardInterrupt as exc:
-                if not finish:
-                    raise
-                interrupted = exc   # (a second Ctrl-C too: the hosts' answers still decide)
-    if interrupted is not None:
-        raise interrupted
+    for n in names:
+        threading.Thread(target=one, args=(n,), name=f"host-{n}", daemon=True).start()
+    try:
+        for n in names:
+            # an Event, not Thread.join: on this Python a join that a Ctrl-C interrupts marks the
+            # thread as ended although it still runs
+            while not done[n].is_set():
+                try:
+                    done[n].wait(None if stop is None else 0.2)
+                    if stop is not None and stop.is_set():
+                        for p in pipes.values():
+                            p.close()
+                except KeyboardInterrupt:
+                    if not lifeline or not any(p.is_open for p in pipes.values()):
+                        raise
+                    progress(f"interrupted: passing the Ctrl-C on to {', '.join(names)} and waiting for them to "
+                             "stop (Ctrl-C again not to wait)")
+                    for p in pipes.values():
+                        p.close()
+    finally:
+        for p in pipes.values():
+            p.close()
     return {n: results.get(n) for n in names}
+
+
+class _Lines:
+    """Bytes as they arrive (SshHost.run's on_stdout) -> fn(line) for each whole line (no newline)."""
+
+    def __init__(self, fn: Callable[[str], None]):
+        self.fn, self._buf = fn, bytearray()
+
+    def __call__(self, data: bytes) -> None:
+        self._buf += data
+        while (i := self._buf.find(b"\n")) >= 0:
+            line, self._buf = bytes(self._buf[:i]), self._buf[i + 1:]
+            self.fn(line.decode(errors="replace"))
 
 
 def _why(res: Any) -> str:
@@ -196,11 +260,38 @@ def _why(res: Any) -> str:
 # -- up ----------------------------------------------------------------------------------------------------
 
 
-def _resolve_dilation(setting: Any) -> Any:
-    if isinstance(setting, str) and setting.strip().lower() == "auto":
-        raise ClusterError("--time-dilation auto is not built for several hosts yet (each host would choose its "
-                           "own factor): give one factor for all, e.g. --time-dilation 4, or none")
-    return setting
+def _machines(answers: dict[str, Any], reports: dict[str, Any], placement: Any, topo: Topology) -> list[Any]:
+    """The machines under the hosts (hosts whose answers give one boot id share one), with the
+    workers placed on them, their cores, GPUs and calibration: what time dilation accounts."""
+    import re
+
+    from testbed.topology.dilation import Machine
+    from testbed.topology.reference import MachineConstants
+
+    groups: dict[str, list[str]] = {}
+    for host, a in answers.items():
+        m = a.get("machine") if isinstance(a.get("machine"), dict) else {}
+        boot = m.get("boot_id")
+        groups.setdefault(boot if isinstance(boot, str) and re.fullmatch(r"[0-9a-f-]{36}", boot) else host,
+                          []).append(host)
+    out = []
+    for hosts in groups.values():
+        cores, gpus, constants = 1, 0, None
+        for h in hosts:
+            m = answers[h].get("machine") if isinstance(answers[h].get("machine"), dict) else {}
+            c = m.get("cores")
+            if isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= 1 << 16:
+                cores = max(cores, c)
+            g = (reports[h].doctor or {}).get("gpus")
+            gpus = max(gpus, len(g) if isinstance(g, list) else 0)
+            if constants is None and isinstance(m.get("constants"), dict):
+                try:
+                    constants = MachineConstants.from_json(m["constants"])
+                except (ValueError, TypeError, KeyError):
+                    constants = None   # a host's word is not trusted: uncalibrated, and said so
+        workers = tuple(w for w in topo.workers if placement.assignment[w] in hosts)
+        out.append(Machine(tuple(hosts), workers, cores, gpus, constants))
+    return out
 
 
 def _threshold(answers: dict[str, Any]) -> float:
@@ -226,14 +317,12 @@ class _PartSession:
     and one testbed process per host for the whole `up`: the start-up of each is paid once."""
 
     def __init__(self, ctl: Any, argv: Sequence[str]):
-        import threading
-
         self.ctl, self.argv = ctl, list(argv)
-        r, self._w = os.pipe()
-        self._stdin = os.fdopen(r, "rb", buffering=0)   # unbuffered: the feeder passes on each write at once
+        self._pipe = _Pipe()
         self._head = bytearray()
         self._line: bytes | None = None
         self._told = threading.Event()      # the answers line came, or the session ended without it
+        self._ended = threading.Event()     # (not Thread.join: see _parallel)
         self.result: Any = None             # RemoteResult or the exception run() raised
         self._thread = threading.Thread(target=self._run, name=f"part-{ctl.name}", daemon=True)
         self._thread.start()
@@ -247,12 +336,13 @@ class _PartSession:
 
     def _run(self) -> None:
         try:
-            self.result = self.ctl.run(self.argv, stdin=self._stdin, timeout=UP_TIMEOUT_S, on_stdout=self._heard)
+            self.result = self.ctl.run(self.argv, stdin=self._pipe.reader, timeout=UP_TIMEOUT_S, on_stdout=self._heard)
         except Exception as exc:  # noqa: BLE001 - the host's outcome, judged by up()
             self.result = exc
         finally:
             self._told.set()
             self.send(None)   # (the session is over: nobody reads the pipe any more)
+            self._ended.set()
 
     def answers(self, timeout: float) -> dict[str, Any] | None:
         """The host's answers to the checks, or None: the session ended without them (see result)
@@ -266,24 +356,15 @@ class _PartSession:
 
     def send(self, spec: bytes | None) -> None:
         """The decision: the spec (one line: build it) or None (EOF: build nothing). Once."""
-        w, self._w = self._w, None
-        if w is None:
-            return
-        try:
-            if spec is not None:
-                os.write(w, spec.rstrip(b"\n") + b"\n")   # (a pipe holds 64 KiB; the feeder empties it)
-        except OSError:
-            pass   # the session is already over: its result says why
-        finally:
-            os.close(w)
+        self._pipe.close(None if spec is None else spec.rstrip(b"\n") + b"\n")
 
     def wait(self, timeout: float | None = None) -> Any:
-        self._thread.join(timeout)
+        self._ended.wait(timeout)
         return self.result
 
     @property
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._ended.is_set()
 
 
 def _wait_all(sessions: dict[str, _PartSession]) -> dict[str, Any]:
@@ -428,10 +509,15 @@ def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str,
     topo.validate()
     if exists(name) or store.exists(name):
         raise StateError(f"a testbed named {name!r} is already up: bring it down first (testbed down {name})")
-    setting = _resolve_dilation(time_dilation if time_dilation is not None else (topo.time_dilation or "none"))
-    factor = 1.0 if setting in (None, "none") else float(setting)
-    if factor < 1:
-        raise TestbedError(f"--time-dilation: a factor >= 1, or none (got {setting!r})")
+    from testbed.topology.dilation import choose_over_machines
+
+    setting = time_dilation if time_dilation is not None else (topo.time_dilation or "auto")   # as on one host
+    if not (isinstance(setting, str) and setting.strip().lower() in ("auto", "none", "off")):
+        try:
+            if not float(setting) >= 1:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise TestbedError(f"--time-dilation: a factor >= 1, auto or none (got {setting!r})") from None
     known_hosts = _host_keys_file(name, known_hosts, trust_new)
     ctls = _controls(list(hosts), known_hosts, trust_new)
     by_name = {h.name: h for h in hosts}
@@ -455,13 +541,19 @@ def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str,
         if problems:
             raise ClusterError("hosts not ready:\n  " + "\n  ".join(problems))
         t = lap("check hosts", t)
+        try:
+            dilation = choose_over_machines(setting, topo, plan, _machines(answers, reports, placement, topo))
+        except ValueError as exc:
+            raise TestbedError(f"--time-dilation: {exc}") from None
+        factor = dilation.factor
         one_way = _underlay(topo, placement, hosts, asks, {n: answers[n].get("probe") for n in asks}, factor,
                             {n: _threshold(a) for n, a in answers.items()})
         parts = parts_mod.make_parts(name, topo, plan, placement.assignment, {h.name: h.underlay for h in hosts},
                                      one_way)
         doc = {"name": name, "status": "building", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-               "hosts_text": hosts.text, "hosts_source": hosts.source, "placement": dict(placement.assignment),
-               "known_hosts": known_hosts, "time_dilation": factor,
+               "hosts_text": hosts.text,
+               "hosts_source": os.path.abspath(hosts.source) if hosts.source else None, "placement": dict(placement.assignment),
+               "known_hosts": known_hosts, "time_dilation": factor, "dilation": dilation.to_json(),
                "topology": topo.to_json(), "cut_links": [c.to_json() for c in placement.cut_links],
                "hosts": {n: {"nodes": len(parts[n].nodes), "tunnels": len(parts[n].tunnels)} for n in used},
                "underlay_one_way_s": {"|".join(sorted(p)): v for p, v in one_way.items()}}
@@ -470,7 +562,7 @@ def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str,
         progress(f"building the parts on {len(used)} host(s) at once")
         for n in used:
             spec = {"name": name, "topology": topo.to_json(), "part": parts[n].to_json(),
-                    "time_dilation": "none" if factor == 1 else factor, "runtime": runtime, "net_admin": net_admin}
+                    "dilation": dilation.to_json(), "runtime": runtime, "net_admin": net_admin}
             sessions[n].send(json.dumps(spec).encode())
         try:
             results = _wait_all(sessions)
@@ -587,8 +679,10 @@ def status(name: str) -> dict[str, Any]:
             "cut_links": doc.get("cut_links", []), "time_dilation": doc.get("time_dilation")}
 
 
-def run_on_node_host(name: str, node: str, argv: Sequence[str], timeout: float | None = None) -> Any:
-    """argv (a testbed command line, without the `testbed`) on the host that holds `node`."""
+def run_on_node_host(name: str, node: str, argv: Sequence[str], timeout: float | None = None, *,
+                     lifeline: bool = False, progress: Callable[[str], None] = lambda _m: None) -> Any:
+    """argv (a testbed command line, without the `testbed`) on the host that holds `node`. lifeline:
+    a Ctrl-C here is passed on to it (see _parallel), and the result still comes back."""
     doc = load(name)
     host = doc["placement"].get(node)
     if host is None:
@@ -596,7 +690,13 @@ def run_on_node_host(name: str, node: str, argv: Sequence[str], timeout: float |
     h = next(x for x in doc["_hosts"] if x.name == host)
     ctls = _controls([h], doc.get("known_hosts"), False)
     try:
-        return ctls[host].run([*h.testbed_argv, *argv], timeout=timeout)
+        if not lifeline:
+            return ctls[host].run([*h.testbed_argv, *argv], timeout=timeout)
+        res = _parallel(ctls, [host], lambda c, stdin: c.run([*LIFELINE_ARGV, *h.testbed_argv, *argv], stdin=stdin,
+                                                             timeout=timeout), lifeline=True, progress=progress)[host]
+        if isinstance(res, Exception):
+            raise res
+        return res
     finally:
         _close(ctls)
 
@@ -633,13 +733,60 @@ def run_on_every_host(name: str, argv: Sequence[str], timeout: float | None = 60
         _close(ctls)
 
 
+def stream_on_every_host(name: str, argv: Sequence[str], on_line: Callable[[str, str], None], *,
+                         stop: threading.Event | None = None, timeout: float | None = None,
+                         progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    """argv (a testbed command line, without the `testbed`) on every host of the testbed at once, each
+    line of its stdout passed on as it comes: on_line(host, line), from the hosts' threads. Until
+    every host's command ends, `stop` is set, or a Ctrl-C (then each host's testbed stops as on a
+    Ctrl-C there). Returns host -> RemoteResult or the exception."""
+    doc = load(name)
+    by_name = {h.name: h for h in doc["_hosts"]}
+    names = [h for h in doc.get("hosts", {}) if h in by_name]
+    ctls = _controls([by_name[h] for h in names], doc.get("known_hosts"), False)
+
+    def one(c: Any, stdin: Any) -> Any:
+        return c.run([*LIFELINE_ARGV, *by_name[c.name].testbed_argv, *argv], stdin=stdin, timeout=timeout,
+                     on_stdout=_Lines(lambda line: on_line(c.name, line)))
+
+    try:
+        return _parallel(ctls, names, one, lifeline=True, progress=progress, stop=stop)
+    finally:
+        _close(ctls)
+
+
+def host_of(name: str, node: str) -> str:
+    """The host that holds `node` of testbed `name`."""
+    doc = load(name)
+    host = doc["placement"].get(node)
+    if host is None:
+        raise TestbedError(f"no node {node!r} in testbed {name}")
+    return host
+
+
+def run_on_host(name: str, host: str, argv: Sequence[str], timeout: float | None = 120) -> Any:
+    """argv (a plain command line, not a testbed one) on `host` of testbed `name`: RemoteResult."""
+    doc = load(name)
+    h = next((x for x in doc["_hosts"] if x.name == host), None)
+    if h is None:
+        raise TestbedError(f"no host {host!r} in testbed {name}")
+    ctls = _controls([h], doc.get("known_hosts"), False)
+    try:
+        return ctls[host].run(list(argv), timeout=timeout)
+    finally:
+        _close(ctls)
+
+
 # -- a job across hosts ------------------------------------------------------------------------------------
 
 
 def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = None, nproc_per_node: int = 1,
             port: int | None = None, workdir: str | None = None, env: dict[str, str] | None = None,
             timeout: float | None = None, probe: bool = True, real_clock: bool = False, grace: float = 5.0,
-            base_dir: str | Path | None = None, progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+            base_dir: str | Path | None = None, progress: Callable[[str], None] = lambda _m: None,
+            on_output: Callable[[str, str], None] | None = None,
+            on_started: Callable[[str, str], None] | None = None,
+            stop: threading.Event | None = None) -> dict[str, Any]:
     """CMD on the selected workers of a testbed over several hosts, as one run.
 
     Every host that holds some of the workers runs `testbed run --this-host-only` with the whole
@@ -648,7 +795,11 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
     ranks, the probe and the monitor, as a single-host run does. Their run directories come back
     here and are merged into one (probe files, logs, link counters by node; the summary's ranks
     from every host; monitor.json from the master's host, the others under parts/HOST/) that
-    `testbed report` reads like any run. Returns {"run_dir", "rc", "hosts", "problems"}."""
+    `testbed report` reads like any run. Returns {"run_dir", "rc", "hosts", "problems"}.
+
+    on_output(host, line): each line the host's ranks print, as it comes (from the hosts' threads).
+    on_started(host, remote run directory): once each host's run has started. stop: when set (from
+    another thread), every host stops its ranks as on a Ctrl-C; the run directories still come back."""
     import base64
     import io
     import random
@@ -676,7 +827,7 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
              f"{chosen[0]} on {master_host}, port {port}; run directory {rd}")
     ctls = _controls([by_name[h] for h in hosts], doc.get("known_hosts"), False)
 
-    def start(ctl: Any) -> Any:
+    def start(ctl: Any, stdin: Any) -> Any:
         h = by_name[ctl.name]
         argv = [*h.testbed_argv, "run", "--name", name, "--workers", ",".join(chosen), "--master", chosen[0],
                 "--port", str(port), "--nproc-per-node", str(nproc_per_node), "--grace", str(grace),
@@ -686,8 +837,38 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
         argv += ["--real-clock"] if real_clock else []
         for k, v in sorted((env or {}).items()):
             argv += ["--env", f"{k}={v}"]
-        script = f"cd {shlex.quote(workdir)} && exec {shlex.join([*argv, '--', *cmd])}"
-        return ctl.run(["sh", "-c", script], timeout=None if timeout is None else timeout + 600)
+        script = f"cd {shlex.quote(workdir)} && exec {shlex.join([*LIFELINE_ARGV, *argv, '--', *cmd])}"
+
+        def line(text: str) -> None:
+            started = _started_line(text)
+            if started is not None:
+                if on_started is not None:
+                    on_started(ctl.name, started)
+            elif on_output is not None and not text.startswith('{"run_dir"'):   # (its last line: for us)
+                on_output(ctl.name, text)
+
+        try:
+            res = ctl.run(["sh", "-c", script], stdin=stdin, timeout=None if timeout is None else timeout + 600,
+                          on_stdout=_Lines(line))
+        except Exception:
+            _halt_others(ctl.name, "could not run its ranks")
+            raise
+        if res.rc not in (0, 130, 143):   # (130, 143: it was stopped, by a Ctrl-C or by halt)
+            _halt_others(ctl.name, f"failed (exit status {res.rc})")
+        return res
+
+    def _halt_others(host: str, what: str) -> None:
+        # as on one host: the other ranks get `grace` seconds after the first failure, then are stopped
+        # (not left to notice through the job's broken connections, or to wait forever)
+        if not halt.is_set() and len(hosts) > 1:
+            progress(f"the run on {host} {what}: stopping the ranks on the other hosts in {grace:g} s")
+            timer = threading.Timer(grace, halt.set)
+            timer.daemon = True
+            timer.start()
+
+    halt = threading.Event()   # set: every host stops its ranks (a failure elsewhere, or the caller's stop)
+    if stop is not None:
+        threading.Thread(target=lambda: (stop.wait(), halt.set()), name="run-stop", daemon=True).start()
 
     def fetch(ctl: Any, remote_dir: str) -> bytes:
         # bash's pipefail: a tar that failed must not look like an empty archive
@@ -698,13 +879,13 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
     problems: dict[str, str] = {}
     rcs: dict[str, int] = {}
     try:
-        results = _parallel(ctls, hosts, start)
+        results = _parallel(ctls, hosts, start, lifeline=True, progress=progress, stop=halt)
         for h, r in results.items():
             if isinstance(r, Exception):
                 problems[h] = f"its ranks could not be run: {r}"
                 rcs[h] = 1
                 continue
-            line = next((ln for ln in reversed(r.stdout.strip().splitlines()) if ln.startswith("{")), "")
+            line = next((ln for ln in reversed(r.stdout.strip().splitlines()) if ln.startswith('{"run_dir"')), "")
             try:
                 info = json.loads(line)
                 remote_dir = str(info["run_dir"])
@@ -732,8 +913,21 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
     finally:
         _close(ctls)
     _merge_parts(rd, hosts, master_host, doc, problems)
-    rc = next((v for v in rcs.values() if v != 0), 1 if problems else 0)
+    # the first failure's status, not that of the hosts stopped because of it (130, 143)
+    rc = next((v for v in rcs.values() if v not in (0, 130, 143)), next((v for v in rcs.values() if v), 0))
+    rc = rc or (1 if problems else 0)
     return {"run_dir": rd, "rc": rc, "hosts": hosts, "problems": problems}
+
+
+def _started_line(text: str) -> str | None:
+    """The remote run directory from `testbed run --this-host-only`'s first line ({"started": DIR})."""
+    if not text.startswith('{"started"'):
+        return None
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return None
+    return str(doc["started"]) if isinstance(doc, dict) and isinstance(doc.get("started"), str) else None
 
 
 def _merge_parts(rd: Path, hosts: Sequence[str], master_host: str, doc: dict[str, Any],
@@ -782,7 +976,9 @@ def _merge_parts(rd: Path, hosts: Sequence[str], master_host: str, doc: dict[str
     ranks = [dict(r, host=h) for h, sm in summaries.items() for r in sm.get("ranks") or []]
     ranks.sort(key=lambda r: (r.get("rank") is None, r.get("rank") or 0))
     statuses = {h: sm.get("status") for h, sm in summaries.items()}
-    failed = [sm for sm in summaries.values() if sm.get("rc")]
+    # the first failure is what went wrong; hosts stopped because of it come after
+    failed = sorted((sm for sm in summaries.values() if sm.get("rc")),
+                    key=lambda sm: sm.get("status") in ("interrupted", "stopped"))
     from testbed.jobs import calibration
 
     machine = calibration.cached()

@@ -172,6 +172,66 @@ def choose(setting: float | str | None, topo: Topology, plan: NetworkPlan, n_gpu
     return _with_cap_reason(Choice(s, "fixed", compute, None, tuple(reasons)))
 
 
+@dataclass(frozen=True)
+class Machine:
+    """One machine of a testbed over several hosts (hosts with one boot id share it: emulated hosts)."""
+
+    hosts: tuple[str, ...]
+    workers: tuple[str, ...]                 # the workers placed on its hosts: one rank each
+    cores: int
+    gpus: int
+    constants: MachineConstants | None       # its calibration, if it has one this boot
+
+    @property
+    def name(self) -> str:
+        return "+".join(self.hosts)
+
+
+def choose_over_machines(setting: float | str | None, topo: Topology, plan: NetworkPlan,
+                         machines: list[Machine]) -> Choice:
+    """choose() for a testbed over several machines, one factor for all of them: compute and traffic
+    are accounted per machine (its ranks per device; its ranks' share of the data-parallel traffic,
+    at its calibrated per-byte cost, against its cores) and the most loaded machine decides."""
+    ranked = [m for m in machines if m.workers]
+    compute, why_compute = 1.0, []
+    for m in ranked:
+        c = auto_factor(len(m.workers), m.gpus, m.cores)
+        devices = f"{m.gpus} GPU(s)" if m.gpus else f"{m.cores} CPU core(s)"
+        why_compute.append(f"{m.name}: {len(m.workers)} ranks share {devices}: compute needs s >= {c:.3g}")
+        compute = max(compute, c)
+    loaded = [w for w in why_compute if not w.endswith("s >= 1")]
+    if setting is None or (isinstance(setting, str) and setting.strip().lower() in ("none", "off")):
+        return Choice(1.0, "none", compute, None, ("no dilation (real time)", *loaded))
+    if isinstance(setting, str) and setting.strip().lower() == "auto":
+        reasons, network = list(why_compute), None
+        workers = list(topo.workers)
+        n = len(workers)
+        for m in ranked:
+            if m.constants is None:
+                reasons.append(f"{m.name}: traffic not accounted for: not calibrated this boot "
+                               "(testbed calibrate there)")
+                continue
+            if n < 2 or m.constants.beta_s_per_byte <= 0:
+                continue
+            p = predict(topo, plan, "all_reduce", BIG_MESSAGE, workers, m.constants, placements=1)
+            if p.bandwidth_s <= 0:
+                continue
+            load = len(m.workers) * 2 * (n - 1) / n * BIG_MESSAGE / p.bandwidth_s * m.constants.beta_s_per_byte
+            need = max(1.0, load / (max(1, m.cores) * HEADROOM))
+            reasons.append(f"{m.name}: its ranks' data-parallel traffic at full rate keeps {load:.2g} core(s) busy "
+                           f"against {m.cores} core(s): the network needs s >= {need:.3g}")
+            network = max(network or 1.0, need)
+        s = _round_up(max(1.0, compute, network or 1.0))
+        return _with_cap_reason(Choice(s, "auto", compute, network, tuple(reasons)))
+    try:
+        s = float(setting)
+    except (TypeError, ValueError):
+        raise ValueError(f"time dilation must be a number >= 1, 'auto' or 'none' (got {setting!r})") from None
+    if not math.isfinite(s) or s < 1:
+        raise ValueError(f"time dilation factor must be >= 1, 'auto' or 'none' (got {setting!r})")
+    return _with_cap_reason(Choice(s, "fixed", compute, None, (f"fixed at {s:g}", *loaded)))
+
+
 def _with_cap_reason(choice: Choice) -> Choice:
     if not choice.cap_cpu:
         return choice

@@ -21,6 +21,7 @@ Names, underlay addresses and SSH targets (address and port) are unique across t
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -378,11 +379,19 @@ def hosts_from_data(data: Any, source: str | None = None) -> Hosts:
     return Hosts(hosts=tuple(doc.hosts), source=source, description=doc.description)
 
 
-def load_hosts_text(text: str, source: str | None = None) -> Hosts:
-    """Parse YAML `text` (duplicate keys refused, with their line) and validate it."""
+def load_hosts_text(text: str, source: str | None = None, base: str | Path | None = None) -> Hosts:
+    """Parse YAML `text` (duplicate keys refused, with their line) and validate it. base: the
+    directory a relative `key:` path is taken from (the hosts file's; None: as written)."""
     from dataclasses import replace
 
-    return replace(hosts_from_data(parse_yaml(text, source), source), text=text)
+    hosts = replace(hosts_from_data(parse_yaml(text, source), source), text=text)
+    if base is None:
+        return hosts
+    # a relative key is the hosts file's neighbour, wherever the command runs (~ stays for SshHost)
+    return replace(hosts, hosts=tuple(
+        h.model_copy(update={"key": os.path.join(os.path.abspath(base), h.key)})
+        if h.key is not None and not os.path.isabs(h.key) and not h.key.startswith("~") else h
+        for h in hosts.hosts))
 
 
 def load_hosts(path: str | Path) -> Hosts:
@@ -396,4 +405,4 @@ def load_hosts(path: str | Path) -> Hosts:
         raise TopologyError("hosts file not found", file=source) from None
     except OSError as e:
         raise TopologyError(f"cannot read the file: {e.strerror or e}", file=source) from None
-    return load_hosts_text(text, source)
+    return load_hosts_text(text, source, base=Path(path).parent)
