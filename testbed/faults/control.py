@@ -375,6 +375,7 @@ def _apply_profiles(h: Handle, i: int, new_ab: LinkProfile, new_ba: LinkProfile)
     s = h.dilation
     caps = h.caps
     dl = _delay_line_of(h, i)
+    under = ((h.st.get("part") or {}).get("underlay_s") or {}).get(str(i))   # a cut link: its underlay's latency
     # Refuse before touching anything.
     for direction, prof in (("A->B", new_ab), ("B->A", new_ba)):
         if dl is None and shaping.needs_delay_line(prof, caps):
@@ -383,7 +384,12 @@ def _apply_profiles(h: Handle, i: int, new_ab: LinkProfile, new_ba: LinkProfile)
                 "kernel lacks; without netem only links built with a delay (delay lines) can change their delay")
         if prof.loss > 0 and not caps.can_lose:
             raise CapabilityError("loss needs sch_netem or cls_bpf, and this kernel has neither")
-    under = ((h.st.get("part") or {}).get("underlay_s") or {}).get(str(i))
+        if under and prof.delay_s * s > shaping.delay_threshold(caps):   # as `up` refuses it
+            from testbed.net.tunnels import delay_problem
+
+            why = delay_problem(prof.delay_s * s, float(under))
+            if why:
+                raise TestbedError(f"link {link.a}-{link.b} {direction} crosses hosts: {why}")
 
     def sent(p: LinkProfile) -> LinkProfile:
         """As the sending end shapes it: on a cut link, less the underlay's own latency (the builder's rule)."""
