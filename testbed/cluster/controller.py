@@ -1,14 +1,20 @@
 """One testbed over several hosts: the controller's side (`testbed up TOPOLOGY --hosts HOSTS.yaml`).
 
-`up`: place the nodes (testbed.topology.placement), check every host over SSH
-(reachable, root, the same testbed version, `doctor`), measure the underlay
-between hosts that share a cut link (MTU, one-way latency; a link the
-underlay cannot carry is refused before anything is built), then run each
-host's part (`testbed part up`, testbed.cluster.part) on all hosts at once.
-If any host fails, every host that built its part takes it down again: all or
-nothing, as on one host. A Ctrl-C waits for every host's answer first (a host's
-`part up` runs on without its SSH session: no terminal hangs it up), then takes
-down what was built.
+`up`: one SSH session per host carries it all (`testbed part up --check`, started
+while the nodes are placed by testbed.topology.placement): the host answers the
+checks (reachable, root, the same testbed version, `doctor`) and measures the
+underlay toward the other hosts (MTU, one-way latency; a cut link the underlay
+cannot carry is refused before anything is built); the controller chooses one
+time dilation for all machines, then sends each host its part
+(testbed.cluster.part) and every host builds at once. If any host fails, every
+host that built its part takes it down again: all or nothing, as on one host. A
+Ctrl-C during the build waits for every host's answer first (a host's `part up`
+runs on without its SSH session: no terminal hangs it up), then takes down what
+was built.
+
+Long commands (`run`, `exec`, streams) get a lifeline: their stdin stays open
+to the controller, and its end is a Ctrl-C to the host's testbed (cli.common),
+so a Ctrl-C here, or the controller's death, stops what runs there.
 
 The controller keeps one file, <state root>/.clusters/NAME.json: the hosts
 file's text (re-validated on every load), the placement and each host's part
@@ -762,6 +768,16 @@ def host_of(name: str, node: str) -> str:
     if host is None:
         raise TestbedError(f"no node {node!r} in testbed {name}")
     return host
+
+
+def open_host(name: str, host: str) -> Any:
+    """A HostControl of `host` of testbed `name` that keeps its connection between commands (for
+    polling: each run_on_host pays an SSH handshake). The caller closes it."""
+    doc = load(name)
+    h = next((x for x in doc["_hosts"] if x.name == host), None)
+    if h is None:
+        raise TestbedError(f"no host {host!r} in testbed {name}")
+    return _controls([h], doc.get("known_hosts"), False)[host]
 
 
 def run_on_host(name: str, host: str, argv: Sequence[str], timeout: float | None = 120) -> Any:

@@ -75,6 +75,8 @@ def preflight(h: "control.Handle", scenario: Scenario, plan: Plan) -> None:
         changes = dict(step.kwargs["changes"])
         i = h.topo.link_index(*step.target)
         link = h.topo.links[i]
+        if not (h.here(link.a) or h.here(link.b)):
+            continue   # over several hosts: another host shapes this link, and checks it
         path = f"events[{step.event}].set"
         for prof in (link.ab.with_changes(**changes), link.ba.with_changes(**changes)):
             if shaping.needs_delay_line(prof, caps) and control._delay_line_of(h, i) is None:
@@ -113,6 +115,36 @@ def _first_error_line(run_dir: Path, failure: dict[str, Any] | None) -> str | No
     return f"{label} exited with status {rc}"
 
 
+def sayer(echo: Callable[[str], None] | bool | None) -> Callable[[str], None] | None:
+    """What prints the player's lines: True: stdout; a function: it; False/None: nothing."""
+    if echo is True:
+        def say(line: str) -> None:
+            print(line, flush=True)
+        return say
+    return echo or None
+
+
+def outcome_of(rd: Path, summary: dict[str, Any], rc: int, hung: dict[str, Any], events: list[dict[str, Any]], *,
+               hang_s: float, startup_s: float, timeout_s: float, dilation: float) -> tuple[str, str | None]:
+    """(outcome, error) of a played run: hung (the watchdog, or the run's timeout), completed (rc 0)
+    or failed (the first failing rank's first error line; a crash the scenario caused is named)."""
+    s = dilation
+    if hung or summary.get("status") == "timeout":
+        error = ((f"no step progress for {hang_s / s:g}s (after {hung.get('steps', 0)} steps)"
+                  if hung.get("steps") else f"no training step within {max(hang_s, startup_s) / s:g}s of the start")
+                 if hung
+                 else f"timeout after {timeout_s / s:g}s")
+        return "hung", error
+    if rc == 0:
+        return "completed", None
+    error = _first_error_line(rd, summary.get("first_failure"))
+    fw = (summary.get("first_failure") or {}).get("worker")
+    crash = [e for e in events if e["op"] == "node_crash" and e["target"] == [fw]]
+    if crash:
+        error = f"{error} (node crash of {fw} at {crash[0]['applied_s']:.2f}s)"
+    return "failed", error
+
+
 def play(name: str, scenario: Scenario, *, hang_after: float | None = None, timeout: float | None = None,
          echo: Callable[[str], None] | bool | None = True, base_dir: Any = None) -> PlayResult:
     from testbed.jobs import run as jobrun
@@ -129,12 +161,7 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
     ex = cluster.executor
     if isinstance(ex, jobrun.RuntimeExecutor) and records and not any(ex.records.get(w) for w in records):
         ex.records = records   # lifecycle keeps worker records under runtime.workers
-    say: Callable[[str], None] | None
-    if echo is True:
-        def say(line: str) -> None:
-            print(line, flush=True)
-    else:
-        say = echo or None
+    say = sayer(echo)
 
     events: list[dict[str, Any]] = []
     stop = threading.Event()
@@ -226,21 +253,8 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
             say(f"[scenario] testbed restored: {'; '.join(restored)}")
     rd = res.run_dir
     summary = res.summary
-    if hung or summary.get("status") == "timeout":
-        outcome = "hung"
-        error = ((f"no step progress for {hang_s / s:g}s (after {hung.get('steps', 0)} steps)"
-                  if hung.get("steps") else f"no training step within {max(hang_s, startup_s) / s:g}s of the start")
-                 if hung
-                 else f"timeout after {timeout_s / s:g}s")
-    elif res.rc == 0:
-        outcome, error = "completed", None
-    else:
-        outcome = "failed"
-        error = _first_error_line(rd, summary.get("first_failure"))
-        fw = (summary.get("first_failure") or {}).get("worker")
-        crash = [e for e in events if e["op"] == "node_crash" and e["target"] == [fw]]
-        if crash:
-            error = f"{error} (node crash of {fw} at {crash[0]['applied_s']:.2f}s)"
+    outcome, error = outcome_of(rd, summary, res.rc, hung, events, hang_s=hang_s, startup_s=startup_s,
+                                timeout_s=timeout_s, dilation=s)
     doc = {"scenario": scenario.name, "source": scenario.source, "seed": scenario.seed, "testbed": name,
            "outcome": outcome, "error": error, "rc": res.rc, "dilation": s, "hang_after_s": hang_s / s,
            "timeout_s": timeout_s / s, "events": events, "restored": restored, "plan": plan.to_json(),

@@ -1,0 +1,546 @@
+"""Play a scenario against a job on a testbed over several hosts (`testbed scenario run` there).
+
+Every host keeps the whole topology and its own part; a fault step is applied by every host to what
+it holds, exactly as the fault verbs do (testbed.cli.link/node/partition send themselves to every
+host). The controller (this module's `play`) drives it in the same phases as the single-host
+player (testbed.faults.player):
+
+1. plan against the controller's record (its topology and dilation factor); every host checks the
+   steps it will shape against its own kernel (`testbed scenario host-check`: player.preflight on
+   its part), which also proves every host answers before anything starts;
+2. the job runs as `testbed run` does across hosts (controller.run_job), in a thread of its own;
+3. a watcher polls the master host's probe step records over SSH (controller.run_on_host): t0 is
+   the first training step's time as the record says (not when the poll saw it), and no step
+   progress for hang_after ends the job (`stop`) as `hung`;
+4. a dispatcher sends the steps to every host at once (`testbed scenario host-apply`, through
+   controller.run_on_every_host) a little *ahead* of their time, each with its deadline on the wall
+   clock: each host's testbed starts, loads its state and sleeps until the deadline, so SSH and
+   start-up do not make the step late. Steps closer together than that lead go in one call, applied
+   in order. Hosts' clocks are assumed to agree (NTP); the check measures and reports a skew;
+5. the end: every host restores its part (`testbed scenario host-restore`: control.restore_all),
+   and events.jsonl, scenario.json and scenario.png go into the merged run directory.
+
+The host side of each hidden verb is here too (check_here, apply_here, restore_here).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shlex
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from testbed import events as tb_events
+from testbed.faults.player import PlayResult, outcome_of, plot, preflight, sayer
+from testbed.faults.scenario import Plan, Scenario, ScenarioError, Step, plan_scenario
+
+POLL_S = 0.5          # how often the master host's step records are read (the watchdog)...
+FIRST_POLL_S = 0.1    # ... and until the first step is seen (t0: the first steps are sent then)
+MIN_LEAD_S = 2.0      # a step is sent at least this long before its time...
+MAX_LEAD_S = 10.0     # ... and at most this long (3x what the hosts' check took, in between)
+BATCH_MAX = 32        # steps per call (they travel on the command line)
+SKEW_WARN_S = 0.5     # a host clock this far from the controller's is reported
+
+
+def spans_hosts(name: str) -> bool:
+    """Whether `name` is a testbed over several hosts driven from here (the controller's record only)."""
+    from testbed import store
+    from testbed.cluster import controller
+
+    return controller.exists(name) and not store.exists(name)
+
+
+def plan_for(name: str, scenario: Scenario, doc: dict[str, Any] | None = None) -> Plan:
+    """The scenario's plan against testbed `name` over several hosts: the controller's record `doc`
+    (loaded when not given: its topology and dilation factor). Changes nothing, asks no host."""
+    from testbed.cluster import controller
+    from testbed.topology.model import Topology
+
+    doc = doc if doc is not None else controller.load(name)
+    topo = Topology.from_json(doc["topology"])
+    return plan_scenario(scenario, topo, float(doc.get("time_dilation") or 1.0))
+
+
+# -- steps as JSON (they travel to the hosts) -------------------------------------------------------------
+
+
+def step_from_json(d: dict[str, Any]) -> Step:
+    """A Step back from Step.to_json()."""
+    params = []
+    for k, v in (d.get("params") or {}).items():
+        if k == "changes":
+            v = tuple(v.items())
+        elif k == "groups":
+            v = tuple(tuple(g) for g in v)
+        elif k == "fields":
+            v = tuple(v)
+        params.append((k, v))
+    return Step(float(d["t"]), str(d["op"]), tuple(d.get("target") or ()), tuple(params), int(d.get("event", -1)),
+                bool(d.get("revert", False)))
+
+
+# -- the host side (the hidden verbs) --------------------------------------------------------------------
+
+
+def check_here(name: str, data: dict[str, Any]) -> dict[str, Any]:
+    """`host-check` on a host: preflight the steps against this host's part (its kernel, its delay
+    lines, only the links it holds an end of). {"now", "problem": None | {reason, path, value}}."""
+    from types import SimpleNamespace
+
+    from testbed.faults import control
+
+    h = control.Handle(name)
+    steps = [step_from_json(s) for s in data.get("steps") or []]
+    problem = None
+    try:
+        preflight(h, SimpleNamespace(source=data.get("source")),
+                  Plan(scenario=str(data.get("scenario", "")), seed=0, steps=steps, workers=[]))
+    except ScenarioError as exc:
+        problem = {"reason": exc.reason, "path": exc.path}
+        if exc.value is not ScenarioError._MISSING:
+            problem["value"] = exc.value
+    if problem is None and data.get("say"):
+        tb_events.emit(name, "scenario", str(data["say"]), scenario=data.get("scenario"))
+    return {"now": time.time(), "problem": problem}
+
+
+def apply_here(name: str, data: dict[str, Any]) -> dict[str, Any]:
+    """`host-apply` on a host: each step at its deadline ("at", wall clock), in order, to this host's
+    part (control.apply_step). {"results": [{"what" | "error", "start", "done"}]}."""
+    from testbed.faults import control
+
+    if data.get("say"):
+        tb_events.emit(name, "scenario", str(data["say"]), scenario=data.get("scenario"))
+    _warm_up()   # while it waits: what the first step would otherwise load after its deadline
+    out = []
+    for item in data.get("steps") or []:
+        step = step_from_json(item["step"])
+        at = item.get("at")
+        if at is not None:
+            wait = float(at) - time.time()
+            if wait > 0:
+                time.sleep(wait)
+        rec: dict[str, Any] = {"start": time.time()}
+        try:
+            rec["what"] = control.apply_step(name, step)
+        except Exception as exc:   # recorded; the next steps still go (as on one host)
+            rec["what"] = step.describe()
+            rec["error"] = str(exc)
+        rec["done"] = time.time()
+        if data.get("t0") is not None:   # this host's event stream tells it, as on one host
+            applied_s = (rec["done"] - float(data["t0"])) / float(data.get("dilation") or 1.0)
+            tb_events.emit(name, "scenario", f"{data.get('scenario')} #{step.event} at {applied_s:.3f}s: "
+                           f"{rec['what']}" + (f" (error: {rec['error']})" if "error" in rec else ""),
+                           scenario=data.get("scenario"), event=step.event, applied_s=applied_s)
+        out.append(rec)
+    return {"results": out}
+
+
+def _warm_up() -> None:
+    """Import what applying a step uses (netlink, shaping, routes): a few hundred ms on a loaded host."""
+    import pyroute2  # noqa: F401
+
+    from testbed.net import builder, fanout, shaping  # noqa: F401
+    from testbed.topology import dilation, plan  # noqa: F401
+
+
+def restore_here(name: str, data: dict[str, Any]) -> dict[str, Any]:
+    """`host-restore` on a host: its part back as the topology describes it (control.restore_all)."""
+    from testbed.faults import control
+
+    restored = control.restore_all(name)
+    if data.get("say"):
+        tb_events.emit(name, "scenario", str(data["say"]), scenario=data.get("scenario"))
+    return {"restored": restored}
+
+
+# -- the controller side ---------------------------------------------------------------------------------
+
+
+def _verb(name: str, verb: str, data: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """`testbed scenario VERB --name NAME --data JSON` on every host at once: host -> its JSON answer,
+    or an Exception saying why there is none."""
+    from testbed.cluster import controller
+    from testbed.cluster.remote import RemoteResult
+
+    res = controller.run_on_every_host(name, ["scenario", verb, "--name", name, "--data", json.dumps(data)],
+                                       timeout=timeout)
+    out: dict[str, Any] = {}
+    for host, r in res.items():
+        if isinstance(r, RemoteResult) and r.rc == 0:
+            try:
+                out[host] = json.loads(r.stdout.strip().splitlines()[-1])
+                continue
+            except (ValueError, IndexError):
+                out[host] = RuntimeError(f"its answer was not JSON: {r.stdout.strip()[-300:]!r}")
+                continue
+        if isinstance(r, RemoteResult):
+            lines = [ln for ln in (r.stderr or r.stdout).strip().splitlines() if ln.strip()]
+            why = lines[-1].removeprefix("error: ") if lines else f"exit status {r.rc}"
+            out[host] = RuntimeError(why)
+        else:
+            out[host] = r if isinstance(r, Exception) else RuntimeError(str(r))
+    return out
+
+
+def _batches(plan: Plan, lead: float) -> list[list[Step]]:
+    """The steps in calls: a step less than `lead` after the previous one goes with it (its call must
+    be sent before the previous one returns); at most BATCH_MAX per call."""
+    out: list[list[Step]] = []
+    for step in plan.steps:
+        if out and plan.wall(step) - plan.wall(out[-1][-1]) < lead and len(out[-1]) < BATCH_MAX:
+            out[-1].append(step)
+        else:
+            out.append([step])
+    return out
+
+
+# The master host's step records since the last read: the host's clock first, then one line per
+# rank file: its name, the offset read from, and what follows (base64; at most 4 MiB a time).
+_POLL_SH = r"""d=$1; shift; date +%s.%N; [ -d "$d/probe" ] || exit 0
+for f in "$d"/probe/rank-*.jsonl; do
+  [ -f "$f" ] || continue; b=${f##*/}; off=0
+  for a in "$@"; do case $a in "$b="*) off=${a#*=};; esac; done
+  printf '%s %s ' "$b" "$off"; tail -c +$((off + 1)) -- "$f" | head -c 4194304 | base64 -w0; echo
+done"""
+
+
+class RemoteSteps:
+    """StepReader (testbed.jobs.rundir) over SSH: the step records of the ranks on one host, read
+    incrementally from its run directory. steps, last_step_t (the host's clock) as StepReader has;
+    first_new_t: the earliest step time of the last poll that found any; ended: whether every rank
+    file seen has its end record (the ranks there have exited: nothing is hung any more)."""
+
+    def __init__(self, name: str, host: str, run_dir: str):
+        self.name, self.host, self.run_dir = name, host, run_dir
+        self.offsets: dict[str, int] = {}
+        self.steps = 0
+        self.last_step_t: float | None = None
+        self.first_new_t: float | None = None
+        self.error: str | None = None
+        self._ended: set[str] = set()
+        self._ctl: Any = None
+
+    def close(self) -> None:
+        if self._ctl is not None:
+            self._ctl.close()
+            self._ctl = None
+
+    @property
+    def ended(self) -> bool:
+        return bool(self.offsets) and set(self.offsets) <= self._ended
+
+    def poll(self) -> None:
+        from testbed.cluster import controller
+
+        args = [f"{f}={off}" for f, off in sorted(self.offsets.items())]
+        try:
+            if self._ctl is None:   # one connection for every poll (a handshake each costs ~0.2 s)
+                self._ctl = controller.open_host(self.name, self.host)
+            r = self._ctl.run(["sh", "-c", _POLL_SH, "sh", self.run_dir, *args], timeout=30)
+        except Exception as exc:  # noqa: BLE001 - the watchdog goes on; a long silence is a hang
+            self.error = str(exc)
+            return
+        if r.rc != 0:
+            self.error = (r.stderr.strip() or f"exit status {r.rc}")[-300:]
+            return
+        self.error = None
+        self.feed(r.stdout)
+
+    def feed(self, text: str) -> None:
+        """One answer of _POLL_SH (pure: the tests feed it)."""
+        self.first_new_t = None
+        for row in text.splitlines()[1:]:
+            parts = row.split(" ", 2)
+            if len(parts) < 2 or not parts[1].isdigit():
+                continue
+            f, off = parts[0], int(parts[1])
+            if off != self.offsets.get(f, 0):
+                continue   # (not what was asked: read again next time)
+            try:
+                data = base64.b64decode(parts[2]) if len(parts) > 2 else b""
+            except ValueError:
+                continue
+            end = data.rfind(b"\n")
+            if end < 0:
+                continue
+            self.offsets[f] = off + end + 1
+            for line in data[: end + 1].splitlines():
+                try:
+                    ev = json.loads(line)
+                    t = float(ev.get("t", 0.0)) if ev.get("ev") == "step" else None
+                    if ev.get("ev") == "end":
+                        self._ended.add(f)
+                except (ValueError, TypeError, AttributeError):
+                    continue
+                if t is not None:
+                    self.steps += 1
+                    self.last_step_t = max(self.last_step_t or 0.0, t)
+                    self.first_new_t = t if self.first_new_t is None else min(self.first_new_t, t)
+
+
+def _skews(answers: dict[str, Any], sent: float, back: float) -> dict[str, float]:
+    """host -> how far its clock is from the controller's beyond what the call's duration explains
+    (0: within it). Its `now` was taken between `sent` and `back` on this clock."""
+    out = {}
+    for host, a in answers.items():
+        if isinstance(a, dict) and isinstance(a.get("now"), (int, float)):
+            now = float(a["now"])
+            out[host] = now - back if now > back else (now - sent if now < sent else 0.0)
+    return out
+
+
+def play(name: str, scenario: Scenario, *, hang_after: float | None = None, timeout: float | None = None,
+         echo: Callable[[str], None] | bool | None = True, base_dir: Any = None) -> PlayResult:
+    """The scenario's job on testbed `name` over several hosts, its steps applied on every host
+    (see the module's docstring). Returns what player.play returns."""
+    from testbed.cluster import controller
+
+    doc = controller.load(name)
+    plan = plan_for(name, scenario, doc)     # refuses bad input before anything happens
+    say = sayer(echo)
+    s = plan.dilation
+    hang_s = (hang_after if hang_after is not None else scenario.job.hang_after_s) * s
+    startup_s = scenario.job.startup_s * s
+    timeout_s = (timeout if timeout is not None else scenario.job.timeout_s) * s
+    cmd = list(scenario.job.command) if isinstance(scenario.job.command, tuple) \
+        else shlex.split(scenario.job.command)
+    placement = doc["placement"]
+    master_host = placement[plan.workers[0]]
+    started_text = f"{scenario.name} started: {len(plan.steps)} steps, job on {', '.join(plan.workers)}"
+
+    # every host checks what it will shape (and answers at all) before the job starts
+    shaped = [st.to_json() for st in plan.steps if st.op == "link_set"]
+    sent = time.time()
+    answers = _verb(name, "host-check", {"steps": shaped, "source": scenario.source, "scenario": scenario.name,
+                                         "say": started_text}, timeout=120)
+    back = time.time()
+    refused: Exception | None = None
+    for host, a in answers.items():
+        if isinstance(a, Exception):
+            refused = controller.ClusterError(f"scenario: host {host} did not answer the check, nothing was "
+                                              f"started: {a}")
+        elif a.get("problem"):
+            p = a["problem"]
+            refused = ScenarioError(f"on host {host}: {p['reason']}", file=scenario.source, path=p.get("path"),
+                                    **({"value": p["value"]} if "value" in p else {}))
+        if refused is not None:
+            # the hosts that passed told their event streams it started: they are told it did not
+            _verb(name, "host-apply", {"scenario": scenario.name, "steps": [],
+                                       "say": f"{scenario.name} ended: refused ({refused})"}, timeout=60)
+            raise refused
+    skews = _skews(answers, sent, back)
+    lead = min(MAX_LEAD_S, max(MIN_LEAD_S, 3 * (back - sent)))
+    if say:
+        say(f"[scenario] {scenario.name}: {len(plan.steps)} steps, job on {', '.join(plan.workers)} over "
+            f"{len(answers)} hosts ({', '.join(answers)})" + (f", time dilation {s:g}" if s != 1 else ""))
+        for host, sk in skews.items():
+            if abs(sk) > SKEW_WARN_S:
+                say(f"[scenario] warning: host {host}'s clock is {abs(sk):.2f}s {'ahead of' if sk > 0 else 'behind'} "
+                    "this machine's: its steps and step records are off by that much (synchronise the clocks, NTP)")
+
+    events: list[dict[str, Any]] = []
+    stop = threading.Event()
+    hung: dict[str, Any] = {}
+    ctx: dict[str, Any] = {"t_start": time.time(), "stacks": None}
+    begun = threading.Event()                 # t0 is known
+    master_dir: dict[str, str] = {}
+
+    def on_started(host: str, remote_dir: str) -> None:
+        if host == master_host and "dir" not in master_dir:
+            master_dir["dir"] = remote_dir
+            ctx["t_start"] = time.time()
+
+    def on_output(host: str, line: str) -> None:
+        if say:
+            if line.startswith("[testbed]"):
+                line = f"[testbed {host}]{line[len('[testbed]'):]}"
+            say(line)
+
+    def watcher() -> None:
+        reader: RemoteSteps | None = None
+        try:
+            while not stop.is_set():
+                if reader is None and "dir" in master_dir:
+                    reader = RemoteSteps(name, master_host, master_dir["dir"])
+                if reader is not None:
+                    reader.poll()
+                    if not begun.is_set() and reader.first_new_t is not None:
+                        # `at:` counts from the training's first step, as its record says (the poll sees it later)
+                        ctx["t0_wall"] = reader.first_new_t
+                        ctx["t0_seen_after_s"] = time.time() - reader.first_new_t
+                        begun.set()
+                        if say:
+                            say("[scenario] training started: the timeline begins")
+                now = time.time()
+                if reader is not None and reader.ended:
+                    quiet = False   # the ranks are done (their run directories are being fetched)
+                elif reader is not None and reader.last_step_t is not None:
+                    quiet = now - reader.last_step_t > hang_s
+                else:   # start-up (imports, rendezvous) gets its own allowance
+                    quiet = now - ctx["t_start"] > max(hang_s, startup_s)
+                if quiet and not hung:
+                    hung.update(steps=reader.steps if reader else 0)
+                    why = f" (the master host's step records could not be read: {reader.error})" \
+                        if reader is not None and reader.error else ""
+                    if say:
+                        say(f"[scenario] no step progress for {hang_s:g}s"
+                            f"{'' if hung['steps'] else ' (none at all since the start)'}{why}: the job is hung; "
+                            "stopping it on every host")
+                    ctx["stacks"] = _stacks(name)
+                    stop.set()
+                    return
+                stop.wait(POLL_S if begun.is_set() else FIRST_POLL_S)
+        finally:
+            if reader is not None:
+                reader.close()
+
+    def dispatcher() -> None:
+        while not begun.is_set():
+            if stop.wait(0.05):
+                return
+        t0 = ctx["t0_wall"]
+        for batch in _batches(plan, lead):
+            send_at = t0 + plan.wall(batch[0]) - lead
+            while not stop.is_set() and time.time() < send_at:
+                stop.wait(min(0.05, max(0.0, send_at - time.time())))
+            if stop.is_set():
+                return
+            items = [{"step": st.to_json(), "at": t0 + plan.wall(st)} for st in batch]
+            last = t0 + plan.wall(batch[-1])
+            try:
+                res = _verb(name, "host-apply", {"scenario": scenario.name, "t0": t0, "dilation": s, "steps": items},
+                            timeout=max(0.0, last - time.time()) + 120)
+            except Exception as exc:  # noqa: BLE001 - (the record unreadable...): each step says so
+                res = {h: exc for h in doc.get("hosts", {})}
+            for k, st in enumerate(batch):
+                rec = _event_record(st, plan, t0, res, k, placement)
+                events.append(rec)
+                if say:
+                    late = ", ".join(f"{h} {v['applied_wall_s'] - rec['planned_wall_s']:+.3f}s"
+                                     for h, v in rec["hosts"].items() if "applied_wall_s" in v)
+                    say(f"[scenario] {rec['applied_s']:8.3f}s  #{st.event} {rec['what']}  ({late})"
+                        + (f"  ERROR: {rec['error']}" if "error" in rec else ""))
+
+    threads = [threading.Thread(target=f, name=f"scenario-{f.__name__}", daemon=True) for f in (watcher, dispatcher)]
+    for t in threads:
+        t.start()
+    result: dict[str, Any] | None = None
+    try:
+        result = controller.run_job(name, cmd, workers=plan.workers, timeout=timeout_s, env=dict(scenario.job.env),
+                                    base_dir=base_dir, on_output=on_output, on_started=on_started, stop=stop,
+                                    progress=(lambda m: say(f"[scenario] {m}")) if say else (lambda _m: None))
+    finally:
+        stop.set()
+        for t in threads:
+            # a call in flight is waited for (its steps are applied, then restored below): it ends by
+            # its last deadline, or its own timeout
+            t.join()
+        if result is None:   # the job could not be run: what was applied is undone all the same
+            _verb(name, "host-restore", {"scenario": scenario.name, "say": f"{scenario.name} ended: not run"},
+                  timeout=600)
+    rd = Path(result["run_dir"])
+    summary = json.loads((rd / "summary.json").read_text()) if (rd / "summary.json").is_file() else {}
+    interrupted = not hung and summary.get("status") == "interrupted"
+    if interrupted:   # a Ctrl-C here (run_job passed it on): reported, restored, then passed up
+        outcome, error = "failed", "interrupted"
+    else:
+        outcome, error = outcome_of(rd, summary, result["rc"], hung, events, hang_s=hang_s, startup_s=startup_s,
+                                    timeout_s=timeout_s, dilation=s)
+    ended_text = f"{scenario.name} ended: {outcome}" + (f" ({error})" if error else "")
+    back_res = _verb(name, "host-restore", {"scenario": scenario.name, "say": ended_text}, timeout=600)
+    restored, problems = _restored(back_res)
+    if say:
+        if restored:
+            say(f"[scenario] testbed restored: {'; '.join(restored)}")
+        for host, why in problems.items():
+            say(f"[scenario] ERROR: host {host} could not restore its part: {why} "
+                f"(run `testbed link reset` / `node up` / `heal` again once it answers)")
+        for host, why in (result.get("problems") or {}).items():
+            say(f"[scenario] host {host}: {why}")
+    if ctx["stacks"]:
+        (rd / "stacks.txt").write_text(ctx["stacks"])
+    with open(rd / "events.jsonl", "w") as f:
+        for rec in events:
+            f.write(json.dumps(rec) + "\n")
+    (rd / "scenario-plan.json").write_text(json.dumps(plan.to_json(), indent=1))
+    out = {"scenario": scenario.name, "source": scenario.source, "seed": scenario.seed, "testbed": name,
+           "outcome": outcome, "error": error, "rc": result["rc"], "dilation": s, "hang_after_s": hang_s / s,
+           "timeout_s": timeout_s / s, "events": events, "restored": restored, "plan": plan.to_json(),
+           "job_status": summary.get("status"), "first_failure": summary.get("first_failure"),
+           "over_hosts": {"hosts": list(answers), "master_host": master_host, "t0_wall": ctx.get("t0_wall"),
+                          "t0_seen_after_s": ctx.get("t0_seen_after_s"),
+                          "lead_s": lead,
+                          "clock_skew_s": skews, "restore_problems": problems,
+                          "run_problems": result.get("problems") or {}}}
+    (rd / "scenario.json").write_text(json.dumps(out, indent=1))
+    try:
+        plot(rd, out, ctx.get("t0_wall") or summary.get("started"))
+    except Exception as exc:  # a missing plot must not hide the outcome
+        if say:
+            say(f"[scenario] plot failed: {exc}")
+    if interrupted:
+        raise KeyboardInterrupt
+    return PlayResult(outcome, error, rd, events, restored, result["rc"], plan)
+
+
+def _event_record(step: Step, plan: Plan, t0: float, res: dict[str, Any], k: int,
+                  placement: dict[str, str]) -> dict[str, Any]:
+    """events.jsonl's line for the k-th step of a call: what each host did and when (seconds since t0
+    on the wall clock: applied_wall_s, when it was in effect on every host that answered)."""
+    rec: dict[str, Any] = {"event": step.event, "planned_s": step.t, "planned_wall_s": plan.wall(step),
+                           "op": step.op, "target": list(step.target), "revert": step.revert}
+    hosts: dict[str, Any] = {}
+    for host, a in res.items():
+        try:
+            r = a["results"][k]
+            hosts[host] = {"what": r["what"], "applied_wall_s": float(r["done"]) - t0,
+                           "took_s": float(r["done"]) - float(r["start"])}
+            if r.get("error"):
+                hosts[host]["error"] = r["error"]
+        except (TypeError, KeyError, IndexError, ValueError):
+            hosts[host] = {"error": str(a) if isinstance(a, Exception) else "no answer for this step"}
+    rec["hosts"] = hosts
+    home = placement.get(step.target[0]) if step.target else None
+    ok = [h for h, v in hosts.items() if "what" in v]
+    rec["what"] = hosts[home]["what"] if home in ok else (hosts[ok[0]]["what"] if ok else step.describe())
+    failed = [h for h, v in hosts.items() if v.get("error")]
+    rec["failed_hosts"] = failed
+    if failed:
+        rec["error"] = "; ".join(f"{h}: {hosts[h]['error']}" for h in failed)
+    times = [v["applied_wall_s"] for v in hosts.values() if "applied_wall_s" in v]
+    rec["applied_wall_s"] = max(times) if times else time.time() - t0
+    rec["applied_s"] = rec["applied_wall_s"] / plan.dilation
+    rec["t"] = t0 + rec["applied_wall_s"]
+    return rec
+
+
+def _restored(res: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """What the hosts restored ("link reset s0 s1 (h1, h2)"), and host -> why it could not."""
+    by: dict[str, list[str]] = {}
+    problems: dict[str, str] = {}
+    for host, a in res.items():
+        if isinstance(a, Exception):
+            problems[host] = str(a)
+            continue
+        for what in a.get("restored") or []:
+            by.setdefault(what, []).append(host)
+    return [f"{what} ({', '.join(hosts)})" for what, hosts in by.items()], problems
+
+
+def _stacks(name: str) -> str | None:
+    """Every host's `testbed stacks` of its ranks (a hung job), as one text."""
+    from testbed.cluster import controller
+
+    try:
+        res = controller.run_on_every_host(name, ["stacks", "--name", name], timeout=60)
+    except Exception as exc:  # noqa: BLE001 - the stacks are a help, the outcome stands without them
+        return f"stacks could not be taken: {exc}\n"
+    parts = []
+    for host, r in res.items():
+        body = str(r) if isinstance(r, Exception) else (r.stdout if r.rc == 0 else r.stderr or r.stdout)
+        parts.append(f"== host {host} ==\n{body.rstrip()}\n")
+    return "\n".join(parts)
