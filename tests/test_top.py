@@ -12,6 +12,7 @@ a busy worker's CPU; the live view exits cleanly on Ctrl-C.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -190,6 +191,228 @@ def test_json_fields_are_the_documented_ones():
     json.dumps(doc)
 
 
+# -- pure: a testbed over several hosts (testbed.observe.top_hosts) --------------------------------------------
+
+# w0 - s0 ==cut== s1 - w2: h1 holds w0 and s0, h2 holds s1 and w2; link 1 (s0-s1) is a VXLAN tunnel
+CUT_TOPO = {"nodes": [{"name": "w0", "kind": "worker"}, {"name": "s0", "kind": "switch"},
+                      {"name": "s1", "kind": "switch"}, {"name": "w2", "kind": "worker"}],
+            "links": [{"endpoints": ["w0", "s0"], "tier": "host", "ab": {"bandwidth_bps": 10e9},
+                       "ba": {"bandwidth_bps": 10e9}},
+                      {"endpoints": ["s0", "s1"], "tier": "core", "ab": {"bandwidth_bps": 1e9},
+                       "ba": {"bandwidth_bps": 1e9}},
+                      {"endpoints": ["s1", "w2"], "tier": "host", "ab": {"bandwidth_bps": 10e9},
+                       "ba": {"bandwidth_bps": 10e9}}]}
+CUT_PLACEMENT = {"w0": "h1", "s0": "h1", "s1": "h2", "w2": "h2"}
+CUT_IFS = {("w0", 0): "eth0", ("s0", 0): "eth0", ("s0", 1): "eth1", ("s1", 1): "eth0", ("s1", 2): "eth1",
+           ("w2", 2): "eth0"}
+
+
+def _cut_model():
+    dirs = []
+    for i, link in enumerate(CUT_TOPO["links"]):
+        a, b = link["endpoints"]
+        dirs += [Direction(i, a, b, link["tier"], CUT_IFS[a, i], CUT_IFS[b, i], link["ab"]["bandwidth_bps"], "up", ()),
+                 Direction(i, b, a, link["tier"], CUT_IFS[b, i], CUT_IFS[a, i], link["ba"]["bandwidth_bps"], "up", ())]
+    return Model(name="tb", created="x", dilation=1.0, netns_of={}, directions=tuple(dirs),
+                 workers=(Worker("w0", "up", ()), Worker("w2", "up", ())), tiers=("host", "core"))
+
+
+def _host_reading(t, counters, host, q=None, usage=None):
+    """A reading on one host: only the namespaces of its own nodes can be read there."""
+    ifs = {}
+    for (node, ifn), (tx, rx) in counters.items():
+        if CUT_PLACEMENT[node] == host:
+            ifs.setdefault(node, {"t": t, "ifs": {}})["ifs"][ifn] = {
+                "tx_bytes": tx, "tx_packets": tx // 1000, "rx_bytes": rx, "rx_packets": rx // 1000}
+    mine = [w for w in ("w0", "w2") if CUT_PLACEMENT[w] == host]
+    return {"t": 1000.0 + t, "read_s": 0.02 if host == "h1" else 0.05, "ifs": ifs,
+            "qdiscs": {n: qs for n, qs in (q or {}).items() if CUT_PLACEMENT[n] == host},
+            "cpu": {w: {"t": t, "usage_s": usage} for w in mine}, "memory": {w: 7 for w in mine}}
+
+
+def _two_host_docs():
+    """Each host's own `top` document of the cut testbed, as compute() makes it there. Traffic
+    w0 -> w2 at 800 Mbit/s over the tunnel (s1 receives a little less: 760), 8 Mbit/s back."""
+    before = {("w0", "eth0"): (0, 0), ("s0", "eth0"): (0, 0), ("s0", "eth1"): (0, 0), ("s1", "eth0"): (0, 0),
+              ("s1", "eth1"): (0, 0), ("w2", "eth0"): (0, 0)}
+    after = {("w0", "eth0"): (100_000_000, 1_000_000), ("s0", "eth0"): (1_000_000, 100_000_000),
+             ("s0", "eth1"): (100_000_000, 950_000), ("s1", "eth0"): (1_000_000, 95_000_000),
+             ("s1", "eth1"): (95_000_000, 1_000_000), ("w2", "eth0"): (1_000_000, 95_000_000)}
+    q0 = {"s0": {"eth1": {"backlog": 0, "qlen": 0, "drops": 0, "overlimits": 0}},
+          "s1": {"eth0": {"backlog": 0, "qlen": 0, "drops": 0, "overlimits": 0}}}
+    q1 = {"s0": {"eth1": {"backlog": 60_000, "qlen": 40, "drops": 3, "overlimits": 500}},
+          "s1": {"eth0": {"backlog": 0, "qlen": 0, "drops": 0, "overlimits": 0}}}
+    docs = {}
+    for h in ("h1", "h2"):
+        docs[h] = compute(_cut_model(), _host_reading(0.0, before, h, q0, 1.0), _host_reading(1.0, after, h, q1, 1.5))
+    return docs
+
+
+def test_merge_takes_each_direction_of_a_cut_link_from_its_sending_host():
+    from testbed.observe.top_hosts import merge
+
+    docs = _two_host_docs()
+    # each host alone sees the tunnel's far direction only by its receiving port (rx), with no queue
+    h2_view = {l["name"]: l for l in docs["h2"]["links"]}["s0->s1"]
+    assert h2_view["rate_bps"] == pytest.approx(760e6) and h2_view["backlog_bytes"] is None
+    doc = merge("tb", docs, CUT_PLACEMENT, CUT_TOPO)
+    names = [l["name"] for l in doc["links"]]
+    assert names == ["w0->s0", "s0->w0", "s0->s1", "s1->s0", "s1->w2", "w2->s1"]   # each once, topology order
+    l = {x["name"]: x for x in doc["links"]}
+    # s0->s1 measured where it is shaped, at s0 on h1: s0's tx (800), not s1's rx on h2 (760), with h1's queue
+    assert (l["s0->s1"]["host"], l["s0->s1"]["to_host"]) == ("h1", "h2")
+    assert l["s0->s1"]["rate_bps"] == pytest.approx(800e6) and l["s0->s1"]["util"] == pytest.approx(0.8)
+    assert (l["s0->s1"]["backlog_bytes"], l["s0->s1"]["drops"], l["s0->s1"]["overlimits"]) == (60_000, 3, 500)
+    # s1->s0 at s1 on h2: s1's tx (8 Mbit/s), h2's (empty) queue
+    assert (l["s1->s0"]["host"], l["s1->s0"]["to_host"]) == ("h2", "h1")
+    assert l["s1->s0"]["rate_bps"] == pytest.approx(8e6) and l["s1->s0"]["backlog_bytes"] == 0
+    # links inside one host: from that host (the other has no counters for them)
+    assert l["w0->s0"]["host"] == l["w0->s0"]["to_host"] == "h1" and l["w0->s0"]["rate_bps"] == pytest.approx(800e6)
+    assert l["w2->s1"]["host"] == "h2" and l["w2->s1"]["rate_bps"] == pytest.approx(8e6)
+    w = {x["name"]: x for x in doc["workers"]}
+    assert w["w0"] == {"name": "w0", "state": "up", "cpu": pytest.approx(0.5), "memory_bytes": 7, "host": "h1"}
+    assert w["w2"]["host"] == "h2" and w["w2"]["cpu"] == pytest.approx(0.5)
+    assert doc["hosts"] == {"h1": {"state": "ok", "why": None, "t": 1001.0},
+                            "h2": {"state": "ok", "why": None, "t": 1001.0}}
+    assert doc["read_s"] == pytest.approx(0.05) and doc["interval_s"] == pytest.approx(1.0)
+    assert doc["testbed"] == "tb" and doc["time"] == "real" and doc["run"] is None
+    # the documents' arrival order does not matter
+    assert merge("tb", {"h2": docs["h2"], "h1": docs["h1"]}, CUT_PLACEMENT, CUT_TOPO)["links"] == doc["links"]
+
+
+def test_merge_of_a_failed_host_falls_back_to_the_receiving_end():
+    from testbed.observe.top_hosts import merge
+
+    docs = _two_host_docs()
+    doc = merge("tb", {"h1": None, "h2": docs["h2"]}, CUT_PLACEMENT, CUT_TOPO,
+                {"h1": {"state": "failed", "why": "host h1 unreachable"}})
+    l = {x["name"]: x for x in doc["links"]}
+    assert len(doc["links"]) == 6
+    # h1 holds s0: s0->s1 as s1 received it on h2 (as one host falls back to the receiving port); no queue
+    assert l["s0->s1"]["rate_bps"] == pytest.approx(760e6) and l["s0->s1"]["host"] == "h1"
+    assert l["s0->s1"]["backlog_bytes"] is None and l["s0->s1"]["drops"] is None
+    assert l["s0->s1"]["bandwidth_bps"] == 1e9 and l["s0->s1"]["state"] == "up"
+    assert l["w0->s0"]["rate_bps"] is None and l["s0->w0"]["rate_bps"] is None   # nobody reads inside h1
+    w = {x["name"]: x for x in doc["workers"]}
+    assert w["w0"] == {"name": "w0", "state": "up", "cpu": None, "memory_bytes": None, "host": "h1"}
+    assert doc["hosts"]["h1"] == {"state": "failed", "why": "host h1 unreachable", "t": None}
+    assert doc["hosts"]["h2"]["state"] == "ok"
+    # no host answered at all: the topology's directions, every reading unknown
+    doc = merge("tb", {"h1": None, "h2": None}, CUT_PLACEMENT, CUT_TOPO)
+    assert [l["name"] for l in doc["links"]] == ["w0->s0", "s0->w0", "s0->s1", "s1->s0", "s1->w2", "w2->s1"]
+    assert all(l["rate_bps"] is None and l["state"] == "unknown" for l in doc["links"])
+    assert doc["links"][2]["bandwidth_bps"] == 1e9 and doc["t"] is None and doc["interval_s"] is None
+    assert {h: s["state"] for h, s in doc["hosts"].items()} == {"h1": "waiting", "h2": "waiting"}
+
+
+def test_merge_runs_adds_up_the_hosts_ranks():
+    from testbed.observe.top_hosts import merge_runs
+
+    r1 = {"run_id": "a1", "dir": "/srv/runs/x", "status": "running", "world_size": 4, "ranks": 2, "ranks_ended": 0,
+          "step": 10, "step_min": 9, "last_step_s": 0.5, "last_step_max_s": 0.6, "last_step_age_s": 0.2}
+    r2 = {**r1, "run_id": "a2", "dir": None, "status": "unknown", "world_size": None, "ranks": 2, "ranks_ended": 1,
+          "step": 8, "step_min": 7, "last_step_s": 0.7, "last_step_max_s": 0.9, "last_step_age_s": 0.1}
+    assert merge_runs({"h1": None, "h2": None}) is None
+    assert merge_runs({"h1": None, "h2": r2}) == {**r2, "hosts": ["h2"]}
+    m = merge_runs({"h1": r1, "h2": r2})
+    assert m == {"run_id": "a1", "dir": "/srv/runs/x", "status": "running", "world_size": 4, "ranks": 4,
+                 "ranks_ended": 1, "step": 10, "step_min": 7, "last_step_s": pytest.approx(0.6),
+                 "last_step_max_s": 0.9, "last_step_age_s": 0.1, "hosts": ["h1", "h2"]}
+
+
+def test_merged_fields_are_the_documented_ones_and_the_view_shows_hosts():
+    from rich.console import Console
+
+    from testbed.cli.top import render
+    from testbed.observe import top_hosts
+
+    docs = _two_host_docs()
+    doc = top_hosts.merge("tb", {"h1": docs["h1"], "h2": None}, CUT_PLACEMENT, CUT_TOPO,
+                          {"h2": {"state": "failed", "why": "testbed 'tb' is not up"}})
+    assert set(doc) == DOC_FIELDS | {"hosts"}
+    assert set(doc["links"][0]) == LINK_FIELDS | {"host", "to_host"}
+    assert set(doc["workers"][0]) == WORKER_FIELDS | {"host"}
+    for f in ("hosts", "host", "to_host", "state", "why"):
+        assert re.search(rf"\b{f}\b", top_hosts.__doc__), f
+    json.dumps(doc)
+    con = Console(width=160, file=io.StringIO(), record=True)
+    con.print(render(doc, "util", None))
+    lines = [ln.strip() for ln in con.export_text().splitlines()]
+    assert lines[0].startswith("tb: 3 links over 2 hosts") and lines[1] == "h2: failed: testbed 'tb' is not up"
+    assert next(ln for ln in lines if ln.startswith("s0->s1")).split()[:4] == ["s0->s1", "core", "h1>h2", "up"]
+    assert next(ln for ln in lines if ln.startswith("w0 ")).split()[:2] == ["w0", "h1"]
+    assert next(ln for ln in lines if ln.startswith("worker ")).split() == ["worker", "host", "state", "cpu", "memory"]
+    # a single-host document keeps its view: no host column, no host lines
+    con = Console(width=160, file=io.StringIO(), record=True)
+    con.print(render(compute(_model(), _reading(0.0), _reading(1.0)), "util", None))
+    lines = [ln.strip() for ln in con.export_text().splitlines()]
+    assert lines[0].startswith("tb: 1 links, 2 directions") and lines[1].startswith("real time")
+    assert next(ln for ln in lines if ln.startswith("link ")).split()[:3] == ["link", "tier", "state"]
+    assert next(ln for ln in lines if ln.startswith("worker ")).split() == ["worker", "state", "cpu", "memory"]
+
+
+def test_gather_keeps_each_hosts_latest_document_and_why_one_failed():
+    from testbed.observe.top_hosts import Gather
+
+    now = [0.0]
+    g = Gather(["h1", "h2", "h3"], clock=lambda: now[0])
+    docs = _two_host_docs()
+    g.line("h1", "not json: a warning")
+    g.line("h1", json.dumps(docs["h1"]))
+    g.line("h2", json.dumps(docs["h2"]))
+    g.wait({}, deadline=0.0)   # h3 is pending and the deadline has passed: returns
+    now[0] = 3.0
+    got, states, seq = g.snapshot({})
+    assert got["h1"] == docs["h1"] and got["h3"] is None and seq == {"h1": 1, "h2": 1, "h3": 0}
+    assert states["h1"] == {"state": "ok", "why": None}
+    assert states["h3"] == {"state": "waiting", "why": "no reading yet (3 s)"}
+    g.line("h2", json.dumps({"error": "testbed 'tb' is no longer up"}))   # `top --for-controller` said why
+    g.ended("h3", OSError("host h3 unreachable: connection refused"))
+    now[0] = 9.0
+    got, states, _ = g.snapshot(seq)
+    assert states["h1"] == {"state": "stale", "why": "no new reading for 9 s"}
+    assert states["h2"] == {"state": "failed", "why": "testbed 'tb' is no longer up"} and got["h2"] is None
+    assert states["h3"] == {"state": "failed", "why": "host h3 unreachable: connection refused"}
+    assert g.live() == ["h1"]
+    g.ended("h1", type("R", (), {"rc": 3, "stderr": "error: a reading failed\n", "stdout": ""})())
+    assert g.snapshot(seq)[1]["h1"] == {"state": "failed", "why": "a reading failed"} and g.live() == []
+
+
+def test_hosts_top_samples_and_shows_an_unreachable_host(monkeypatch):
+    """HostsTop over a stream that behaves as stream_on_every_host does: h1's top prints a document
+    every interval until stopped; h2 cannot be reached (known only when the stream returns)."""
+    import threading
+
+    from testbed.observe import top_hosts
+
+    docs = _two_host_docs()
+    calls = []
+
+    def stream(name, argv, on_line, *, stop=None, timeout=None, progress=None, on_end=None):
+        calls.append((name, argv))
+        lost = OSError("host h2 unreachable: connection refused")
+        on_end("h2", lost)   # as controller.stream_on_every_host says it: as soon as h2's command ends
+        while not stop.wait(0.05):
+            on_line("h1", json.dumps(docs["h1"]))
+        return {"h1": type("R", (), {"rc": 0, "stderr": "", "stdout": ""})(), "h2": lost}
+
+    record = {"placement": CUT_PLACEMENT, "topology": CUT_TOPO, "hosts": {"h1": {}, "h2": {}}}
+    t = top_hosts.HostsTop("tb", 0.05, record=record, stream=stream, first_wait=0.3)
+    try:
+        doc = t.sample()
+        assert doc["hosts"]["h1"]["state"] == "ok" and doc["hosts"]["h2"]["state"] == "failed"
+        assert {x["name"]: x for x in doc["links"]}["s0->s1"]["rate_bps"] == pytest.approx(800e6)
+        assert t.sample()["hosts"]["h1"]["state"] == "ok"     # a new reading each interval
+    finally:
+        t.close()
+    assert not any(th.name == "top-tb" and th.is_alive() for th in threading.enumerate())
+    doc = t.settle(doc)
+    assert doc["hosts"]["h2"] == {"state": "failed", "why": "host h2 unreachable: connection refused", "t": None}
+    assert calls == [("tb", ["top", "--name", "tb", "--json", "--interval", "0.05", "--for-controller"])]
+    with pytest.raises(top_hosts.HostsTopEnded, match="h2: host h2 unreachable"):
+        t.sample()
+
+
 # -- pure: the active run ------------------------------------------------------------------------------------
 
 
@@ -269,6 +492,15 @@ def test_cli_no_such_testbed(state_dir):
     assert "Traceback" not in r.stderr
     r = _cli("top", "--sort", "rate")
     assert r.returncode == 2 and "util, drops, queue" in r.stderr
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root (top refuses earlier without it)")
+def test_cli_for_controller_says_its_error_on_stdout_too(state_dir):
+    """A host's top of a testbed over several hosts (`--for-controller`): the controller reads only its
+    stdout as it comes, so an error is also one JSON line there."""
+    r = _cli("top", "--name", "nope", "--json", "--for-controller")
+    assert r.returncode == 4 and "no testbed named 'nope' is up" in r.stderr
+    assert json.loads(r.stdout)["error"].startswith("no testbed named 'nope' is up")
 
 
 # -- kernel: a shaped star with traffic ----------------------------------------------------------------------

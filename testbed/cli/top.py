@@ -1,5 +1,10 @@
 """testbed top [--name NAME] [--sort util|drops|queue] [--tier TIER] [--once] [--json] [--interval S]:
-a live view of a running testbed's links, workers and job (testbed.observe.top samples them)."""
+a live view of a running testbed's links, workers and job (testbed.observe.top samples them).
+
+A testbed over several hosts: every host runs `top --json` on its own part at once, and the
+controller merges their latest documents into one of the same shape (testbed.observe.top_hosts),
+with each worker's and link direction's host; a host that fails or does not answer is shown as
+such. Ctrl-C stops every host's top."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from typing import Any, Optional
 import typer
 
 from testbed.cli.common import NameOption, console, fail, require_root, resolve_name
+from testbed.errors import TestbedError
 
 
 def _bits(bps: float | None) -> str:
@@ -75,6 +81,8 @@ def run_line(run: dict[str, Any] | None) -> str:
         text += f", {run['last_step_age_s']:.0f} s ago"
     if run["ranks_ended"]:
         text += f", {run['ranks_ended']}/{run['ranks']} ranks ended"
+    if len(run.get("hosts") or ()) > 1:
+        text += f" (ranks on {', '.join(run['hosts'])})"
     return text
 
 
@@ -91,16 +99,22 @@ def render(doc: dict[str, Any], sort: str, tier: str | None, height: int | None 
     rows = select(doc["links"], sort, tier)
     workers = sorted(doc["workers"], key=lambda w: -1.0 if w["cpu"] is None else w["cpu"], reverse=True)
     l_rows, w_rows = len(rows), len(workers)
+    spread = "hosts" in doc          # a testbed over several hosts (testbed.observe.top_hosts)
+    troubles = host_lines(doc) if spread else []
     if height is not None:
-        room = max(6, height - 12)        # header, run line, two tables' titles, headers and rules
+        room = max(6, height - 12 - len(troubles))   # header, run line, two tables' titles, headers and rules
         w_rows = min(w_rows, max(2, room // 4))
         l_rows = min(l_rows, max(3, room - w_rows))
-    down = sum(1 for l in doc["links"] if l["state"] != "up") // 2
+    down = sum(1 for l in doc["links"] if l["state"] not in ("up", "unknown")) // 2
+    if doc["interval_s"] is None or doc["read_s"] is None:   # (across hosts: none has a reading yet)
+        timing = "no reading yet"
+    else:
+        timing = f"{doc['interval_s']:.1f} s between readings, a reading took {doc['read_s'] * 1e3:.0f} ms"
     head = Text.from_markup(
         f"[bold]{doc['testbed']}[/]: {len(doc['links']) // 2} links"
+        + (f" over {len(doc['hosts'])} hosts" if spread else "")
         + (f" ([red]{down} down[/])" if down else "")
-        + f", {len(rows)} directions{f' of tier {tier}' if tier else ''} by {sort}; "
-        f"{doc['interval_s']:.1f} s between readings, a reading took {doc['read_s'] * 1e3:.0f} ms"
+        + f", {len(rows)} directions{f' of tier {tier}' if tier else ''} by {sort}; {timing}"
         + ("; Ctrl-C quits" if height is not None else ""))
 
     def table(title: str, shown: int, total: int) -> Table:
@@ -109,21 +123,44 @@ def render(doc: dict[str, Any], sort: str, tier: str | None, height: int | None 
                      padding=(0, 1), collapse_padding=True)
 
     lt = table("links", l_rows, len(rows))
-    for col in ("link", "tier", "state", "rate", "of", "util", "queue", "drops", "ovlim"):
-        lt.add_column(col, justify="left" if col in ("link", "tier", "state") else "right", no_wrap=True)
+    for col in ("link", "tier", *(("host",) if spread else ()), "state", "rate", "of", "util", "queue", "drops",
+                "ovlim"):
+        lt.add_column(col, justify="left" if col in ("link", "tier", "host", "state") else "right", no_wrap=True)
     for l in rows[:l_rows]:
         queue = "-" if l["backlog_bytes"] is None else f"{_short_bytes(l['backlog_bytes'])}/{l['backlog_packets']}p"
-        lt.add_row(l["name"], l["tier"], l["state"] if l["state"] == "up" else f"[red]{l['state']}[/]",
+        lt.add_row(l["name"], l["tier"], *((link_host(l),) if spread else ()),
+                   l["state"] if l["state"] == "up" else f"[red]{l['state']}[/]",
                    _bits(l["rate_bps"]), _bits(l["bandwidth_bps"]) if l["bandwidth_bps"] else "unshaped",
                    _util(l["util"]), queue, f"[red]{l['drops']}[/]" if l["drops"] else _count(l["drops"]),
                    _count(l["overlimits"]))
     wt = table("workers", w_rows, len(workers))
-    for col in ("worker", "state", "cpu", "memory"):
-        wt.add_column(col, justify="left" if col in ("worker", "state") else "right", no_wrap=True)
+    for col in ("worker", *(("host",) if spread else ()), "state", "cpu", "memory"):
+        wt.add_column(col, justify="left" if col in ("worker", "host", "state") else "right", no_wrap=True)
     for w in workers[:w_rows]:
-        wt.add_row(w["name"], w["state"] if w["state"] == "up" else f"[red]{w['state']}[/]",
+        wt.add_row(w["name"], *((w.get("host") or "-",) if spread else ()),
+                   w["state"] if w["state"] == "up" else f"[red]{w['state']}[/]",
                    "-" if w["cpu"] is None else f"{w['cpu'] * 100:.0f}%", _bytes(w["memory_bytes"]))
-    return Group(head, Text(time_line(doc), style="dim"), lt, wt, Text(run_line(doc["run"])))
+    return Group(head, *(Text.from_markup(t) for t in troubles), Text(time_line(doc), style="dim"), lt, wt,
+                 Text(run_line(doc["run"])))
+
+
+def link_host(l: dict[str, Any]) -> str:
+    """Where a direction is measured: its sending end's host ('h1>h2': a cut link, a tunnel to h2)."""
+    src, dst = l.get("host") or "-", l.get("to_host") or "-"
+    return src if src == dst else f"{src}>{dst}"
+
+
+def host_lines(doc: dict[str, Any]) -> list[str]:
+    """One line (markup) per host of a testbed over several hosts that is not answering as it should."""
+    colour = {"failed": "red", "stale": "yellow", "waiting": "yellow"}
+    return [f"[{colour.get(st['state'], 'red')}]{h}: {st['state']}[/]: {escape(st.get('why') or '')}"
+            for h, st in (doc.get("hosts") or {}).items() if st["state"] != "ok"]
+
+
+def escape(text: str) -> str:
+    from rich.markup import escape as esc
+
+    return esc(text)
 
 
 def top_cmd(
@@ -137,7 +174,11 @@ def top_cmd(
                                                        "one line each (with --once: one, indented)."),
     interval: float = typer.Option(1.0, "--interval", "-i", min=0.1, help="Seconds between refreshes."),
     runs: Optional[str] = typer.Option(None, "--runs", help="Where `testbed run` keeps its run directories "
-                                                            "(default: ./runs)."),
+                                                            "(default: ./runs; across hosts: a directory on "
+                                                            "the hosts)."),
+    for_controller: bool = typer.Option(False, "--for-controller", hidden=True,
+                                        help="(the controller's) one host's top of a testbed over several hosts: "
+                                             "an error is also one JSON line {\"error\": WHY} on stdout"),
 ) -> None:
     """Watch a running testbed live: per link direction rate, utilisation, queue and drops; workers'
     CPU and memory; the running job's step.
@@ -145,13 +186,36 @@ def top_cmd(
     Rates and step times are the emulated cluster's (under time dilation s: the wire's x s, as
     `testbed status` and `testbed report` show them). Counters are read through one netlink
     socket per namespace; `--once --json` prints one sample for scripts (fields: pydoc
-    testbed.observe.top)."""
-    from testbed.observe.top import SORT_KEYS, Top, select
+    testbed.observe.top). A testbed over several hosts: every host's top at once, merged into one
+    view (fields: pydoc testbed.observe.top_hosts)."""
+    if not for_controller:
+        _top(name, sort, tier, once, as_json, interval, runs)
+        return
+    try:
+        _top(name, sort, tier, once, as_json, interval, runs)
+    except TestbedError as exc:   # said on stdout too: the controller reads only that as it comes
+        print(json.dumps({"error": str(exc)}), flush=True)
+        raise
+    except typer.Exit as exc:
+        if exc.exit_code:
+            print(json.dumps({"error": f"its top ended (exit status {exc.exit_code})"}), flush=True)
+        raise
+
+
+def _top(name: Optional[str], sort: Optional[str], tier: Optional[str], once: bool, as_json: bool,
+         interval: float, runs: Optional[str]) -> None:
+    from testbed.observe.top import SORT_KEYS, Top
 
     if sort is not None and sort not in SORT_KEYS:
         fail(f"--sort {sort!r}: use one of {', '.join(SORT_KEYS)}", 2)
     require_root("testbed top")
-    name = resolve_name(name)
+    name = resolve_name(name, clusters=True)
+    from testbed import store
+    from testbed.cluster import controller
+
+    if controller.exists(name) and not store.exists(name):
+        _across_hosts(name, sort, tier, once, as_json, interval, runs)
+        return
     top = Top(name, interval, runs)
     try:
         model = top.refresh()
@@ -160,23 +224,88 @@ def top_cmd(
         if as_json or once:
             while True:
                 doc = top.sample()
-                if as_json:
-                    if tier is not None or sort is not None:
-                        doc["links"] = select(doc["links"], sort, tier) if sort else \
-                            [l for l in doc["links"] if l["tier"] == tier]
-                    print(json.dumps(doc, indent=1 if once else None), flush=True)
-                else:
-                    console.print(render(doc, sort or "util", tier))
+                _emit(doc, sort, tier, once, as_json)
                 if once:
                     return
         _live(top, sort or "util", tier)
     except KeyboardInterrupt:
         return
     except BrokenPipeError:   # `testbed top --json | head -3`: the reader has what it wanted
-        import os
-        import sys
+        _quiet_stdout()
+        return
+    finally:
+        top.close()
 
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit's flush
+
+def _emit(doc: dict[str, Any], sort: Optional[str], tier: Optional[str], once: bool, as_json: bool) -> None:
+    """One sample printed: the JSON document (its links sorted and filtered as asked) or the view."""
+    from testbed.observe.top import select
+
+    if as_json:
+        if tier is not None or sort is not None:
+            doc["links"] = select(doc["links"], sort, tier) if sort else \
+                [l for l in doc["links"] if l["tier"] == tier]
+        print(json.dumps(doc, indent=1 if once else None), flush=True)
+    else:
+        console.print(render(doc, sort or "util", tier))
+
+
+def _quiet_stdout() -> None:
+    import os
+    import sys
+
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit's flush
+
+
+def _across_hosts(name: str, sort: Optional[str], tier: Optional[str], once: bool, as_json: bool,
+                  interval: float, runs: Optional[str]) -> None:
+    """top of a testbed over several hosts: every host's `top --json` at once, merged each interval."""
+    import os
+
+    from testbed.cli.common import err_console
+    from testbed.cluster import controller
+    from testbed.observe import top_hosts
+
+    record = controller.load(name)
+    tiers = tuple(dict.fromkeys(l.get("tier") or "" for l in (record.get("topology") or {}).get("links") or []))
+    if tier is not None and tier not in tiers:
+        fail(f"--tier {tier!r}: testbed {name} has tiers {', '.join(tiers)}", 2)
+    live = not (as_json or once)
+    top = top_hosts.HostsTop(name, interval, os.path.abspath(runs) if runs else None, record=record,
+                             first_wait=top_hosts.LIVE_FIRST_WAIT_S if live else top_hosts.FIRST_WAIT_S)
+    said: dict[str, str] = {}
+
+    def tell(doc: dict[str, Any]) -> None:
+        """Each host's trouble on stderr (the view shows it itself), once; again when it changes."""
+        for h, st in doc["hosts"].items():
+            line = "" if st["state"] in ("ok", "stale") else f"{st['state']}: {st.get('why') or ''}"
+            if line and said.get(h) != line:
+                err_console.print(f"[red]{h}:[/] {line}", highlight=False)
+            said[h] = line
+
+    try:
+        if live:
+            _live(top, sort or "util", tier)
+            return
+        while True:
+            doc = top.sample()
+            if once:
+                top.close()   # (every host's top stopped: a host that had failed says why now)
+                doc = top.settle(doc)
+            if not any(st["t"] is not None for st in doc["hosts"].values()):   # no host has a reading
+                tell(doc)
+                raise typer.Exit(1)
+            if as_json:
+                tell(doc)
+            _emit(doc, sort, tier, once, as_json)
+            if once:
+                if any(st["state"] in ("failed", "waiting") for st in doc["hosts"].values()):
+                    raise typer.Exit(1)
+                return
+    except KeyboardInterrupt:
+        return
+    except BrokenPipeError:
+        _quiet_stdout()
         return
     finally:
         top.close()

@@ -741,19 +741,29 @@ def run_on_every_host(name: str, argv: Sequence[str], timeout: float | None = 60
 
 def stream_on_every_host(name: str, argv: Sequence[str], on_line: Callable[[str, str], None], *,
                          stop: threading.Event | None = None, timeout: float | None = None,
-                         progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+                         progress: Callable[[str], None] = lambda _m: None,
+                         on_end: Callable[[str, Any], None] | None = None) -> dict[str, Any]:
     """argv (a testbed command line, without the `testbed`) on every host of the testbed at once, each
     line of its stdout passed on as it comes: on_line(host, line), from the hosts' threads. Until
     every host's command ends, `stop` is set, or a Ctrl-C (then each host's testbed stops as on a
-    Ctrl-C there). Returns host -> RemoteResult or the exception."""
+    Ctrl-C there). on_end(host, RemoteResult or exception): as each host's command ends (an
+    unreachable host is known at once, not when the others end). Returns host -> the same."""
     doc = load(name)
     by_name = {h.name: h for h in doc["_hosts"]}
     names = [h for h in doc.get("hosts", {}) if h in by_name]
     ctls = _controls([by_name[h] for h in names], doc.get("known_hosts"), False)
 
     def one(c: Any, stdin: Any) -> Any:
-        return c.run([*LIFELINE_ARGV, *by_name[c.name].testbed_argv, *argv], stdin=stdin, timeout=timeout,
-                     on_stdout=_Lines(lambda line: on_line(c.name, line)))
+        try:
+            res = c.run([*LIFELINE_ARGV, *by_name[c.name].testbed_argv, *argv], stdin=stdin, timeout=timeout,
+                        on_stdout=_Lines(lambda line: on_line(c.name, line)))
+        except Exception as exc:
+            if on_end is not None:
+                on_end(c.name, exc)
+            raise
+        if on_end is not None:
+            on_end(c.name, res)
+        return res
 
     try:
         return _parallel(ctls, names, one, lifeline=True, progress=progress, stop=stop)

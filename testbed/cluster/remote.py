@@ -74,6 +74,7 @@ KILL_AFTER_S = 5                 # the remote `timeout -k`: SIGKILL this long af
 LOCAL_GRACE_S = 15.0             # the local side waits this much longer than the remote timeout
 DRAIN_S = 2.0                    # after the exit status, how long output may still trickle in
 STDERR_LINES = 5                 # lines of stderr a RemoteError quotes
+STREAM_KEEP = 1 << 20            # with on_stdout, the result keeps this much of stdout's end
 SYSTEM_KNOWN_HOSTS = ("~/.ssh/known_hosts", "/etc/ssh/ssh_known_hosts")
 
 
@@ -180,7 +181,7 @@ class HostControl(Protocol):
             check: bool = False, on_stdout: Callable[[bytes], None] | None = None) -> RemoteResult:
         """Run argv as root on the host; stdin: bytes fed to it (then EOF), a binary file read until
         its EOF (a pipe: a dialogue), None: an empty stdin. on_stdout: called with each piece of
-        stdout as it arrives (the result still holds all of it)."""
+        stdout as it arrives (the result then holds its last MiB: a stream may run for hours)."""
         ...
 
     def put(self, local: Path, remote: str) -> None:
@@ -451,6 +452,8 @@ class SshHost:
                 buf += data
                 if tell is not None:
                     tell(data)
+                    if len(buf) > STREAM_KEEP:   # streamed: the caller has it; keep the tail only
+                        del buf[:len(buf) - STREAM_KEEP]
 
         def feed() -> None:
             # the command may exit without reading all of its input: as with a pipe, not an error

@@ -69,6 +69,9 @@ An active run is found in ./runs (the directory `testbed run` was started from, 
 the newest run directory of the testbed whose summary.json says "running" and whose probe
 directory still exists; else the testbed's exchange directory (<state dir>/NAME/runs/ID/probe,
 present while a run goes).
+
+A testbed over several hosts: each host samples its own part, and testbed.observe.top_hosts merges
+the hosts' documents into one of this shape (with each direction's and worker's host added).
 """
 
 from __future__ import annotations

@@ -1,0 +1,194 @@
+"""`testbed top` on a testbed over several hosts, end to end, against two emulated hosts
+(testbed/cluster/emulate.py): every host runs `top --json` on its own part and the controller merges
+their documents into one (testbed.observe.top_hosts).
+
+One testbed for the module: topologies/two-sides.yaml pinned so that h1 holds w0, w1 and s0 and h2
+holds w2, w3 and s1 (s0-s1, 1 Gbit/s, is the cut link: a VXLAN tunnel). The CLI runs as a process,
+as a user runs it; the controller keeps its record in a state directory of its own
+(TESTBED_STATE_DIR), the hosts in their own /run. Real hosts (over SSH), real traffic (iperf3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from testbed.cluster import emulate
+
+REPO = Path(__file__).resolve().parents[1]
+CAN_EMULATE = os.geteuid() == 0 and Path(emulate.SSHD).exists() and shutil.which("ssh-keygen") is not None \
+    and shutil.which("ssh") is not None and shutil.which("scp") is not None
+pytestmark = [pytest.mark.root, pytest.mark.skipif(not CAN_EMULATE, reason="needs root, openssh-server and -client")]
+
+LINE = (REPO / "topologies" / "two-sides.yaml").read_text()   # s0-s1, 1 Gbit/s, is the link between hosts
+PINS = ["--pin", "w0=h1", "--pin", "w1=h1", "--pin", "s0=h1", "--pin", "w2=h2", "--pin", "w3=h2", "--pin", "s1=h2"]
+HOST = {"w0": "h1", "w1": "h1", "s0": "h1", "w2": "h2", "w3": "h2", "s1": "h2"}
+LINKS = [("w0", "s0"), ("w1", "s0"), ("w2", "s1"), ("w3", "s1"), ("s0", "s1")]   # the topology's order
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    state = tmp_path_factory.mktemp("controller")   # the controller's own state root (0700, root's)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TESTBED_STATE_DIR", str(state))
+        with emulate.emulated(2, tmp_path_factory.mktemp("emu") / "hosts", cores=8) as e:
+            yield e
+
+
+def tb(*args: str, timeout: float = 300, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    """`testbed ARGS` as a process, the way a user runs it."""
+    r = subprocess.run([sys.executable, "-m", "testbed", *args], capture_output=True, text=True, timeout=timeout,
+                       cwd=REPO, env={**os.environ, "COLUMNS": "250"}, **kw)
+    if check and r.returncode != 0:
+        raise AssertionError(f"testbed {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def on_host(emu, host: str, *argv: str, check: bool = True):
+    ctl = next(c for c in emu.controls() if c.name == host)
+    try:
+        return ctl.run(list(argv), check=check)
+    finally:
+        ctl.close()
+
+
+@pytest.fixture(scope="module")
+def line(emu, tmp_path_factory):
+    from testbed.cluster import controller
+
+    topo = tmp_path_factory.mktemp("topo") / "line.yaml"
+    topo.write_text(LINE)
+    name = f"mt{uuid.uuid4().hex[:6]}"
+    tb("up", str(topo), "--name", name, "--hosts", str(emu.hosts_file), "--known-hosts", str(emu.known_hosts),
+       "--time-dilation", "none", *PINS)
+    try:
+        yield name
+    finally:
+        if controller.exists(name):
+            tb("down", name, check=False)
+        for host in ("h1", "h2"):
+            assert not [ns for ns in on_host(emu, host, "ip", "netns", "list").stdout.split() if name in ns]
+
+
+def top_once(name: str, *extra: str, check: bool = True) -> tuple[dict, subprocess.CompletedProcess]:
+    r = tb("top", "--name", name, "--once", "--json", *extra, timeout=120, check=check)
+    return json.loads(r.stdout), r
+
+
+def remote_tops(name: str) -> list[str]:
+    """Command lines of the hosts' `top --for-controller` processes of testbed `name` still running (the
+    emulated hosts share this machine's processes)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "top" in cmd and "--for-controller" in cmd and name in cmd:
+            out.append(" ".join(cmd))
+    return out
+
+
+def test_once_json_merges_every_link_direction_from_its_sending_host(emu, line):
+    doc, _ = top_once(line)
+    assert doc["testbed"] == line and doc["hosts"].keys() == {"h1", "h2"}
+    assert all(h["state"] == "ok" and h["why"] is None and h["t"] for h in doc["hosts"].values()), doc["hosts"]
+    want = [(a, b) for a, b in LINKS for a, b in ((a, b), (b, a))]
+    assert [(l["from"], l["to"]) for l in doc["links"]] == want      # every direction once, in topology order
+    for l in doc["links"]:
+        assert (l["host"], l["to_host"]) == (HOST[l["from"]], HOST[l["to"]]), l
+        assert l["state"] == "up" and l["rate_bps"] is not None, l   # each read where its sending end is
+        assert l["backlog_bytes"] is not None, l                      # and its queue there (every link is shaped)
+    cut = {l["name"]: l for l in doc["links"] if l["index"] == 4}
+    assert set(cut) == {"s0->s1", "s1->s0"}
+    assert cut["s0->s1"]["bandwidth_bps"] == cut["s1->s0"]["bandwidth_bps"] == 1e9
+    assert (cut["s0->s1"]["host"], cut["s1->s0"]["host"]) == ("h1", "h2")
+    assert [(w["name"], w["host"]) for w in doc["workers"]] == [("w0", "h1"), ("w1", "h1"), ("w2", "h2"),
+                                                                ("w3", "h2")]
+    assert all(w["state"] == "up" and w["memory_bytes"] for w in doc["workers"]), doc["workers"]
+    # --tier and --sort as on one host: only the core link's two directions
+    doc, _ = top_once(line, "--tier", doc["links"][-1]["tier"], "--sort", "util")
+    assert {l["name"] for l in doc["links"]} == {"s0->s1", "s1->s0"}
+    r = tb("top", "--name", line, "--once", "--tier", "nope", check=False)
+    assert r.returncode == 2 and "--tier 'nope'" in r.stderr
+
+
+def test_traffic_over_the_tunnel_shows_as_a_rate_on_the_cut_links_direction(emu, line):
+    """iperf3 w0 -> w2 (h1 -> h2) for a while; meanwhile `top --once --json`: s0->s1, measured at s0 on
+    h1, carries it (near its 1 Gbit/s), its reverse carries only the ACKs."""
+    server = subprocess.Popen([sys.executable, "-m", "testbed", "exec", "w2", "--name", line, "--", "timeout", "60",
+                               "iperf3", "-s", "-1"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = None
+    try:
+        time.sleep(2.0)
+        client = subprocess.Popen([sys.executable, "-m", "testbed", "exec", "w0", "--name", line, "--", "iperf3",
+                                   "-c", "w2", "-t", "20", "-J"], cwd=REPO, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        time.sleep(4.0)   # the flow is going
+        doc, _ = top_once(line, "--interval", "1")
+        out, err = client.communicate(timeout=90)
+    finally:
+        for p in (client, server):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)
+        server.wait(90)
+    got = json.loads(out or "{}")
+    assert "sum_received" in got.get("end", {}), (out[-400:], err)
+    l = {x["name"]: x for x in doc["links"]}
+    s01, s10 = l["s0->s1"], l["s1->s0"]
+    goodput = got["end"]["sum_received"]["bits_per_second"]
+    assert s01["host"] == "h1" and s01["rate_bps"] > 100e6, s01
+    assert s01["rate_bps"] == pytest.approx(goodput, rel=0.3), (s01, goodput)   # one second of a steady flow
+    assert s01["util"] == pytest.approx(s01["rate_bps"] / 1e9)
+    assert s10["host"] == "h2" and s10["rate_bps"] < s01["rate_bps"] / 5, s10   # the ACKs
+    # the same flow on the links inside each host: into s0 on h1, out of s1 to w2 on h2
+    assert l["w0->s0"]["rate_bps"] > 100e6 and l["s1->w2"]["rate_bps"] > 100e6
+    assert l["w1->s0"]["rate_bps"] < 10e6 and l["s1->w3"]["rate_bps"] < 10e6
+    assert not remote_tops(line)
+
+
+def test_live_view_shows_both_hosts_and_ctrl_c_stops_every_hosts_top(emu, line):
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(sys.executable, ["-m", "testbed", "top", "--name", line, "--interval", "0.5"],
+                          cwd=str(REPO), env={**os.environ, "COLUMNS": "140", "LINES": "40", "TERM": "xterm"},
+                          dimensions=(40, 140), timeout=60, encoding="utf-8")
+    try:
+        child.expect("over 2 hosts")
+        child.expect("h1>h2")                   # the cut link's direction s0->s1, measured on h1
+        child.expect("Ctrl-C quits")
+        assert len(remote_tops(line)) == 2      # one top on each host
+        child.kill(signal.SIGINT)
+        child.expect(pexpect.EOF, timeout=40)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, (child.exitstatus, child.signalstatus, child.before)
+    assert "Traceback" not in (child.before or "")
+    assert not remote_tops(line)                # the hosts' tops stopped with it
+
+
+def test_an_unreachable_host_is_shown_failed_with_the_others_numbers(emu, line):
+    emu.stop_sshd("h2")
+    try:
+        doc, r = top_once(line, check=False)
+    finally:
+        emu.start_sshd("h2")
+    assert r.returncode == 1, r.stderr
+    assert "h2:" in r.stderr and "cannot reach host h2" in r.stderr, r.stderr
+    assert doc["hosts"]["h1"]["state"] == "ok"
+    assert doc["hosts"]["h2"]["state"] == "failed" and "cannot reach host h2" in doc["hosts"]["h2"]["why"]
+    l = {x["name"]: x for x in doc["links"]}
+    assert len(l) == 2 * len(LINKS)
+    assert l["w0->s0"]["rate_bps"] is not None and l["s0->s1"]["rate_bps"] is not None    # h1's own
+    assert l["s1->s0"]["rate_bps"] is not None and l["s1->s0"]["backlog_bytes"] is None   # s0's rx, on h1
+    assert l["w2->s1"]["rate_bps"] is None                                                # inside h2: unknown
+    assert {w["name"]: w["cpu"] for w in doc["workers"]}["w2"] is None
+    assert not remote_tops(line)
