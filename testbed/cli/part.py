@@ -139,7 +139,7 @@ def _build(spec: dict[str, Any]) -> dict[str, Any]:
             fail(f"part up: dilation.factor: a factor >= 1 (got {dilation.factor!r})", 2)
     st = lifecycle.up(topo, spec["name"], time_dilation=dilation, runtime=runtime,
                       net_admin=bool(spec.get("net_admin")), part=part)
-    return {"name": st["name"], "host": part.host, "nodes": sorted(part.nodes),
+    return {"built": True, "name": st["name"], "host": part.host, "nodes": sorted(part.nodes),
             "workers": sorted(st["runtime"]["workers"]), "tunnels": len(part.tunnels),
             "seconds": (st.get("timings") or {}).get("total")}
 

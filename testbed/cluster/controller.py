@@ -325,37 +325,46 @@ class _PartSession:
     def __init__(self, ctl: Any, argv: Sequence[str]):
         self.ctl, self.argv = ctl, list(argv)
         self._pipe = _Pipe()
-        self._head = bytearray()
-        self._line: bytes | None = None
+        self._line: str | None = None        # the answers
+        self.built: dict[str, Any] | None = None   # what the host built, as it said once done
         self._told = threading.Event()      # the answers line came, or the session ended without it
+        self._finished = threading.Event()  # the build's line came, or the session ended
         self._ended = threading.Event()     # (not Thread.join: see _parallel)
         self.result: Any = None             # RemoteResult or the exception run() raised
         self._thread = threading.Thread(target=self._run, name=f"part-{ctl.name}", daemon=True)
         self._thread.start()
 
-    def _heard(self, data: bytes) -> None:
+    def _heard(self, text: str) -> None:
         if self._line is None:
-            self._head += data
-            if b"\n" in self._head:
-                self._line = bytes(self._head.split(b"\n", 1)[0])
-                self._told.set()
+            self._line = text
+            self._told.set()
+        elif text.startswith('{"built": true'):
+            # built: `up` goes on without waiting for the host's process to exit and its session to close
+            try:
+                doc = json.loads(text)
+            except ValueError:
+                return
+            self.built = doc if isinstance(doc, dict) else None
+            self._finished.set()
 
     def _run(self) -> None:
         try:
-            self.result = self.ctl.run(self.argv, stdin=self._pipe.reader, timeout=UP_TIMEOUT_S, on_stdout=self._heard)
+            self.result = self.ctl.run(self.argv, stdin=self._pipe.reader, timeout=UP_TIMEOUT_S,
+                                       on_stdout=_Lines(self._heard))
         except Exception as exc:  # noqa: BLE001 - the host's outcome, judged by up()
             self.result = exc
         finally:
             self._told.set()
             self.send(None)   # (the session is over: nobody reads the pipe any more)
             self._ended.set()
+            self._finished.set()
 
     def answers(self, timeout: float) -> dict[str, Any] | None:
         """The host's answers to the checks, or None: the session ended without them (see result)
         or they took longer than `timeout`."""
         self._told.wait(timeout)
         try:
-            doc = json.loads(self._line or b"")
+            doc = json.loads(self._line or "")
         except ValueError:
             return None
         return doc.get("check") if isinstance(doc, dict) and isinstance(doc.get("check"), dict) else None
@@ -374,18 +383,20 @@ class _PartSession:
 
 
 def _wait_all(sessions: dict[str, _PartSession]) -> dict[str, Any]:
-    """Every session's result. A Ctrl-C waits for every host's answer before it is raised (a host's
-    `part up` goes on after the SSH session is gone: only its answer says what it built)."""
+    """Every host's outcome: what it built (a dict, from its last line) or, when it built nothing,
+    the session's result (a failed RemoteResult or an exception). A Ctrl-C waits for every host's
+    answer before it is raised (a host's `part up` goes on after the SSH session is gone: only its
+    answer says what it built)."""
     interrupted = None
     for s in sessions.values():
-        while not s.done:
+        while not s._finished.is_set():
             try:
-                s.wait()
+                s._finished.wait()
             except KeyboardInterrupt as exc:
                 interrupted = exc
     if interrupted is not None:
         raise interrupted
-    return {n: s.result for n, s in sessions.items()}
+    return {n: s.built if s.built is not None else s.result for n, s in sessions.items()}
 
 
 def _call_off(sessions: dict[str, _PartSession], grace_s: float = 5.0) -> None:
@@ -576,7 +587,7 @@ def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str,
             progress("interrupted: every host has answered; taking down what was built")
             raise
         t = lap("build parts", t)
-        failed = {h: r for h, r in results.items() if isinstance(r, Exception) or r.rc != 0}
+        failed = {h: r for h, r in results.items() if not isinstance(r, dict)}
         if failed:
             built = [h for h in used if h not in failed]
             progress(f"rolling back: {', '.join(failed)} failed")
@@ -591,10 +602,7 @@ def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str,
             raise ClusterError(f"testbed {name} could not be built on every host (the others were taken down"
                                f"{': ' + ', '.join(built) if built else ''}):\n  {msg}{tail}")
         for h, r in results.items():
-            try:
-                doc["hosts"][h].update(json.loads(r.stdout.strip().splitlines()[-1]))
-            except (ValueError, IndexError):
-                pass
+            doc["hosts"][h].update({k: v for k, v in r.items() if k != "built"})
         doc["status"] = "up"
         doc["seconds"] = round(time.monotonic() - t0, 3)
         doc["timings"] = timings
