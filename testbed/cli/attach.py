@@ -4,9 +4,9 @@ Leaving the shell (exit, Ctrl-D) leaves the node running: the shell is one
 more process entered into the node's namespaces, not the node's init.
 
 A testbed over several hosts: the controller's SSH sessions carry no
-terminal, so `attach` there prints the `ssh -t ...` command that runs it on
-the node's host and exits 2 (ssh_command() writes it from the hosts file;
-`logs -f` and `cp` use it too).
+terminal, so `attach` there runs ssh(1) -t to the node's host with the hosts
+file's key and port and the testbed's known hosts (ssh_argv() writes it; `cp`
+prints such commands).
 """
 
 from __future__ import annotations
@@ -72,14 +72,21 @@ def ssh_login(host: Any, *, scp: bool = False) -> str:
     return f"{t.user}@{addr}" if t.user else addr
 
 
-def ssh_command(doc: dict[str, Any], host: Any, argv: list[str], *, tty: bool = False) -> str:
-    """The ssh(1) command line that runs `testbed ARGV` on `host` (as root: `sudo` for another user)."""
+def ssh_argv(doc: dict[str, Any], host: Any, argv: list[str], *, tty: bool = False) -> list[str]:
+    """The ssh(1) command that runs `testbed ARGV` on `host` (as root: `sudo` for another user)."""
     import shlex
 
     remote = [*host.testbed_argv, *argv]
     if host.target.user not in (None, "root"):
         remote = ["sudo", *remote]
-    return shlex.join(["ssh", *(["-t"] if tty else []), *ssh_options(doc, host), ssh_login(host), shlex.join(remote)])
+    return ["ssh", *(["-t"] if tty else []), *ssh_options(doc, host), ssh_login(host), shlex.join(remote)]
+
+
+def ssh_command(doc: dict[str, Any], host: Any, argv: list[str], *, tty: bool = False) -> str:
+    """ssh_argv as one line to print."""
+    import shlex
+
+    return shlex.join(ssh_argv(doc, host, argv, tty=tty))
 
 
 def node_target(st: dict[str, Any], node: str) -> tuple[Any, dict[str, Any], str]:
@@ -112,6 +119,27 @@ def attach_node(st: dict[str, Any], node: str) -> int:
     return subprocess.call(argv)
 
 
+def _attach_across_hosts(tb: str, node: str) -> None:
+    """The shell on the node's host, through ssh(1) with the hosts file's key, port and the testbed's
+    known hosts: a terminal all the way (the controller's own SSH sessions carry none)."""
+    import os
+    import shlex
+    import shutil
+
+    from testbed.cli.common import err_console
+
+    doc, host = node_host(tb, node)
+    argv = ssh_argv(doc, host, ["attach", node, "--name", tb], tty=True)
+    line = shlex.join(argv)
+    if shutil.which("ssh") is None:
+        raise AcrossHosts(f"{node} is on host {host.name} of testbed {tb}; attaching there needs ssh(1) "
+                          f"(Debian: apt-get install openssh-client), then run `{line}`")
+    err_console.print(f"{node} is on host {host.name}: {line}", highlight=False, soft_wrap=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvp("ssh", argv)   # the shell's status, signals and terminal are the user's
+
+
 def register(app: typer.Typer) -> None:
     @app.command(help="Open an interactive shell inside NODE (a worker or a switch). "
                       "Exiting the shell leaves the node running.")
@@ -122,10 +150,7 @@ def register(app: typer.Typer) -> None:
         require_root("attach")
         tb = resolve_name(name, clusters=True)
         if spread(tb):
-            doc, host = node_host(tb, node)
-            raise AcrossHosts(f"{node} is on host {host.name} of testbed {tb}, and an interactive shell does not "
-                              f"go through the controller's SSH sessions (they have no terminal): run "
-                              f"`{ssh_command(doc, host, ['attach', node, '--name', tb], tty=True)}`")
+            _attach_across_hosts(tb, node)
         st = lifecycle.load(tb)
         if not sys.stdin.isatty():
             from testbed.cli.common import err_console

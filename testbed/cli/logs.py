@@ -7,9 +7,8 @@ there, oldest first, with a `==> file <==` header when there are several;
 with -f it keeps following them, new files included, until Ctrl-C.
 
 A testbed over several hosts: the logs are on the node's host, where this
-runs (its output comes back when it ends); `-f` does not follow across hosts
-(the controller's SSH sessions return when the command ends): it prints the
-ssh command that follows them there, and exits 2.
+runs (its output comes back when it ends); with -f its output streams back as
+it comes, and a Ctrl-C here ends the `logs -f` there (its lifeline, as for exec).
 """
 
 from __future__ import annotations
@@ -91,17 +90,19 @@ def show(d: Path, *, follow: bool = False, lines: int | None = None, out: Binary
 
 def _across_hosts(tb: str, node: str, follow: bool, tail: int | None) -> None:
     """logs of a node of a testbed over several hosts: run on its host, its output passed on."""
-    from testbed.cli.attach import AcrossHosts, node_host, ssh_command
+    from testbed.cli.attach import node_host
     from testbed.cluster import controller
 
     argv = ["logs", node, "--name", tb, *([] if tail is None else ["--tail", str(tail)])]
-    if follow:
-        doc, host = node_host(tb, node)
-        raise AcrossHosts(f"logs -f does not follow across hosts yet ({node} is on host {host.name}; the "
-                          f"controller's SSH sessions return only when the command ends): without -f this prints "
-                          f"what is there now, or follow it on the host: "
-                          f"`{ssh_command(doc, host, [*argv, '-f'], tty=True)}`")
     node_host(tb, node)   # an unknown node: said here, before connecting
+    if follow:   # streamed as it comes, until Ctrl-C (passed on: the host's `logs -f` ends)
+        def out(data: bytes) -> None:
+            sys.stdout.buffer.write(data)
+            sys.stdout.flush()
+
+        r = controller.run_on_node_host(tb, node, [*argv, "-f"], lifeline=True, on_stdout=out)
+        sys.stderr.write(r.stderr)
+        raise typer.Exit(r.rc if r.rc >= 0 else 1)   # (a Ctrl-C ends it with 0 there, as on one host)
     r = controller.run_on_node_host(tb, node, argv)
     sys.stdout.write(r.stdout)
     sys.stdout.flush()

@@ -694,9 +694,11 @@ def status(name: str) -> dict[str, Any]:
 
 
 def run_on_node_host(name: str, node: str, argv: Sequence[str], timeout: float | None = None, *,
-                     lifeline: bool = False, progress: Callable[[str], None] = lambda _m: None) -> Any:
+                     lifeline: bool = False, progress: Callable[[str], None] = lambda _m: None,
+                     on_stdout: Callable[[bytes], None] | None = None) -> Any:
     """argv (a testbed command line, without the `testbed`) on the host that holds `node`. lifeline:
-    a Ctrl-C here is passed on to it (see _parallel), and the result still comes back."""
+    a Ctrl-C here is passed on to it (see _parallel), and the result still comes back. on_stdout:
+    its output as it comes (with lifeline)."""
     doc = load(name)
     host = doc["placement"].get(node)
     if host is None:
@@ -707,7 +709,8 @@ def run_on_node_host(name: str, node: str, argv: Sequence[str], timeout: float |
         if not lifeline:
             return ctls[host].run([*h.testbed_argv, *argv], timeout=timeout)
         res = _parallel(ctls, [host], lambda c, stdin: c.run([*LIFELINE_ARGV, *h.testbed_argv, *argv], stdin=stdin,
-                                                             timeout=timeout), lifeline=True, progress=progress)[host]
+                                                             timeout=timeout, on_stdout=on_stdout),
+                        lifeline=True, progress=progress)[host]
         if isinstance(res, Exception):
             raise res
         return res
