@@ -47,8 +47,9 @@ def _spec(text: str) -> dict[str, Any]:
 
 def _answers(probe: list[str], count: int) -> dict[str, Any]:
     """What a controller asks before it builds, answered in one go: uid, `version --json`,
-    `doctor --json --cached` (no --for: each part's limits are checked when it is built) and the
-    underlay toward `probe` (measured beside the kernel probe)."""
+    `doctor --json --cached` (no --for: each part's limits are checked when it is built), the delay
+    threshold, the machine (for time dilation) and the underlay toward `probe` (measured beside
+    the kernel probe)."""
     import os
     import threading
 
@@ -60,10 +61,10 @@ def _answers(probe: list[str], count: int) -> dict[str, Any]:
     answers: dict[str, Any] = {"uid": os.geteuid(), "version": version.info(), "machine": _machine()}
     try:
         answers["doctor"] = doctor.report("", cached=True)
-        from testbed.net.capabilities import probe as capabilities
-        from testbed.net.capabilities import delay_threshold
+        from testbed.net import capabilities
 
-        answers["delay_threshold_s"] = delay_threshold(capabilities(measure_floor=True, refresh=False))
+        answers["delay_threshold_s"] = capabilities.delay_threshold(
+            capabilities.probe(measure_floor=True, refresh=False))   # (cached: read again, not measured)
     except Exception as exc:  # noqa: BLE001 - an answer too: the controller names it as this host's problem
         answers["doctor_error"] = f"{type(exc).__name__}: {exc}"
     pinger.join()
