@@ -274,6 +274,11 @@ def _machines(answers: dict[str, Any], reports: dict[str, Any], placement: Any, 
     from testbed.topology.dilation import Machine
     from testbed.topology.reference import MachineConstants
 
+    from testbed.jobs import calibration
+
+    here = calibration.boot_id()
+    cal = calibration.cached()
+    mine = cal.constants() if cal is not None else None
     groups: dict[str, list[str]] = {}
     for host, a in answers.items():
         m = a.get("machine") if isinstance(a.get("machine"), dict) else {}
@@ -281,7 +286,7 @@ def _machines(answers: dict[str, Any], reports: dict[str, Any], placement: Any, 
         groups.setdefault(boot if isinstance(boot, str) and re.fullmatch(r"[0-9a-f-]{36}", boot) else host,
                           []).append(host)
     out = []
-    for hosts in groups.values():
+    for boot, hosts in groups.items():
         cores, gpus, constants = 1, 0, None
         for h in hosts:
             m = answers[h].get("machine") if isinstance(answers[h].get("machine"), dict) else {}
@@ -295,6 +300,8 @@ def _machines(answers: dict[str, Any], reports: dict[str, Any], placement: Any, 
                     constants = MachineConstants.from_json(m["constants"])
                 except (ValueError, TypeError, KeyError):
                     constants = None   # a host's word is not trusted: uncalibrated, and said so
+        if constants is None and boot == here:
+            constants = mine   # this very machine (emulated hosts): the controller's calibration is its
         workers = tuple(w for w in topo.workers if placement.assignment[w] in hosts)
         out.append(Machine(tuple(hosts), workers, cores, gpus, constants))
     return out
