@@ -105,7 +105,9 @@ def read(name: str, *, follow: bool = False, poll_s: float = 0.2, stop_after_s: 
         time.sleep(poll_s)
 
 
-def describe(rec: dict[str, Any]) -> str:
-    """A record as one line for people: time, kind, what."""
+def describe(rec: dict[str, Any], host_width: int | None = None) -> str:
+    """A record as one line for people: time, kind, what. host_width: the record's `host` after the
+    time, in a column that wide (the events of a testbed over several hosts)."""
     stamp = time.strftime("%H:%M:%S", time.localtime(rec["t"])) + f".{int(rec['t'] * 1000) % 1000:03d}"
-    return f"{stamp}  {rec['kind']:<9} {rec['what']}"
+    host = "" if host_width is None else f"{rec.get('host') or '-':<{host_width}}  "
+    return f"{stamp}  {host}{rec['kind']:<9} {rec['what']}"

@@ -105,6 +105,38 @@ def test_follow_sees_new_events_and_ends_with_the_testbed(state_dir):
     assert seen == ["up", "link", "down"]
 
 
+def test_hosts_events_merge_in_time_order_each_with_its_host():
+    from testbed.cli.events import merge
+
+    h1 = [{"t": 10.0, "kind": "up", "what": "up"}, {"t": 12.0, "kind": "link", "what": "link down s0-s1"},
+          {"t": 14.0, "kind": "link", "what": "link up s0-s1"}]
+    h2 = [{"t": 11.0, "kind": "up", "what": "up"}, {"t": 12.0, "kind": "link", "what": "link down s0-s1"},
+          {"t": 12.0, "kind": "node", "what": "node w2 down"}]
+    got = merge({"h1": h1, "h2": h2})
+    assert [(e["t"], e["host"], e["kind"]) for e in got] == [
+        (10.0, "h1", "up"), (11.0, "h2", "up"), (12.0, "h1", "link"), (12.0, "h2", "link"), (12.0, "h2", "node"),
+        (14.0, "h1", "link")]   # equal times: the hosts' order, then each host's own
+    assert "host" not in h1[0] and got[0] == {**h1[0], "host": "h1"}   # copies: the inputs are left alone
+    assert merge({}) == [] and merge({"h1": []}) == []
+
+
+def test_hosts_answers_failures_and_the_host_column():
+    from types import SimpleNamespace
+
+    from testbed import events
+    from testbed.cli.events import parse_answers
+
+    ok = SimpleNamespace(rc=0, stdout=json.dumps({"t": 1.5, "kind": "up", "what": "up"}) + "\nnoise\n", stderr="")
+    down = SimpleNamespace(rc=3, stdout="", stderr="error: no testbed named 'x' is up\n")
+    got, failed, said = parse_answers({"h1": ok, "h2": down, "h3": OSError("host h3 did not answer"), "h4": None})
+    assert got == {"h1": [{"t": 1.5, "kind": "up", "what": "up"}]}
+    assert failed == {"h2": "no testbed named 'x' is up", "h3": "host h3 did not answer", "h4": "no answer"}
+    assert said == {"h1": "1 line(s) of its output are not events and were skipped"}
+    line = events.describe({"t": 1.5, "kind": "link", "what": "link down s0-s1", "host": "h2"}, host_width=4)
+    assert line.endswith(".500  h2    link      link down s0-s1"), line
+    assert events.describe({"t": 1.5, "kind": "up", "what": "up"}).endswith(".500  up        up")   # as before
+
+
 @pytest.mark.root
 def test_a_testbed_tells_its_story(testbed, tmp_path):
     """up, a link going down and up, a run with its steps and verdict, then down: all in the stream,

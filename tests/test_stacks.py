@@ -40,6 +40,30 @@ def test_ranks_and_groups_pure():
     assert "3 ranks (0, 2-3) in all_reduce:" in text and "1 rank (1):" in text and "load_batch (job.py:4)" in text
 
 
+def test_hosts_stacks_merge_grouped_across_hosts_with_counts_per_host():
+    from testbed.jobs.stacks import RankStack, from_json, merge_hosts, render, to_json
+
+    c10d = "/x/site-packages/torch/distributed/distributed_c10d.py"
+    waiting = [("all_reduce", c10d, 10), ("<module>", "job.py", 7)]
+    h1 = [RankStack(10, 0, "w0", False, list(waiting)), RankStack(11, 1, "w1", False, [("load", "job.py", 4)])]
+    h2 = [RankStack(20, 2, "w2", False, list(waiting)), RankStack(21, 3, "w3", False, list(waiting))]
+    # what a host says (`stacks --json`) reads back as it was
+    back = from_json(json.loads(json.dumps(to_json(h2))), "h2")
+    assert [(s.pid, s.rank, s.worker, s.frames, s.host) for s in back] == [(s.pid, s.rank, s.worker, s.frames, "h2")
+                                                                           for s in h2]
+    # hosts that share a PID namespace (emulated ones) see each other's ranks: each is its worker's host's
+    got = merge_hosts({"h1": h1 + h2, "h2": back}, {"w0": "h1", "w1": "h1", "w2": "h2", "w3": "h2"})
+    assert [(s.rank, s.host) for s in got] == [(0, "h1"), (1, "h1"), (2, "h2"), (3, "h2")]
+    assert h1[0].host is None   # copies: the hosts' lists are left alone
+    text = render(got)
+    assert "3 ranks (0, 2-3) [h1: 1, h2: 2] in all_reduce:" in text, text
+    assert "1 rank (1) [h1: 1]:" in text and "load (job.py:4)" in text, text
+    assert [d["host"] for d in to_json(got)] == ["h1", "h1", "h2", "h2"]
+    assert "host" not in to_json(h1)[0]   # one host: as before
+    with pytest.raises(ValueError):
+        from_json({"pid": 1})
+
+
 def test_a_stalled_job_shows_who_waits_where(testbed, tmp_path):
     from testbed.jobs.run import cluster_from_state, run
     from testbed.topology.loader import load_topology_text

@@ -90,8 +90,8 @@ def resolve_name(name: str | None, *, clusters: bool = False, verb: str = "this 
         if clusters:
             return name
         raise StateError(f"testbed {name!r} spans several hosts, and {verb} does not work across hosts yet "
-                         f"(up, down, status, ls, exec, link, run, node, partition, heal, logs, ps, top, scenario "
-                         f"and cleanup do; attach and cp print the ssh command to run): run it on the node's host "
+                         f"(up, down, status, ls, exec, link, run, node, partition, heal, logs, ps, top, events, "
+                         f"stacks, scenario and cleanup do; attach and cp print the ssh command to run): run it on the node's host "
                          f"(`testbed status {name}` shows where each node is)")
     if name not in local:
         up = local + spread

@@ -10,7 +10,9 @@ are not Python). Identical main-thread stacks are grouped; the collective a
 rank waits in is named from its stack (the outermost torch.distributed call).
 
 Used by `testbed stacks` and, when a run or a scenario declares a job hung or
-timed out, saved to the run directory (stacks.txt, stacks.json).
+timed out, saved to the run directory (stacks.txt, stacks.json). Over several
+hosts each host takes its own ranks' stacks and the controller merges them
+(merge_hosts): identical stacks are grouped across hosts, with a count per host.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ class RankStack:
     frames: list[tuple[str, str, int]] = field(default_factory=list)   # (function, file, line), innermost first
     threads: int = 0
     error: str | None = None
+    host: str | None = None   # the host it runs on (a testbed over several hosts; its pid is that host's)
 
     @property
     def collective(self) -> str | None:
@@ -159,6 +162,12 @@ def render(stacks: list[RankStack], depth: int = 12) -> str:
             who += ", phantom"
         elif kinds == {True, False}:
             who += ", real and phantom"
+        hosts: dict[str, int] = {}
+        for s in g:
+            if s.host is not None:
+                hosts[s.host] = hosts.get(s.host, 0) + 1
+        if hosts:
+            who += " [" + ", ".join(f"{h}: {n}" for h, n in sorted(hosts.items())) + "]"
         head = g[0]
         if head.error:
             lines.append(f"{who}: no stack ({head.error})")
@@ -183,7 +192,39 @@ def _short(filename: str) -> str:
 def to_json(stacks: list[RankStack]) -> list[dict[str, Any]]:
     return [{"pid": s.pid, "rank": s.rank, "worker": s.worker, "phantom": s.phantom, "collective": s.collective,
              "threads": s.threads, "error": s.error,
-             "frames": [{"function": f, "file": p, "line": n} for f, p, n in s.frames]} for s in stacks]
+             "frames": [{"function": f, "file": p, "line": n} for f, p, n in s.frames],
+             **({"host": s.host} if s.host is not None else {})} for s in stacks]
+
+
+def from_json(doc: Any, host: str | None = None) -> list[RankStack]:
+    """to_json's list read back (a host's `testbed stacks --json`), each rank on `host`. ValueError
+    when it is not such a list."""
+    if not isinstance(doc, list):
+        raise ValueError("not a list of ranks")
+    out = []
+    for d in doc:
+        if not isinstance(d, dict) or not isinstance(d.get("pid"), int):
+            raise ValueError("not a list of ranks")
+        rank = d.get("rank")
+        out.append(RankStack(d["pid"], rank if isinstance(rank, int) else None, d.get("worker"),
+                             bool(d.get("phantom")),
+                             [(str(f.get("function")), str(f.get("file")), int(f.get("line") or 0))
+                              for f in d.get("frames") or [] if isinstance(f, dict)],
+                             int(d.get("threads") or 0), d.get("error"), host))
+    return out
+
+
+def merge_hosts(by_host: dict[str, list[RankStack]], placement: dict[str, str]) -> list[RankStack]:
+    """Every host's ranks as one list in rank order, each with its host. A rank whose worker the
+    placement puts on another host is that host's to report, not this one's (hosts that share a PID
+    namespace, as emulated ones do, see each other's ranks)."""
+    out = []
+    for host, stacks in by_host.items():
+        for s in stacks:
+            if s.worker is not None and placement.get(s.worker, host) != host:
+                continue
+            out.append(replace(s, host=host))
+    return sorted(out, key=lambda s: (s.rank is None, s.rank if s.rank is not None else 0, s.host or "", s.pid))
 
 
 def save(run_dir: Path, name: str, run_id: str) -> Path | None:
