@@ -52,6 +52,7 @@ UP_TIMEOUT_S = 1800.0
 DOWN_TIMEOUT_S = 600.0
 PROBE_COUNT = 10
 CHECK_TIMEOUT_S = 120.0   # how long `up` waits for a host's answers to the checks
+HANDSHAKE_HEAD_START_S = 0.5   # placement waits this long at most for the hosts' SSH handshakes
 
 
 class ClusterError(TestbedError):
@@ -337,6 +338,7 @@ class _PartSession:
         self._told = threading.Event()      # the answers line came, or the session ended without it
         self._finished = threading.Event()  # the build's line came, or the session ended
         self._ended = threading.Event()     # (not Thread.join: see _parallel)
+        self.connected = threading.Event()  # the SSH handshake is over (or failed)
         self.result: Any = None             # RemoteResult or the exception run() raised
         self._thread = threading.Thread(target=self._run, name=f"part-{ctl.name}", daemon=True)
         self._thread.start()
@@ -356,14 +358,19 @@ class _PartSession:
 
     def _run(self) -> None:
         try:
+            try:   # the handshake first (an SshHost), for up() to know when it is over
+                if hasattr(self.ctl, "connect"):
+                    self.ctl.connect()
+            finally:
+                self.connected.set()
             self.result = self.ctl.run(self.argv, stdin=self._pipe.reader, timeout=UP_TIMEOUT_S,
                                        on_stdout=_Lines(self._heard))
         except Exception as exc:  # noqa: BLE001 - the host's outcome, judged by up()
             self.result = exc
         finally:
-            self._told.set()
             self.send(None)   # (the session is over: nobody reads the pipe any more)
-            self._ended.set()
+            self._ended.set()   # (before the others: who wakes on them sees it done)
+            self._told.set()
             self._finished.set()
 
     def answers(self, timeout: float) -> dict[str, Any] | None:
@@ -551,6 +558,12 @@ def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str,
     sessions = {h.name: _PartSession(ctls[h.name], [*h.testbed_argv, "part", "up", "--check", "--count",
                                                     str(PROBE_COUNT), *_probe_words(h, hosts)]) for h in hosts}
     try:
+        # placement waits for the SSH handshakes (up to HANDSHAKE_HEAD_START_S): both are this
+        # process's CPU, the handshakes are on the critical path (a host starts testbed only after
+        # its own) and placement is not (it is done before the hosts have answered)
+        end = time.monotonic() + HANDSHAKE_HEAD_START_S
+        for session in sessions.values():
+            session.connected.wait(max(0.0, end - time.monotonic()))
         placement = place(topo, hosts, pins)
         t = lap("placement", t0)
         used = [h.name for h in hosts if placement.nodes_on(h.name)]
