@@ -1,4 +1,9 @@
-"""testbed capture A [B] [-w FILE|-]: the packets of one link end, in pcap format (testbed.observe.capture)."""
+"""testbed capture A [B] [-w FILE|-]: the packets of one link end, in pcap format (testbed.observe.capture).
+
+A testbed over several hosts: the capture runs on the host that holds the captured end (its
+output to stdout there), and its pcap stream comes back as it is written, to the file or the
+stdout here; a Ctrl-C here ends the capture there (its lifeline, as for exec and logs -f).
+"""
 
 from __future__ import annotations
 
@@ -51,7 +56,8 @@ def capture(
     of A's interfaces: eth0, ...) or A alone (its only link). The interface captured is A's end
     (--at B: the other end's). Bounded by default: 10000 packets or 60 s, whichever comes
     first; --count 0 --duration 0 for no limit. Ctrl-C ends it and leaves a valid pcap file.
-    Progress and the summary go to stderr, never to stdout.
+    Progress and the summary go to stderr, never to stdout. On a testbed over several hosts it
+    runs on the host that holds the captured end, and the pcap stream comes back here as it comes.
 
       testbed capture w0 edge0-0 -w w0.pcap
       testbed capture w0 edge0-0 -w - | tcpdump -n -r -
@@ -73,8 +79,12 @@ def capture(
     if count < 0:
         raise cap.CaptureError(f"--count must be 0 (no limit) or more (got {count})")
     require_root("testbed capture")
-    name = resolve_name(name)
-    target = cap.resolve(name, a, b, at=at, direction=direction)
+    name = resolve_name(name, clusters=True)
+    from testbed.cli.attach import spread
+
+    across = spread(name)
+    target = _resolve_across_hosts(name, a, b, at, direction) if across else \
+        cap.resolve(name, a, b, at=at, direction=direction)
     if write is None:
         if sys.stdout.isatty():
             raise cap.CaptureError("stdout is a terminal: write to a file (-w FILE.pcap) or pipe the pcap stream "
@@ -86,6 +96,14 @@ def capture(
     elif write != "-":
         _check_writable(write)
     where = "stdout" if write == "-" else write
+    if across:
+        bounds = [f"{count} packets" if count else "", f"{duration_s:g} s" if duration_s else ""]
+        _across_hosts(name, target, write, [a, *([b] if b is not None else []), *(["--at", at] if at else []),
+                                            "--direction", direction, "--count", str(count), "--duration", duration,
+                                            *(["--filter", bpf] if bpf is not None else []),
+                                            *(["--snaplen", str(snaplen)] if snaplen is not None else [])],
+                      "until " + " or ".join(x for x in bounds if x) if any(bounds) else "no limit")
+        return
 
     c = cap.Capture(target, count=count, duration_s=duration_s, snaplen=snaplen, bpf=bpf)
     old: dict[int, Any] = {}
@@ -142,6 +160,102 @@ def capture(
         err_console.print(f"{why}; {where} holds what came before, as valid pcap", highlight=False)
     if res.reason in ("error", "output failed"):
         raise typer.Exit(1)
+
+
+def _resolve_across_hosts(name: str, a: str, b: Optional[str], at: Optional[str], direction: str) -> Any:
+    """The Target of a capture on a testbed over several hosts, from the controller's record: the
+    link and the end, checked here (an unknown node or link is refused before any host is asked).
+    The interface names are the network plan's, which every host builds from the same topology;
+    the end's host has the rest (link state, delay line, dilation)."""
+    from testbed.cluster import controller
+    from testbed.observe import capture as cap
+    from testbed.topology.model import Topology
+    from testbed.topology.plan import plan_network
+
+    doc = controller.load(name)
+    plan = plan_network(Topology.from_json(doc["topology"]))
+    links = [{"endpoints": [lp.a.node, lp.b.node], "ifnames": [lp.a.ifname, lp.b.ifname]} for lp in plan.links]
+    return cap.resolve(name, a, b, at=at, direction=direction, st={"topology": doc["topology"], "links": links})
+
+
+def _across_hosts(name: str, target: Any, write: str, args: list[str], until: str) -> None:
+    """capture on a testbed over several hosts: `testbed capture ... -w -` on the host that holds the
+    captured end (a cut link's end, its VXLAN device, like any other), its pcap stream written here
+    as it comes, byte for byte, to the file or to stdout; what the host said on stderr passed on when
+    it ends. A Ctrl-C here (SIGTERM, SIGHUP too) is passed on through the lifeline: the capture there
+    ends as on a Ctrl-C at its terminal, flushes its last packets, and its status comes back. A file
+    here always ends on a whole record (valid pcap), whatever happens to the connection."""
+    from testbed.cluster import controller
+    from testbed.errors import TestbedError
+    from testbed.observe import capture as cap
+    from testbed.topology.units import format_size
+
+    host = controller.host_of(name, target.node)
+    where = "stdout" if write == "-" else write
+    err_console.print(f"capturing {target.describe()} on host {host} ({target.node}'s), to {where} here: "
+                      f"{until}; Ctrl-C stops", highlight=False)
+    counter = cap.PcapCounter()
+    state: dict[str, Any] = {"out": None, "whole_at": 0, "closed": False, "failed": None, "stopping": False}
+
+    def stop_there() -> None:   # as a Ctrl-C here: the lifeline is cut, the capture there stops
+        if not state["stopping"]:
+            state["stopping"] = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def on_stdout(data: bytes) -> None:
+        if state["closed"] or state["failed"]:
+            return
+        try:
+            if state["out"] is None:   # opened at the first bytes: a refusal there leaves no file here
+                state["out"] = sys.stdout.buffer if write == "-" else open(write, "wb")
+            state["out"].write(data)
+            state["out"].flush()
+        except (BrokenPipeError, ConnectionResetError):
+            state["closed"] = True
+            stop_there()
+        except OSError as exc:
+            state["failed"] = f"writing the capture to {where} failed: {exc}"
+            stop_there()
+        else:
+            try:
+                counter.feed(data)
+            except TestbedError:
+                pass   # (not pcap: written as it came all the same; the host's status says what went wrong)
+            if counter.whole:
+                state["whole_at"] = counter.bytes
+
+    def said(message: str) -> None:   # a Ctrl-C here, being passed on
+        if not state["stopping"]:
+            state["stopping"] = True
+            err_console.print(message, highlight=False)
+
+    old = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        r = controller.run_on_node_host(name, target.node, ["capture", *args, "--write", "-", "--name", name],
+                                        lifeline=True, progress=said, on_stdout=on_stdout)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        out = state["out"]
+        if out is not None and out is not sys.stdout.buffer:
+            if not counter.whole and state["whole_at"]:   # cut short (the connection went): whole records only
+                out.truncate(state["whole_at"])
+            out.close()
+    sys.stderr.write(r.stderr)
+    sys.stderr.flush()
+    if state["closed"]:   # nothing more can go to stdout; keep Python's exit quiet (as on one host)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    if state["out"] is not None or state["closed"]:   # (a refusal there wrote nothing here)
+        err_console.print(f"{counter.packets} packet(s) ({format_size(counter.bytes)}) from host {host} to {where}"
+                          + ("; the reader of the output went away: the capture there was stopped"
+                             if state["closed"] else ""), highlight=False)
+    if state["failed"]:
+        err_console.print(f"[bold red]error:[/] {state['failed']}", highlight=False)
+        raise typer.Exit(1)
+    if r.rc != 0:
+        raise typer.Exit(r.rc if r.rc > 0 else 1)
 
 
 def register(app: typer.Typer) -> None:

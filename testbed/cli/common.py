@@ -91,7 +91,7 @@ def resolve_name(name: str | None, *, clusters: bool = False, verb: str = "this 
             return name
         raise StateError(f"testbed {name!r} spans several hosts, and {verb} does not work across hosts yet "
                          f"(up, down, status, ls, exec, link, run, node, partition, heal, logs, ps, top, events, "
-                         f"stacks, scenario and cleanup do; attach and cp print the ssh command to run): run it on the node's host "
+                         f"stacks, capture, scenario and cleanup do; attach and cp print the ssh command to run): run it on the node's host "
                          f"(`testbed status {name}` shows where each node is)")
     if name not in local:
         up = local + spread
