@@ -9,7 +9,8 @@ player (testbed.faults.player):
    steps it will shape against its own kernel (`testbed scenario host-check`: player.preflight on
    its part), which also proves every host answers before anything starts;
 2. the job runs as `testbed run` does across hosts (controller.run_job), in a thread of its own;
-3. a watcher polls the master host's probe step records over SSH (controller.run_on_host): t0 is
+3. a watcher polls the master host's probe step records over one SSH connection it keeps
+   (controller.open_host): t0 is
    the first training step's time as the record says (not when the poll saw it), and no step
    progress for hang_after ends the job (`stop`) as `hung`;
 4. a dispatcher sends the steps to every host at once (`testbed scenario host-apply`, through
