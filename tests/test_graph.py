@@ -3,7 +3,10 @@
 Pure tests: the drawing's tiers and the /api/topology document from a state (links down, nodes
 down, changed profiles), the step history, the event tail, who may ask (token, Host), and the HTTP
 server itself on loopback with a made-up sampler and topology: endpoints, JSON shapes, headers,
-and every way a POST is refused.
+and every way a POST is refused. Across hosts (testbed.observe.graph_hosts): the topology document
+of a controller's record with each node's host, the lines naming a failing host, the command
+lines control sends, and the same server with made-up hosts (tests/test_cluster_graph.py runs it
+against two emulated hosts).
 
 Kernel tests (root): `testbed graph` as a process against a 100 Mbit/s star: /api/topology and
 /api/sample, a link's utilisation rising under an iperf3 flow, a downed link reading down, POST
@@ -391,6 +394,233 @@ def test_control_refused_unless_allowed_and_asked_right(fake_server):
         status, _, out = _get(base + "/api/control", auth, "POST", json.dumps(bad).encode())
         assert status == 400 and json.loads(out)["error"], (bad, out)
     assert len(g.controlled) == 1
+
+
+# -- pure: a testbed over several hosts (testbed.observe.graph_hosts), its hosts made up -------------------------
+
+HOST_OF = {"w0": "h1", "w1": "h1", "s0": "h1", "w2": "h2", "w3": "h2", "s1": "h2"}
+
+
+def _record() -> dict:
+    """The controller's record of two-sides pinned over h1 and h2 (s0-s1 the cut link), as `up --hosts` keeps it."""
+    from testbed.topology.loader import load_topology
+
+    topo = load_topology(str(REPO / "topologies" / "two-sides.yaml"), [])
+    return {"name": "mh", "created": "now", "time_dilation": 1.0, "topology": topo.to_json(),
+            "placement": dict(HOST_OF), "hosts": {"h1": {"nodes": 3}, "h2": {"nodes": 3}}}
+
+
+def _link_show(record, down: dict | None = None, changed: dict | None = None) -> list:
+    """`testbed link show --json` of that testbed: index -> down_by for links down, index -> (ab, ba) changed."""
+    out = []
+    for i, l in enumerate(record["topology"]["links"]):
+        by = (down or {}).get(i, [])
+        ab, ba = (changed or {}).get(i, (l["ab"], l["ba"]))
+        pick = lambda p: {k: p.get(k) for k in PROFILE_FIELDS}   # noqa: E731
+        out.append({"index": i, "endpoints": l["endpoints"], "tier": l["tier"], "state": "down" if by else "up",
+                    "down_by": by, "ab": pick(ab), "ba": pick(ba), "changed": i in (changed or {}),
+                    "ifnames": [f"a{i}", f"b{i}"]})
+    return out
+
+
+def _answer(rc=0, stdout="", stderr=""):
+    from testbed.cluster.remote import RemoteResult
+
+    return RemoteResult(rc=rc, stdout=stdout, stderr=stderr, host="h", argv=())
+
+
+def test_hosts_topology_doc_names_each_nodes_host_and_what_is_down():
+    from testbed.observe.graph_hosts import hosts_topology_doc
+
+    rec = _record()
+    slow = {"bandwidth_bps": 100e6, "delay_s": 0.001, "jitter_s": 0.0, "loss": 0.0, "queue": None}
+    links = _link_show(rec, down={2: ["node:s1"], 3: ["node:s1"], 4: ["link", "node:s1"]}, changed={0: (slow, slow)})
+    doc = hosts_topology_doc(rec, links, version=4, control=True)
+    assert set(doc) == TOPOLOGY_FIELDS | {"hosts", "states"} and doc["hosts"] == ["h1", "h2"]
+    assert doc["testbed"] == "mh" and doc["version"] == 4 and doc["control"] is True and doc["time"] == "real"
+    nodes = {n["name"]: n for n in doc["nodes"]}
+    assert {n: x["host"] for n, x in nodes.items()} == HOST_OF
+    assert all(set(n) == NODE_FIELDS | {"host"} for n in doc["nodes"])
+    assert nodes["s1"]["state"] == "down" and nodes["s0"]["state"] == "up" and doc["states"]["s1"] == "down"
+    assert nodes["w0"]["addresses"] and nodes["w0"]["layer"] == 0 and nodes["s0"]["layer"] == 1   # the plan's
+    by = {(l["a"], l["b"]): l for l in doc["links"]}
+    assert by[("s0", "s1")]["hosts"] == ["h1", "h2"] and by[("w0", "s0")]["hosts"] == ["h1", "h1"]
+    assert (by[("s0", "s1")]["state"], by[("s0", "s1")]["down_by"]) == ("down", ["link", "node:s1"])
+    assert by[("w0", "s0")]["changed"] and by[("w0", "s0")]["ab_text"] == "100mbit 1ms"
+    assert by[("w1", "s0")]["state"] == "up" and not by[("w1", "s0")]["changed"]
+    assert by[("s0", "s1")]["ab_text"] == "1gbit" and by[("s0", "s1")]["ifnames"] == ["a4", "b4"]
+    # no host answered: the topology as the record has it, every link up
+    doc = hosts_topology_doc(rec, None)
+    assert all(l["state"] == "up" for l in doc["links"]) and doc["states"]["s1"] == "up"
+
+
+def test_hosts_trouble_control_argv_and_answers():
+    from testbed.faults.control import FaultError
+    from testbed.observe import graph_hosts as gh
+
+    top = {"h1": {"state": "ok", "why": None, "t": 1.0}, "h2": {"state": "failed", "why": "cannot reach host h2"}}
+    assert gh.trouble_lines(["h1", "h2"], top, {}) == ["h2: top failed: cannot reach host h2"]
+    assert gh.trouble_lines(["h1", "h2"], None, {"h1": {"events": "boom"}, "h2": {"link show": "x", "events": "y"}}) \
+        == ["h1: events: boom", "h2: link show: x; events: y"]
+    assert gh.trouble_lines(["h1", "h2"], {"h1": {"state": "ok"}}, {}) == []
+    stale = {"h1": {"state": "stale", "why": "no new reading for 3 s", "t": 97.0}}
+    assert gh.trouble_lines(["h1"], stale, {}, newest=100.0) == []                  # a little late: no banner
+    assert gh.trouble_lines(["h1"], stale, {}, newest=97.0 + gh.STALE_S) == ["h1: top stale: no new reading for 3 s"]
+    rec = _record()
+    assert gh.control_argv(rec, "mh", "link_down", ["s1", "s0"]) == ["link", "down", "s1", "s0", "--name", "mh"]
+    assert gh.control_argv(rec, "mh", "node_up", ["w2"]) == ["node", "up", "w2", "--name", "mh"]
+    with pytest.raises(FaultError, match="no node 'nope'"):
+        gh.control_argv(rec, "mh", "node_down", ["nope"])
+    with pytest.raises(FaultError, match="no link between w0 and w2"):
+        gh.control_argv(rec, "mh", "link_down", ["w0", "w2"])
+    assert gh.still_down({"h1": _answer(stdout="s0 <-> s1: still down (node:s1, link)\n")}) == ["node:s1", "link"]
+    assert gh.still_down({"h1": _answer(stdout="s0 <-> s1: up\n")}) is None
+    links = _link_show(rec)
+    got, failed = gh.link_answers({"h1": OSError("cannot reach host h1"), "h2": _answer(stdout=json.dumps(links))},
+                                  ["h1", "h2"])
+    assert got == links and failed == {"h1": "cannot reach host h1"}
+    got, failed = gh.link_answers({"h1": _answer(1, stderr="error: no testbed named 'mh' is up\n"),
+                                   "h2": _answer(stdout="not json")}, ["h1", "h2"])
+    assert got is None and failed == {"h1": "no testbed named 'mh' is up", "h2": "its `link show --json` was not JSON"}
+
+
+def test_a_host_whose_top_failed_is_watched_again_once_it_answers():
+    from testbed.observe.graph_hosts import HostsSampler
+
+    class Top:
+        def __init__(self, state):
+            self.state, self.closed = state, False
+
+        def sample(self):
+            return {"hosts": {"h1": {"state": "ok"}, "h2": {"state": self.state}}}
+
+        def close(self):
+            self.closed = True
+
+    class Source:
+        def __init__(self):
+            self.tops, self.back = [], False
+
+        def new_top(self, interval, runs_dir):
+            self.tops.append(Top("failed" if not self.tops else "ok"))
+            return self.tops[-1]
+
+        def answering(self, host, since):
+            return self.back and host == "h2"
+
+    src = Source()
+    s = HostsSampler(src, 1.0, None)
+    assert s.sample()["hosts"]["h2"]["state"] == "failed" and len(src.tops) == 1
+    assert s.sample() and len(src.tops) == 1 and "h2" in s.failed_since        # still unreachable: no restart
+    src.back = True
+    assert s.sample()["hosts"]["h2"]["state"] == "failed"                        # that sample, then a new top
+    assert len(src.tops) == 2 and src.tops[0].closed and s.top is src.tops[1]
+    assert s.sample()["hosts"]["h2"]["state"] == "ok" and len(src.tops) == 2
+    s.close()
+    assert src.tops[1].closed
+
+
+class FakeHosts:
+    """The controller's run_on_every_host for h1 and h2, answered from here: h2's events fail."""
+
+    def __init__(self, record):
+        self.record = record
+        self.links = _link_show(record)
+        self.calls: list[list[str]] = []
+        self.fail_control: str | None = None
+
+    def __call__(self, name, argv, timeout=None):
+        self.calls.append(list(argv))
+        if argv[:2] == ["link", "show"]:
+            return {h: _answer(stdout=json.dumps(self.links)) for h in ("h1", "h2")}
+        if argv[0] == "events":
+            ev = {"t": 5.0, "kind": "link", "what": "link down s0 s1", "testbed": name}
+            return {"h1": _answer(stdout=json.dumps({**ev, "t": 4.0, "kind": "up", "what": "up"}) + "\n" +
+                                  json.dumps(ev) + "\n"),
+                    "h2": _answer(1, stderr="error: events.jsonl: permission denied\n")}
+        if argv[:2] == ["link", "down"]:
+            i = next(i for i, l in enumerate(self.links) if set(l["endpoints"]) == set(argv[2:4]))
+            self.links[i].update(state="down", down_by=["link"])
+        return {h: (_answer(1, stderr="error: boom\n") if h == self.fail_control else _answer(stdout="done\n"))
+                for h in ("h1", "h2")}
+
+
+class FakeHostsTop:
+    """HostsTop's merged document of two-sides, h2's top failed."""
+
+    def __init__(self, name, interval, runs_dir):
+        self.interval = interval
+
+    def sample(self):
+        time.sleep(self.interval)
+        rec = _record()
+        links = [{"index": i, "name": f"{a}->{b}", "from": a, "to": b, "tier": l["tier"], "ifname": None,
+                  "state": "up", "down_by": [], "bandwidth_bps": 1e9, "rate_bps": 5e8, "wire_rate_bps": 5e8,
+                  "packets_per_s": 1.0, "util": 0.5, "backlog_bytes": None, "backlog_packets": None, "drops": None,
+                  "overlimits": None, "host": HOST_OF[a], "to_host": HOST_OF[b]}
+                 for i, l in enumerate(rec["topology"]["links"]) for a, b in (l["endpoints"], l["endpoints"][::-1])]
+        workers = [{"name": w, "state": "crashed" if w == "w1" else "up", "cpu": 0.1, "memory_bytes": 1,
+                    "host": HOST_OF[w]} for w in ("w0", "w1", "w2", "w3")]
+        return {"testbed": "mh", "t": time.time(), "interval_s": 1.0, "read_s": 0.01, "time": "real", "dilation": 1.0,
+                "links": links, "workers": workers, "run": None,
+                "hosts": {"h1": {"state": "ok", "why": None, "t": time.time()},
+                          "h2": {"state": "failed", "why": "cannot reach host h2", "t": None}}}
+
+    def close(self):
+        pass
+
+
+def test_server_across_hosts_names_hosts_and_forwards_control(state_dir, monkeypatch):
+    """The same server, its source a testbed over two made-up hosts: each node's host, the hosts'
+    events merged, a failing host's lines in "trouble", control sent to every host."""
+    from testbed.cluster import controller
+    from testbed.observe.graph_hosts import HostsSource
+
+    monkeypatch.setattr(controller, "exists", lambda name: name == "mh")
+    rec = _record()
+    hosts = FakeHosts(rec)
+    source = HostsSource("mh", record=rec, run_every=hosts, refresh_s=0.2)
+    g = graph.Graph("mh", sampler=FakeHostsTop, interval=0.1, allow_control=True, source=source)
+    server, access = graph.make_server(g, "127.0.0.1", 0, "tok", lambda _l: None)
+    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    base, auth = f"http://127.0.0.1:{access.port}", {"Authorization": "Bearer tok"}
+    try:
+        topo = json.loads(_get(base + "/api/topology", auth)[2])
+        assert topo["hosts"] == ["h1", "h2"] and {n["name"]: n["host"] for n in topo["nodes"]} == HOST_OF
+        assert "states" not in topo and topo["control"] is True
+        s = json.loads(_get(base + "/api/sample", auth)[2])
+        assert set(s) == SAMPLE_FIELDS | {"hosts"} and not s["warming"] and s["error"] is None, s
+        assert s["nodes"]["w1"] == "crashed" and s["nodes"]["s1"] == "up"              # a worker's own state
+        assert "h2: top failed: cannot reach host h2" in s["trouble"][0]
+        assert "events: events.jsonl: permission denied" in s["trouble"][0]
+        ev = json.loads(_get(base + "/api/events?since=0", auth)[2])["events"]
+        assert [(e["host"], e["what"]) for e in ev] == [("h1", "up"), ("h1", "link down s0 s1")]
+        # control: to every host, then the records asked for again (a new version of the topology)
+        version = topo["version"]
+        post = {**auth, "Content-Type": "application/json", graph.CONTROL_HEADER: "1"}
+        status, _, body = _get(base + "/api/control", post, "POST",
+                               json.dumps({"action": "link_down", "a": "s0", "b": "s1"}).encode())
+        assert status == 200 and json.loads(body)["ok"], body
+        assert ["link", "down", "s0", "s1", "--name", "mh"] in hosts.calls
+        assert _until(lambda: json.loads(_get(base + "/api/topology", auth)[2])["version"] > version, 5.0)
+        topo = json.loads(_get(base + "/api/topology", auth)[2])
+        assert next(l for l in topo["links"] if l["a"] == "s0")["state"] == "down"
+        status, _, body = _get(base + "/api/control", post, "POST", json.dumps({"action": "node_down",
+                                                                                "node": "nope"}).encode())
+        assert status == 400 and "no node 'nope'" in json.loads(body)["error"]
+        hosts.fail_control = "h2"
+        status, _, body = _get(base + "/api/control", post, "POST", json.dumps({"action": "node_down",
+                                                                                "node": "w2"}).encode())
+        assert status == 502 and json.loads(body)["error"] == "h2: boom", body
+        # the controller's record gone (`testbed down`): the page says so
+        monkeypatch.setattr(controller, "exists", lambda name: False)
+        assert _until(lambda: json.loads(_get(base + "/api/sample", auth)[2])["up"] is False, 5.0)
+    finally:
+        server.shutdown()
+        server.server_close()
+        t.join(5)
+        g.close()
 
 
 # -- the CLI without a testbed ----------------------------------------------------------------------------------

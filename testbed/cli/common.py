@@ -90,8 +90,8 @@ def resolve_name(name: str | None, *, clusters: bool = False, verb: str = "this 
         if clusters:
             return name
         raise StateError(f"testbed {name!r} spans several hosts, and {verb} does not work across hosts yet "
-                         f"(up, down, status, ls, exec, link, run, node, partition, heal, logs, ps, top, events, "
-                         f"stacks, capture, scenario and cleanup do; attach runs ssh to the node's host; cp prints "
+                         f"(up, down, status, ls, exec, link, run, node, partition, heal, logs, ps, top, graph, "
+                         f"events, stacks, capture, scenario and cleanup do; attach runs ssh to the node's host; cp prints "
                          f"the scp steps): run it on the node's host (`testbed status {name}` shows where each "
                          f"node is)")
     if name not in local:

@@ -1,5 +1,10 @@
 """testbed graph [--name NAME] [--port P] [--bind ADDR] [--allow-control]: a local web page of a
-running testbed (testbed.observe.graph serves it)."""
+running testbed (testbed.observe.graph serves it).
+
+A testbed over several hosts: the controller serves the same page, its documents from the hosts
+(testbed.observe.graph_hosts): every host's `top --json` merged, their link records and events
+asked every few seconds; each node's host on the page, a host that fails named in its banner;
+the page's actions sent to every host, as `testbed link` and `testbed node` do."""
 
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ def graph_cmd(
     allow_control: bool = typer.Option(False, "--allow-control", help="Let the page take links and nodes down "
                                                                       "and up (requires the printed token)."),
     runs: Optional[str] = typer.Option(None, "--runs", help="Where `testbed run` keeps its run directories "
-                                                            "(default: ./runs)."),
+                                                            "(default: ./runs; across hosts: a directory on "
+                                                            "the hosts)."),
     interval: float = typer.Option(1.0, "--interval", "-i", min=0.2, help="Seconds between samples."),
 ) -> None:
     """Serve a live web page of a testbed: link utilisation, what is down, step times, events.
@@ -31,12 +37,16 @@ def graph_cmd(
 
     Listens on 127.0.0.1 only unless --bind says otherwise (then every request needs the token
     printed with the URL). Read-only unless --allow-control. Serves until Ctrl-C, or until the
-    testbed goes down (the page says so, and the server stops a few seconds later)."""
+    testbed goes down (the page says so, and the server stops a few seconds later).
+
+    A testbed over several hosts: served from the controller, from every host's `top --json`,
+    link records and events; each node's host shown, a host that fails named on the page; the
+    page's actions go to every host. Ctrl-C stops every host's top."""
     from testbed.observe.graph import DOWN_GRACE_S, check_bind, serve
 
     bind = check_bind(bind)
     require_root("testbed graph")
-    name = resolve_name(name)
+    name = resolve_name(name, clusters=True)
 
     def ready(url: str) -> None:
         console.print(f"testbed graph: {name} at [bold]{url}[/]", highlight=False, soft_wrap=True)

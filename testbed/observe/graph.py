@@ -18,7 +18,8 @@ Endpoints (GET unless said; JSON, fields may be added):
                       x in (0, 1) within the row, layer 0 = workers; ab/ba are the profiles the
                       link runs at now, in emulated units, as `testbed link show --json` gives
                       them (bandwidth_bps, delay_s, jitter_s, loss, queue), *_text as it prints
-                      them. "version" changes whenever the state file does.
+                      them. "version" changes whenever the state file does. Across hosts also:
+                      "hosts" (names), each node's "host", each link's "hosts" (its ends').
   /api/sample         the latest sample, shared by every client: `testbed top --json`'s document
                       (testbed.observe.top: "links" per direction with rate_bps, util,
                       backlog_bytes, drops, overlimits, state; "workers" with cpu,
@@ -26,12 +27,19 @@ Endpoints (GET unless said; JSON, fields may be added):
                       "version" (the topology's: fetch /api/topology again when it differs),
                       "nodes" ({node: "up"|"down"|"crashed"} for switches and workers),
                       "steps" (the active run's step times seen so far: [{"step", "t",
-                      "step_s", "max_s"}]), "warming" (no sample yet) and "error" (null, or why
-                      the last sample failed).
+                      "step_s", "max_s"}]), "warming" (no sample yet), "error" (null, or why
+                      the last sample failed) and "trouble" (lines "HOST: what: why", one per
+                      host of a testbed over several hosts that fails or lags; [] on one host).
+                      Across hosts the document is testbed.observe.top_hosts's (with "hosts").
   /api/events?since=T the testbed's events (testbed.events) with "t" > T, oldest first, at most
                       `limit` (default 100, the newest): {"testbed", "events": [...], "t"}.
   POST /api/control   only with --allow-control: {"action": "link_down"|"link_up", "a", "b"} or
-                      {"action": "node_down"|"node_up", "node"}; calls testbed.faults.control.
+                      {"action": "node_down"|"node_up", "node"}; calls testbed.faults.control
+                      (across hosts: sent to every host, as `testbed link` and `testbed node` do).
+
+Where the documents come from is a source (LocalSource: this host's state file, Top, events file
+and testbed.faults.control; testbed.observe.graph_hosts.HostsSource: a testbed over several hosts,
+from its controller); the server and the page are the same for both.
 
 Sampling: one background thread takes one sample per interval (testbed.observe.top.Top: one
 netlink conversation per namespace) while some page asked for a sample in the last IDLE_S
@@ -92,7 +100,7 @@ FILES = {"/": ("graph.html", "text/html; charset=utf-8"),
          "/graph.css": ("graph.css", "text/css; charset=utf-8")}
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
-SAMPLE_FIELDS = ("up", "version", "nodes", "steps", "warming", "error")
+SAMPLE_FIELDS = ("up", "version", "nodes", "steps", "warming", "error", "trouble")
 
 
 class GraphError(TestbedError):
@@ -170,11 +178,12 @@ def overlay(sample: Mapping[str, Any], topo: Mapping[str, Any], states: Mapping[
     return {**sample, "links": links, "nodes": dict(states), "version": topo["version"]}
 
 
-def empty_sample(name: str, up: bool, version: int = 0, error: str | None = None) -> dict[str, Any]:
+def empty_sample(name: str, up: bool, version: int = 0, error: str | None = None,
+                 trouble: list[str] | None = None) -> dict[str, Any]:
     """A sample with no readings: before the first one (warming) or once the testbed is gone."""
     return {"testbed": name, "t": time.time(), "interval_s": None, "read_s": None, "time": None, "dilation": None,
             "links": [], "workers": [], "run": None, "up": up, "version": version, "nodes": {}, "steps": [],
-            "warming": up, "error": error}
+            "warming": up, "error": error, "trouble": list(trouble or [])}
 
 
 class StepHistory:
@@ -227,7 +236,7 @@ class EventTail:
         return newer[-limit:] if limit > 0 else []
 
 
-# -- the shared state of a server: one topology, one sampler, one event tail -------------------------------
+# -- where the numbers come from: a testbed on this host, or one over several hosts ------------------------
 
 
 def _stamp(path: Path) -> tuple[int, int, int] | None:
@@ -238,14 +247,93 @@ def _stamp(path: Path) -> tuple[int, int, int] | None:
     return (s.st_ino, s.st_mtime_ns, s.st_size)
 
 
+class LocalSource:
+    """A testbed on this host: its state file, testbed.observe.top.Top, its events file and
+    testbed.faults.control. The one interface a Graph reads (testbed.observe.graph_hosts.HostsSource
+    is the other, for a testbed over several hosts):
+
+      exists()                 the testbed is still up
+      stamp()                  changes whenever topology() would say something new (None: gone)
+      topology(version, control)  the /api/topology document, with "states" (node -> state) added;
+                               StateError when the testbed is gone
+      sampler(interval, runs)  an object with sample() (a `top --json` document) and close()
+      annotate(doc, states)    a fresh sample given its "nodes" and "trouble"
+      trouble(doc)             lines naming a host and what is wrong with it (one host: none)
+      events                   since(t, limit): the events after t, oldest first
+      control(action, values)  one action of the page (parse_control's)
+      touch()                  a page asked for something (a source may refresh while pages watch)
+      overlay_states           a sample's link states give way to a newer topology document's
+      close()                  the server stops: stop what runs (without waiting for the sampler)
+      close_wait_s             how long closing waits for the sampler thread"""
+
+    overlay_states = True
+    close_wait_s = 10.0
+
+    def __init__(self, name: str):
+        self.name = name
+        self.events = EventTail(name)
+
+    def exists(self) -> bool:
+        return store.exists(self.name)
+
+    def stamp(self) -> Any:
+        return _stamp(paths.state_file(self.name))
+
+    def topology(self, version: int, control: bool) -> dict[str, Any]:
+        st = store.load(self.name)
+        doc = topology_doc(st, version, control)
+        doc["states"] = node_states(st)
+        return doc
+
+    def sampler(self, interval: float, runs_dir: str | os.PathLike[str] | None) -> Any:
+        from testbed.observe.top import Top
+
+        return Top(self.name, interval, runs_dir)
+
+    def annotate(self, doc: dict[str, Any], states: Mapping[str, str]) -> dict[str, Any]:
+        doc.update({"nodes": dict(states), "trouble": []})
+        return doc
+
+    def trouble(self, doc: Mapping[str, Any] | None = None) -> list[str]:
+        return []
+
+    def control(self, action: str, values: list[str]) -> Any:
+        from testbed.faults import control
+
+        return getattr(control, action)(self.name, *values)
+
+    def touch(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def open_source(name: str) -> Any:
+    """The source of testbed `name`: this host's (LocalSource), or, for a testbed over several hosts
+    whose controller this is, its hosts' (testbed.observe.graph_hosts.HostsSource)."""
+    if not store.exists(name):
+        from testbed.cluster import controller
+
+        if controller.exists(name):
+            from testbed.observe.graph_hosts import HostsSource
+
+            return HostsSource(name)
+    return LocalSource(name)
+
+
+# -- the shared state of a server: one topology, one sampler, one event tail -------------------------------
+
+
 class Graph:
     """What every request of one server reads: the topology document (rebuilt when the state file
     changes), the latest sample (taken by one thread while pages ask for samples), the events."""
 
     def __init__(self, name: str, *, interval: float = 1.0, runs_dir: str | os.PathLike[str] | None = None,
                  allow_control: bool = False, sampler: Callable[..., Any] | None = None,
-                 idle_s: float = IDLE_S):
+                 idle_s: float = IDLE_S, source: Any = None):
         self.name = name
+        self.source = source if source is not None else LocalSource(name)
         self.interval = interval
         self.runs_dir = runs_dir
         self.allow_control = allow_control
@@ -265,7 +353,7 @@ class Graph:
         self.down_since: float | None = None
         self.error: str | None = None
         self.steps = StepHistory()
-        self.events = EventTail(name)
+        self.events = self.source.events
         self._thread = threading.Thread(target=self._run, name=f"graph-sampler-{name}", daemon=True)
         self._thread.start()
 
@@ -273,21 +361,20 @@ class Graph:
     def topology(self) -> dict[str, Any]:
         """The /api/topology document (the last one known, "up": false, once the testbed is gone)."""
         with self._topo_lock:
-            stamp = _stamp(paths.state_file(self.name))
+            stamp = self.source.stamp()
             if stamp is None:
                 self.mark_down()
             elif stamp != self._topo_stamp or self._topo is None:
                 try:
-                    st = store.load(self.name)
+                    doc = self.source.topology(self.version + 1, self.allow_control)
                 except StateError:
-                    if not store.exists(self.name):
+                    if not self.source.exists():
                         self.mark_down()
                     else:
                         raise
                 else:
                     self.version += 1
-                    self._topo = topology_doc(st, self.version, self.allow_control)
-                    self._topo["states"] = node_states(st)
+                    self._topo = doc
                     self._topo_stamp = stamp
             if self._topo is None:
                 raise StateError(f"testbed {self.name!r} is no longer up")
@@ -313,9 +400,7 @@ class Graph:
     def _new_sampler(self) -> Any:
         if self._make_sampler is not None:
             return self._make_sampler(self.name, self.interval, self.runs_dir)
-        from testbed.observe.top import Top
-
-        return Top(self.name, self.interval, self.runs_dir)
+        return self.source.sampler(self.interval, self.runs_dir)
 
     def _publish(self, doc: dict[str, Any] | None) -> None:
         with self._cond:
@@ -344,22 +429,23 @@ class Graph:
                     doc = sampler.sample()
                     states = self._node_states()
                 except Exception as exc:   # gone (StateError), or a reading failed: say so, keep going
-                    if not store.exists(self.name):
+                    if not self.source.exists():
                         self.mark_down()
                         break
                     self.error = f"{type(exc).__name__}: {exc}"
                     with self._cond:
                         stale = self._latest
                     if stale is not None:
-                        self._publish({**stale, "error": self.error})
+                        self._publish({**stale, "error": self.error, "trouble": self.source.trouble(None)})
                     if sampler is not None:
                         sampler.close()
                         sampler = None
                     self._stop.wait(self.interval)
                     continue
                 self.error = None
-                doc.update({"up": True, "version": self.version, "nodes": states,
-                            "steps": self.steps.update(doc.get("run")), "warming": False, "error": None})
+                doc = self.source.annotate(doc, states)
+                doc.update({"up": True, "version": self.version, "steps": self.steps.update(doc.get("run")),
+                            "warming": False, "error": None})
                 self._publish(doc)
         finally:
             if sampler is not None:
@@ -370,12 +456,13 @@ class Graph:
         `wait` seconds for its first sample."""
         self._wanted = time.monotonic()
         self._wake.set()
+        self.source.touch()
         with self._cond:
             if self._latest_json is None and not self.down:
                 self._cond.wait_for(lambda: self._latest_json is not None or self.down, timeout=wait)
             latest, encoded = self._latest, self._latest_json
         if latest is not None and not self.down:
-            if _stamp(paths.state_file(self.name)) != self._topo_stamp:   # changed since: states now
+            if self.source.overlay_states and self.source.stamp() != self._topo_stamp:   # changed since: states now
                 try:
                     topo = self.topology()
                 except StateError:
@@ -389,7 +476,8 @@ class Graph:
                     return json.dumps(latest, separators=(",", ":"), default=str).encode()
             if not self.down:
                 return encoded
-        doc = empty_sample(self.name, up=not self.down, version=self.version, error=self.error)
+        doc = empty_sample(self.name, up=not self.down, version=self.version, error=self.error,
+                           trouble=self.source.trouble(None) if not self.down else [])
         return json.dumps(doc, separators=(",", ":")).encode()
 
     def sample(self, wait: float = FIRST_SAMPLE_WAIT_S) -> dict[str, Any]:
@@ -397,18 +485,18 @@ class Graph:
 
     # -- control
     def control(self, body: Any) -> dict[str, Any]:
-        """One action from the page (testbed.faults.control); GraphRequestError when malformed."""
-        from testbed.faults import control
-
+        """One action from the page (testbed.faults.control, or sent to every host); GraphRequestError
+        when malformed."""
         action, values = parse_control(body)
-        result = getattr(control, action)(self.name, *values)
+        result = self.source.control(action, values)
         return {"ok": True, "action": action, "args": values,
                 "result": result if isinstance(result, (bool, list)) else None}
 
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(10)
+        self.source.close()   # (across hosts: tells the hosts' tops to stop; the sampler thread waits for them)
+        self._thread.join(self.source.close_wait_s)
 
 
 # -- who may ask -----------------------------------------------------------------------------------------------
@@ -697,7 +785,12 @@ def serve(name: str, *, bind: str = DEFAULT_BIND, port: int | None = None, allow
     until the testbed has been down DOWN_GRACE_S seconds (returns "down")."""
     bind = check_bind(bind)
     token = secrets.token_urlsafe(24) if (allow_control or not is_loopback(bind)) else None
-    graph = Graph(name, interval=interval, runs_dir=runs_dir, allow_control=allow_control)
+    source = open_source(name)
+    try:
+        graph = Graph(name, interval=interval, runs_dir=runs_dir, allow_control=allow_control, source=source)
+    except BaseException:
+        source.close()
+        raise
     try:
         graph.topology()   # the state is readable before we say where to look
         server, access = make_server(graph, bind, port, token, log)
@@ -712,7 +805,7 @@ def serve(name: str, *, bind: str = DEFAULT_BIND, port: int | None = None, allow
         (ready or log)(url)
         while True:
             time.sleep(0.25)
-            if not store.exists(name):
+            if not graph.source.exists():
                 graph.mark_down()
             if graph.down and time.monotonic() - (graph.down_since or 0) >= DOWN_GRACE_S:
                 return "down"

@@ -123,11 +123,12 @@
         class: "node " + n.kind, transform: "translate(" + x.toFixed(1) + "," + y.toFixed(1) + ")",
         "data-node": n.name, "data-kind": n.kind, "data-layer": n.layer, "data-state": n.state,
       }, nodeLayer);
+      if (n.host) g.setAttribute("data-host", n.host);   // a testbed over several hosts: where it runs
       if (n.kind === "worker") el("rect", { class: "shape", x: -r, y: -r, width: 2 * r, height: 2 * r }, g);
       else el("circle", { class: "shape", r: r }, g);
       el("path", { class: "cross", d: "M" + -r + "," + -r + "L" + r + "," + r + "M" + r + "," + -r + "L" + -r + "," + r }, g);
       const title = el("title", {}, g);
-      title.textContent = n.name;
+      title.textContent = n.name + (n.host ? " (on " + n.host + ")" : "");
       if (n.kind === "worker" && labels) {
         el("rect", { class: "cpu-bg", x: -r * 1.6, y: r + 3, width: r * 3.2, height: 3 }, g);
         el("rect", { class: "cpu", x: -r * 1.6, y: r + 3, width: 0, height: 3 }, g);
@@ -146,7 +147,8 @@
     $("title").textContent = topo.testbed;
     document.title = "testbed graph: " + topo.testbed;
     $("info").textContent = workers + " workers, " + (topo.nodes.length - workers) + " switches, " +
-      topo.links.length + " links; " + (topo.time === "emulated"
+      topo.links.length + " links" + (topo.hosts ? " over " + topo.hosts.length + " hosts (" +
+      topo.hosts.join(", ") + ")" : "") + "; " + (topo.time === "emulated"
         ? "emulated time (dilation " + topo.dilation + "): rates and step times are the emulated cluster's"
         : "real time");
     svg.dataset.drawn = "1";
@@ -293,6 +295,8 @@
       body.appendChild(h("h3", l.a + " \u2194 " + l.b));
       body.appendChild(kv([
         ["link", "#" + l.index + ", tier " + l.tier],
+        ...(l.hosts ? [["hosts", l.hosts[0] === l.hosts[1] ? l.hosts[0]
+          : l.hosts[0] + " \u2194 " + l.hosts[1] + " (a tunnel between the hosts)"]] : []),
         ["state", state + (state !== "up" && downBy && downBy.length ? " (" + downBy.join(", ") + ")" : "")],
         [l.a + " \u2192 " + l.b, l.ab_text],
         [l.b + " \u2192 " + l.a, l.ba_text],
@@ -327,7 +331,8 @@
       const mine = topo.links.filter((l) => l.a === n.name || l.b === n.name);
       const down = mine.filter((l) => { const d = S.dirs.get(l.index); return (d && d.length ? d[0].state : l.state) !== "up"; });
       body.appendChild(h("h3", n.name));
-      const rows = [["kind", n.kind + (n.kind === "switch" ? " (layer " + n.layer + ")" : "")], ["state", state],
+      const rows = [["kind", n.kind + (n.kind === "switch" ? " (layer " + n.layer + ")" : "")],
+        ...(n.host ? [["host", n.host]] : []), ["state", state],
         ["links", mine.length + (down.length ? " (" + down.length + " down)" : "")]];
       if (n.addresses.length) rows.push(["addresses", n.addresses.join(", ")]);
       if (n.gpus) rows.push(["GPUs", String(n.gpus)]);
@@ -425,8 +430,10 @@
         const li = h("li");
         li.appendChild(h("span", stamp(e.t) + " "));
         li.appendChild(h("span", e.kind, "kind"));
+        if (e.host) li.appendChild(h("span", " " + e.host, "host"));
         li.appendChild(document.createTextNode(" " + e.what));
         li.dataset.kind = e.kind;
+        if (e.host) li.dataset.host = e.host;
         list.insertBefore(li, list.firstChild);
         S.eventsSince = Math.max(S.eventsSince, e.t);
       }
@@ -454,7 +461,8 @@
         return;
       }
       if (S.topo && s.version !== S.topo.version && s.version) await loadTopology();
-      banner(s.error ? "the last sample failed: " + s.error : "");
+      // a testbed over several hosts: each host that fails or lags, named with why
+      banner([s.error ? "the last sample failed: " + s.error : "", ...(s.trouble || [])].filter((x) => x).join(" \u00b7 "));
       if (s.warming) setStatus("sampling", "warming");
       else {
         setStatus("live", "");
