@@ -25,42 +25,15 @@ from pathlib import Path
 
 import pytest
 
-from testbed.cluster import emulate
+from cluster_hosts import CAN_EMULATE, NEEDS, PINS, REPO, TOPOLOGY, emulated_hosts, on_host, tb
 
-REPO = Path(__file__).resolve().parents[1]
-CAN_EMULATE = os.geteuid() == 0 and Path(emulate.SSHD).exists() and shutil.which("ssh-keygen") is not None \
-    and shutil.which("ssh") is not None and shutil.which("tcpdump") is not None
 pytestmark = [pytest.mark.root,
-              pytest.mark.skipif(not CAN_EMULATE, reason="needs root, openssh-server and -client, tcpdump")]
-
-TOPOLOGY = REPO / "topologies" / "two-sides.yaml"   # s0-s1 is the link between the hosts
-PINS = ["--pin", "w0=h1", "--pin", "w1=h1", "--pin", "s0=h1", "--pin", "w2=h2", "--pin", "w3=h2", "--pin", "s1=h2"]
+              pytest.mark.skipif(not CAN_EMULATE or shutil.which("tcpdump") is None, reason=f"{NEEDS}, tcpdump")]
 
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    state = tmp_path_factory.mktemp("controller")   # the controller's own state root
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TESTBED_STATE_DIR", str(state))
-        with emulate.emulated(2, tmp_path_factory.mktemp("emu") / "hosts", cores=8) as e:
-            yield e
-
-
-def tb(*args: str, timeout: float = 300, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    """`testbed ARGS` as a process, the way a user runs it."""
-    r = subprocess.run([sys.executable, "-m", "testbed", *args], capture_output=True, text=True, timeout=timeout,
-                       cwd=REPO, env={**os.environ, "COLUMNS": "250"}, **kw)
-    if check and r.returncode != 0:
-        raise AssertionError(f"testbed {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
-    return r
-
-
-def on_host(emu, host: str, *argv: str, check: bool = True):
-    ctl = next(c for c in emu.controls() if c.name == host)
-    try:
-        return ctl.run(list(argv), check=check)
-    finally:
-        ctl.close()
+    yield from emulated_hosts(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

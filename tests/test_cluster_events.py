@@ -12,71 +12,24 @@ own (TESTBED_STATE_DIR), the hosts in their own /run.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
-from testbed.cluster import emulate
+from cluster_hosts import CAN_EMULATE, NEEDS, REPO, emulated_hosts, pids_with, tb, up_line
 
-REPO = Path(__file__).resolve().parents[1]
-CAN_EMULATE = os.geteuid() == 0 and Path(emulate.SSHD).exists() and shutil.which("ssh-keygen") is not None \
-    and shutil.which("ssh") is not None
-pytestmark = [pytest.mark.root, pytest.mark.skipif(not CAN_EMULATE, reason="needs root, openssh-server and -client")]
-
-TOPO = (REPO / "topologies" / "two-sides.yaml").read_text()
-PINS = ["--pin", "w0=h1", "--pin", "w1=h1", "--pin", "s0=h1", "--pin", "w2=h2", "--pin", "w3=h2", "--pin", "s1=h2"]
+pytestmark = [pytest.mark.root, pytest.mark.skipif(not CAN_EMULATE, reason=NEEDS)]
 
 
 @pytest.fixture(scope="module")
 def line(tmp_path_factory):
-    from testbed.cluster import controller
-
-    state = tmp_path_factory.mktemp("controller")   # the controller's own state root (0700, root's)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TESTBED_STATE_DIR", str(state))
-        with emulate.emulated(2, tmp_path_factory.mktemp("emu") / "hosts", cores=8) as emu:
-            topo = tmp_path_factory.mktemp("topo") / "two-sides.yaml"
-            topo.write_text(TOPO)
-            name = f"ev{uuid.uuid4().hex[:6]}"
-            tb("up", str(topo), "--name", name, "--hosts", str(emu.hosts_file), "--known-hosts",
-               str(emu.known_hosts), "--time-dilation", "none", *PINS)
-            try:
-                yield name
-            finally:
-                if controller.exists(name):
-                    tb("down", name, check=False)
-
-
-def tb(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-    """`testbed ARGS` as a process, the way a user runs it."""
-    r = subprocess.run([sys.executable, "-m", "testbed", *args], capture_output=True, text=True, timeout=timeout,
-                       cwd=REPO, env={**os.environ, "COLUMNS": "250"})
-    if check and r.returncode != 0:
-        raise AssertionError(f"testbed {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
-    return r
-
-
-def _pids_with(marker: str, start: bool = False) -> list[int]:
-    """PIDs of processes whose command line holds `marker` (start: begins with it). The emulated
-    hosts share this machine's PID namespace, so their processes are seen here."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if cmd.startswith(marker) if start else marker in cmd:
-                found.append(int(d.name))
-    return [p for p in found if p != os.getpid()]
+    for emu in emulated_hosts(tmp_path_factory):   # (one: the hosts go when the testbed has)
+        yield from up_line(emu, "ev")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -116,16 +69,16 @@ def test_events_of_both_hosts_merged_in_time_order_and_followed(line):
             if r["t"] >= t1:
                 new.append((r["host"], r["what"].split()[1]))
         assert sorted(new) == [("h1", "down"), ("h1", "up"), ("h2", "down"), ("h2", "up")], new
-        assert _pids_with(f"events --json --name {line} -f"), "no events -f on the hosts"
+        assert pids_with(f"events --json --name {line} -f"), "no events -f on the hosts"
         follow.send_signal(signal.SIGINT)   # what Ctrl-C on the controller's terminal does
         _, err = follow.communicate(timeout=30)
     finally:
         _stop(follow)
     assert follow.returncode == 0, err   # a Ctrl-C ends -f, as on one host
     deadline = time.monotonic() + 10
-    while _pids_with(f"events --json --name {line} -f") and time.monotonic() < deadline:
+    while pids_with(f"events --json --name {line} -f") and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _pids_with(f"events --json --name {line} -f"), "events -f still runs on a host"
+    assert not pids_with(f"events --json --name {line} -f"), "events -f still runs on a host"
 
 
 def test_stacks_of_a_job_across_hosts(line):
@@ -139,7 +92,7 @@ def test_stacks_of_a_job_across_hosts(line):
                             "-c", job], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90
-        while len(_pids_with(f"python -c {job}", start=True)) < 4:
+        while len(pids_with(f"python -c {job}", start=True)) < 4:
             assert run.poll() is None and time.monotonic() < deadline, "the job did not start its 4 ranks"
             time.sleep(0.2)
         time.sleep(1)   # past the interpreter's start: in the job's function
@@ -154,4 +107,4 @@ def test_stacks_of_a_job_across_hosts(line):
         run.communicate(timeout=90)
     finally:
         _stop(run)
-    assert not _pids_with(f"python -c {job}", start=True), "ranks left running"
+    assert not pids_with(f"python -c {job}", start=True), "ranks left running"

@@ -13,30 +13,21 @@ start in it on every host, and the run directories go there).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
-import uuid
 from pathlib import Path
 
 import pytest
 
-from testbed.cluster import emulate
+from cluster_hosts import CAN_EMULATE, NEEDS, REPO, emulated_hosts, on_host, tb, up_line
 
-REPO = Path(__file__).resolve().parents[1]
-CAN_EMULATE = os.geteuid() == 0 and Path(emulate.SSHD).exists() and shutil.which("ssh-keygen") is not None \
-    and shutil.which("ssh") is not None
-PINS = ["--pin", "w0=h1", "--pin", "w1=h1", "--pin", "s0=h1", "--pin", "w2=h2", "--pin", "w3=h2", "--pin", "s1=h2"]
 JOB = f"python {REPO}/examples/train_ddp.py --model mlp --hidden 128 --log-every 100"
-
 
 
 def root(test):
     """Against the emulated hosts: root, sshd and ssh."""
-    return pytest.mark.root(pytest.mark.skipif(not CAN_EMULATE, reason="needs root, openssh-server and -client")(test))
+    return pytest.mark.root(pytest.mark.skipif(not CAN_EMULATE, reason=NEEDS)(test))
 
 
 # -- pure pieces --------------------------------------------------------------------------------------------------
@@ -132,12 +123,8 @@ def test_an_event_record_says_what_each_host_did_and_when():
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
     if not CAN_EMULATE:
-        pytest.skip("needs root, openssh-server and -client")
-    state = tmp_path_factory.mktemp("controller")   # the controller's own state root (0700, root's)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TESTBED_STATE_DIR", str(state))
-        with emulate.emulated(2, tmp_path_factory.mktemp("emu") / "hosts", cores=8) as e:
-            yield e
+        pytest.skip(NEEDS)
+    yield from emulated_hosts(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -149,23 +136,6 @@ def workdir():
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
-
-
-def tb(*args: str, cwd: Path = REPO, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-    """`testbed ARGS` as a process, the way a user runs it."""
-    r = subprocess.run([sys.executable, "-m", "testbed", *args], capture_output=True, text=True, timeout=timeout,
-                       cwd=cwd, env={**os.environ, "COLUMNS": "250"})
-    if check and r.returncode != 0:
-        raise AssertionError(f"testbed {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
-    return r
-
-
-def on_host(emu, host: str, *argv: str, check: bool = True):
-    ctl = next(c for c in emu.controls() if c.name == host)
-    try:
-        return ctl.run(list(argv), check=check)
-    finally:
-        ctl.close()
 
 
 def host_state(emu, host: str, name: str) -> dict:
@@ -186,18 +156,7 @@ def as_the_topology_says(emu, name: str) -> None:
 
 @pytest.fixture(scope="module")
 def line(emu):
-    from testbed.cluster import controller
-
-    name = f"sc{uuid.uuid4().hex[:6]}"
-    tb("up", str(REPO / "topologies" / "two-sides.yaml"), "--name", name, "--hosts", str(emu.hosts_file),
-       "--known-hosts", str(emu.known_hosts), "--time-dilation", "none", *PINS)
-    try:
-        yield name
-    finally:
-        if controller.exists(name):
-            tb("down", name, check=False)
-        for host in ("h1", "h2"):
-            assert not [ns for ns in on_host(emu, host, "ip", "netns", "list").stdout.split() if name in ns]
+    yield from up_line(emu, "sc")
 
 
 def _scenario(path: Path, events: str, steps: int = 100000, timeout: str = "100s", hang_after: str = "30s") -> Path:

@@ -12,71 +12,29 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-import uuid
-from pathlib import Path
 
 import pytest
 
-from testbed.cluster import emulate
+from cluster_hosts import CAN_EMULATE, NEEDS, REPO, emulated_hosts, tb, up_line
 
-REPO = Path(__file__).resolve().parents[1]
-CAN_EMULATE = os.geteuid() == 0 and Path(emulate.SSHD).exists() and shutil.which("ssh-keygen") is not None \
-    and shutil.which("ssh") is not None and shutil.which("scp") is not None
-pytestmark = [pytest.mark.root, pytest.mark.skipif(not CAN_EMULATE, reason="needs root, openssh-server and -client")]
+pytestmark = [pytest.mark.root, pytest.mark.skipif(not CAN_EMULATE, reason=NEEDS)]
 
-LINE = (REPO / "topologies" / "two-sides.yaml").read_text()   # s0-s1, 1 Gbit/s, is the link between hosts
-PINS = ["--pin", "w0=h1", "--pin", "w1=h1", "--pin", "s0=h1", "--pin", "w2=h2", "--pin", "w3=h2", "--pin", "s1=h2"]
 HOST = {"w0": "h1", "w1": "h1", "s0": "h1", "w2": "h2", "w3": "h2", "s1": "h2"}
 LINKS = [("w0", "s0"), ("w1", "s0"), ("w2", "s1"), ("w3", "s1"), ("s0", "s1")]   # the topology's order
 
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    state = tmp_path_factory.mktemp("controller")   # the controller's own state root (0700, root's)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TESTBED_STATE_DIR", str(state))
-        with emulate.emulated(2, tmp_path_factory.mktemp("emu") / "hosts", cores=8) as e:
-            yield e
-
-
-def tb(*args: str, timeout: float = 300, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    """`testbed ARGS` as a process, the way a user runs it."""
-    r = subprocess.run([sys.executable, "-m", "testbed", *args], capture_output=True, text=True, timeout=timeout,
-                       cwd=REPO, env={**os.environ, "COLUMNS": "250"}, **kw)
-    if check and r.returncode != 0:
-        raise AssertionError(f"testbed {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
-    return r
-
-
-def on_host(emu, host: str, *argv: str, check: bool = True):
-    ctl = next(c for c in emu.controls() if c.name == host)
-    try:
-        return ctl.run(list(argv), check=check)
-    finally:
-        ctl.close()
+    yield from emulated_hosts(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def line(emu, tmp_path_factory):
-    from testbed.cluster import controller
-
-    topo = tmp_path_factory.mktemp("topo") / "line.yaml"
-    topo.write_text(LINE)
-    name = f"mt{uuid.uuid4().hex[:6]}"
-    tb("up", str(topo), "--name", name, "--hosts", str(emu.hosts_file), "--known-hosts", str(emu.known_hosts),
-       "--time-dilation", "none", *PINS)
-    try:
-        yield name
-    finally:
-        if controller.exists(name):
-            tb("down", name, check=False)
-        for host in ("h1", "h2"):
-            assert not [ns for ns in on_host(emu, host, "ip", "netns", "list").stdout.split() if name in ns]
+def line(emu):
+    yield from up_line(emu, "mt")
 
 
 def top_once(name: str, *extra: str, check: bool = True) -> tuple[dict, subprocess.CompletedProcess]:

@@ -1,10 +1,10 @@
 """The verbs on a testbed over several hosts, end to end, against two emulated hosts
 (testbed/cluster/emulate.py): `node down|up|crash|slow|restore` (sent to every host, each acting on
-what it holds), `logs` and `ps` (on the nodes' hosts), `attach` and `cp` (refused with the ssh route,
-which is run here to show it works; cp between two nodes of one host runs there) and `cleanup`
-(on every host too).
+what it holds), `logs` and `ps` (on the nodes' hosts), `attach` (ssh to the node's host), `cp` (between
+two nodes of one host it runs there; else it prints the ssh/scp route, which is run here to show it
+works), Ctrl-C on `exec` and `run` (passed on to the hosts) and `cleanup` (on every host too).
 
-One testbed for the module: the LINE topology of tests/test_cluster.py, pinned so that h1 holds w0,
+One testbed for the module: topologies/two-sides.yaml (tests/cluster_hosts.py), pinned so that h1 holds w0,
 w1 and s0 and h2 holds w2, w3 and s1 (s0-s1 is the cut link). Each test puts back what it changed.
 The CLI runs as a process, as a user runs it; the controller keeps its record in a state directory
 of its own (TESTBED_STATE_DIR), the hosts in their own /run.
@@ -13,7 +13,6 @@ of its own (TESTBED_STATE_DIR), the hosts in their own /run.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import shutil
@@ -24,41 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from testbed.cluster import emulate
+from cluster_hosts import CAN_EMULATE, NEEDS, REPO, emulated_hosts, on_host, pids_with, tb, up_line
 
-REPO = Path(__file__).resolve().parents[1]
-CAN_EMULATE = os.geteuid() == 0 and Path(emulate.SSHD).exists() and shutil.which("ssh-keygen") is not None \
-    and shutil.which("ssh") is not None and shutil.which("scp") is not None
-pytestmark = [pytest.mark.root, pytest.mark.skipif(not CAN_EMULATE, reason="needs root, openssh-server and -client")]
-
-LINE = (REPO / "topologies" / "two-sides.yaml").read_text()   # s0-s1, 1 Gbit/s, is the link between hosts
-PINS = ["--pin", "w0=h1", "--pin", "w1=h1", "--pin", "s0=h1", "--pin", "w2=h2", "--pin", "w3=h2", "--pin", "s1=h2"]
-
-
-@pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    state = tmp_path_factory.mktemp("controller")   # the controller's own state root (0700, root's)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TESTBED_STATE_DIR", str(state))
-        with emulate.emulated(2, tmp_path_factory.mktemp("emu") / "hosts", cores=8) as e:
-            yield e
-
-
-def tb(*args: str, timeout: float = 300, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    """`testbed ARGS` as a process, the way a user runs it."""
-    r = subprocess.run([sys.executable, "-m", "testbed", *args], capture_output=True, text=True, timeout=timeout,
-                       cwd=REPO, env={**os.environ, "COLUMNS": "250"}, **kw)
-    if check and r.returncode != 0:
-        raise AssertionError(f"testbed {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
-    return r
-
-
-def on_host(emu, host: str, *argv: str, check: bool = True):
-    ctl = next(c for c in emu.controls() if c.name == host)
-    try:
-        return ctl.run(list(argv), check=check)
-    finally:
-        ctl.close()
+pytestmark = [pytest.mark.root, pytest.mark.skipif(not CAN_EMULATE or shutil.which("scp") is None,
+                                                   reason=f"{NEEDS} (scp too)")]
 
 
 def host_state(emu, host: str, name: str) -> dict:
@@ -67,21 +35,13 @@ def host_state(emu, host: str, name: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def line(emu, tmp_path_factory):
-    from testbed.cluster import controller
+def emu(tmp_path_factory):
+    yield from emulated_hosts(tmp_path_factory)
 
-    topo = tmp_path_factory.mktemp("topo") / "line.yaml"
-    topo.write_text(LINE)
-    name = f"mv{uuid.uuid4().hex[:6]}"
-    tb("up", str(topo), "--name", name, "--hosts", str(emu.hosts_file), "--known-hosts", str(emu.known_hosts),
-       "--time-dilation", "none", *PINS)
-    try:
-        yield name
-    finally:
-        if controller.exists(name):
-            tb("down", name, check=False)
-        for host in ("h1", "h2"):
-            assert not [ns for ns in on_host(emu, host, "ip", "netns", "list").stdout.split() if name in ns]
+
+@pytest.fixture(scope="module")
+def line(emu):
+    yield from up_line(emu, "mv")
 
 
 def reaches(name: str, src: str, dst: str, wait: int = 2) -> bool:
@@ -214,9 +174,9 @@ def test_logs_and_ps_of_remote_nodes(emu, line):
             follow.wait()
     assert follow.returncode == 0   # a Ctrl-C ends -f, as on one host
     deadline = time.monotonic() + 10
-    while _pids_with(f"logs w2 --name {line} -f") and time.monotonic() < deadline:
+    while pids_with(f"logs w2 --name {line} -f") and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _pids_with(f"logs w2 --name {line} -f"), "logs -f still runs on h2"
+    assert not pids_with(f"logs w2 --name {line} -f"), "logs -f still runs on h2"
 
     # started in the background, their PIDs (in the workers' PID namespaces) kept to end them by
     pid2 = tb("exec", "w2", "--name", line, "--", "sh", "-c", "sleep 311 </dev/null >/dev/null 2>&1 & echo $!").stdout.strip()
@@ -244,21 +204,6 @@ def _commands(stderr: str) -> list[list[str]]:
     return [shlex.split(c) for c in re.findall(r"`(s(?:sh|cp) [^`]+)`", stderr)]
 
 
-def _pids_with(marker: str, start: bool = False) -> list[int]:
-    """PIDs of processes whose command line holds `marker` (start: begins with it). The emulated
-    hosts share this machine's PID namespace, so their processes are seen here."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                line = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if line.startswith(marker) if start else marker in line:
-                found.append(int(d.name))
-    return [p for p in found if p != os.getpid()]
-
-
 def _interrupt_when(proc: subprocess.Popen, ready, within: float = 60.0) -> None:
     import signal
     import time
@@ -280,7 +225,7 @@ def test_ctrl_c_on_exec_across_hosts_reaches_the_command_there(emu, line):
     proc = subprocess.Popen([sys.executable, "-m", "testbed", "exec", "w2", "--name", line, "--", "sh", "-c", script],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _interrupt_when(proc, lambda: _pids_with(f"sleep {marker}", start=True))
+        _interrupt_when(proc, lambda: pids_with(f"sleep {marker}", start=True))
         t0 = time.monotonic()
         out, err = proc.communicate(timeout=30)
     finally:
@@ -294,11 +239,11 @@ def test_ctrl_c_on_exec_across_hosts_reaches_the_command_there(emu, line):
     assert "started" in out and "got SIGINT" in out and "not interrupted" not in out, out
     assert "passing the Ctrl-C on to h2" in err, err
     deadline = time.monotonic() + 5
-    while (_pids_with(f"sleep {marker}", start=True) or _pids_with(f"exec w2 --name {line}")) \
+    while (pids_with(f"sleep {marker}", start=True) or pids_with(f"exec w2 --name {line}")) \
             and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _pids_with(f"sleep {marker}", start=True), "the command's child still runs on h2"
-    assert not _pids_with(f"exec w2 --name {line}"), "testbed exec still runs on h2"
+    assert not pids_with(f"sleep {marker}", start=True), "the command's child still runs on h2"
+    assert not pids_with(f"exec w2 --name {line}"), "testbed exec still runs on h2"
 
 
 def test_ctrl_c_on_run_across_hosts_stops_every_rank_and_still_reports(emu, line):
@@ -310,7 +255,7 @@ def test_ctrl_c_on_run_across_hosts_stops_every_rank_and_still_reports(emu, line
     proc = subprocess.Popen([sys.executable, "-m", "testbed", "run", "--name", line, "--no-probe", "--",
                              "python", "-c", job], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _interrupt_when(proc, lambda: len(_pids_with(f"python -c {job}", start=True)) >= 4, within=120)
+        _interrupt_when(proc, lambda: len(pids_with(f"python -c {job}", start=True)) >= 4, within=120)
         t0 = time.monotonic()
         out, err = proc.communicate(timeout=90)
     finally:
@@ -320,7 +265,7 @@ def test_ctrl_c_on_run_across_hosts_stops_every_rank_and_still_reports(emu, line
     assert time.monotonic() - t0 < 60, "the hosts took too long to stop their ranks"
     assert proc.returncode == 130, (proc.returncode, out[-2000:], err[-2000:])
     assert "passing the Ctrl-C on to h1, h2" in err, err
-    assert not _pids_with(f"python -c {job}", start=True), "ranks left running"
+    assert not pids_with(f"python -c {job}", start=True), "ranks left running"
     run_dir = Path(re.search(r"run directory: (\S+)", out).group(1))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and len(summary["ranks"]) == 4, summary
@@ -340,7 +285,7 @@ def test_a_rank_failing_on_one_host_stops_the_ranks_on_the_others(emu, line):
     assert r.returncode == 3, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert "the run on h2 failed (exit status 3): stopping the ranks on the other hosts in 2 s" in r.stderr, r.stderr
     assert took < 60, took
-    assert not _pids_with(f"python -c {job}", start=True), "ranks left running"
+    assert not pids_with(f"python -c {job}", start=True), "ranks left running"
     run_dir = Path(re.search(r"run directory: (\S+)", r.stdout).group(1))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "rank failed" and summary["rc"] == 3, summary["status"]
