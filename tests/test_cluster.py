@@ -262,6 +262,10 @@ def test_ddp_across_hosts_is_one_run_with_one_report(emu, name, tmp_path):
     assert re.search(r"^verdict: (FAITHFUL|NOT FAITHFUL|UNVERIFIED)", r.stdout, re.M)
     for rank in range(4):
         assert re.search(rf"^\s+{rank}\s+w{rank}\s+3\s", r.stdout, re.M), r.stdout   # every rank's steps
+    # the verdict's evidence covers both hosts: each host's queues (its own nodes), one machine's CPUs
+    monitor = json.loads((run_dir / "monitor.json").read_text())
+    assert {"w0", "s0", "w2", "s1"} <= set(monitor["qdiscs"]), sorted(monitor["qdiscs"])
+    assert monitor["hosts"] == ["h1", "h2"] and monitor["cpu"] and monitor["cpu_from"] in ("h1", "h2")
 
 
 def _rtt_ms(name: str, src: str, dst: str) -> float:

@@ -335,3 +335,46 @@ def test_a_partition_between_the_hosts_is_a_hung_job_and_is_healed_everywhere(em
             ns = (st["runtime"]["workers"].get(w) or {}).get("netns") or names.netns(line, w)
             out = on_host(emu, host, "ip", "netns", "exec", ns, "nft", "list", "tables").stdout
             assert "testbed_partition" not in out, (host, w, out)
+
+
+@root
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_scenario_with_phantoms_follows_the_real_rank_on_the_other_host(emu, line, workdir):
+    """`real: [w2]`: the job runs on w2 (on h2) and the other three ranks are phantoms, rank 0 (the
+    rendezvous, on h1) among them; their announcements cross the controller. t0 and the watchdog
+    come from h2's step records (the only ones), and the cut link is reshaped by both hosts, on time
+    although the first step is due only 0.2 s after t0."""
+    scen = workdir / "phantom-cut.yaml"
+    scen.write_text(f"""name: phantom-cut
+seed: 1
+job:
+  workers: all
+  command: {JOB} --steps 600 --no-check
+  real: [w2]
+  timeout: 100s
+  hang_after: 30s
+  startup: 60s
+events:
+  - at: 0.2s
+    link: [s0, s1]
+    set: {{bandwidth: 100mbit}}
+    for: 2s
+""")
+    assert "(w2 real, 3 phantom(s))" in tb("scenario", "plan", str(scen), "--name", line).stdout
+    r = tb("scenario", "run", str(scen), "--name", line, cwd=workdir, timeout=200)
+    assert "completed" in r.stdout, r.stdout + r.stderr
+    rd = Path(re.search(r"run directory: (\S+)", r.stdout).group(1))
+    doc = json.loads((rd / "scenario.json").read_text())
+    assert doc["outcome"] == "completed" and doc["over_hosts"]["steps_host"] == "h2", doc["over_hosts"]
+    steps_done = [json.loads(x) for x in (rd / "events.jsonl").read_text().splitlines()]
+    assert [e["op"] for e in steps_done] == ["link_set", "link_restore"]
+    assert all("error" not in e and sorted(e["hosts"]) == ["h1", "h2"] for e in steps_done), steps_done
+    # due 0.2 s after the first step: sent at once when t0 is seen, to the hosts' sessions started
+    # with the job (no testbed process to start), so still on time
+    late = [v["applied_wall_s"] - e["planned_wall_s"] for e in steps_done for v in e["hosts"].values()]
+    print("lateness (s):", [round(x, 3) for x in late])
+    assert all(-0.05 < x < 0.5 for x in late), late
+    ph = json.loads((rd / "summary.json").read_text())["phantoms"]
+    assert ph["real_ranks"] == [2] and ph["phantom_ranks"] == [0, 1, 3] and not ph["errors"], ph
+    as_the_topology_says(emu, line)

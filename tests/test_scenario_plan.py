@@ -185,6 +185,32 @@ def test_job_workers(star):
     assert plan_scenario(scen(base(workers="w0,w2")), star).workers == ["w0", "w2"]
 
 
+def test_job_phantoms(star):
+    """phantoms: true makes the first worker real and the others phantoms; real: names the real ones."""
+    p = plan_scenario(scen(base(phantoms=True)), star)
+    assert p.job.resolve_real(p.workers) == ["w0"] and "(w0 real, 3 phantom(s))" in p.format()
+    p = plan_scenario(scen(base(workers=["w3", "w1", "w2"], phantoms=True)), star)
+    assert p.job.resolve_real(p.workers) == ["w3"]
+    p = plan_scenario(scen(base(real="w1,w2")), star)
+    assert p.job.resolve_real(p.workers) == ["w1", "w2"] and p.to_json()["job"]["phantoms"] is True
+    p = plan_scenario(scen(base()), star)
+    assert p.job.resolve_real(p.workers) is None and p.to_json()["job"]["phantoms"] is False
+
+
+@pytest.mark.parametrize("job,path,reason", [
+    ({"phantoms": "yes"}, "job.phantoms", "true or false"),
+    ({"real": ["w0"], "phantoms": False}, "job.phantoms", "cannot go with phantoms: false"),
+    ({"real": []}, "job.real", "empty list"),
+    ({"real": ["w0", "w9"]}, "job.real", "not one of the job's workers"),
+    ({"workers": 2, "real": ["w2"]}, "job.real", "not one of the job's workers"),
+    ({"workers": 2, "real": ["w0", "w1"]}, "job.real", "no phantom is left"),
+])
+def test_refused_job_phantoms(star, job, path, reason):
+    with pytest.raises(ScenarioError, match=reason) as ei:
+        plan_scenario(scen(base(**job)), star)
+    assert ei.value.path == path
+
+
 def test_non_overlapping_events_on_one_link_are_fine(star):
     plan_of(star, {"at": "1s", "link": ["w0", "s0"], "action": "down", "for": "1s"},
             {"at": "3s", "link": ["w0", "s0"], "action": "flap", "every": "1s", "count": 2},

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.root, pytest.mark.slow,
               pytest.mark.skipif(not IS_ROOT, reason="needs root (namespaces, tc)")]
 
 EXPECTED = {"core-flap": "completed", "lossy-tor": "completed", "switch-failure": "completed",
-            "straggler": "completed", "partition": "hung", "rank-crash": "failed"}
+            "straggler": "completed", "partition": "hung", "rank-crash": "failed", "phantom-uplink": "completed"}
 
 
 @pytest.fixture()
@@ -78,6 +78,9 @@ def test_example_scenario_runs(env, stem, monkeypatch):
         assert (res.run_dir / "scenario.png").stat().st_size > 1000
         if stem == "rank-crash":
             assert "node crash of w1" in res.error
+        if stem == "phantom-uplink":   # w0 ran the job, the others mirrored it
+            ph = json.loads((res.run_dir / "summary.json").read_text())["phantoms"]
+            assert ph["real_ranks"] == [0] and ph["phantom_ranks"] == [1, 2, 3] and not ph["errors"], ph
         # the testbed is left as the topology describes it
         assert _links_pristine(name)
         f = store.load(name).get("faults", {})

@@ -23,6 +23,25 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 LIFELINE_ENV = "TESTBED_LIFELINE"
 lifeline = False   # this process was started by a controller with its stdin as the lifeline
+_LIFELINE_EARLY_MAX = 16 << 20   # input kept until a sink is set (more is dropped: nobody asked for it)
+_lifeline_lock = None            # a threading.Lock once the lifeline is watched
+_lifeline_sink = None
+_lifeline_early = bytearray()
+
+
+def on_lifeline_input(sink) -> None:
+    """sink(bytes) gets what the controller sends on the lifeline besides its end, in order, from
+    the lifeline's thread (it must return quickly); what came before this call first. Phantom
+    ranks across hosts use it (testbed.jobs.relay): the real rank's announcements from another
+    host. Without a lifeline, nothing ever comes."""
+    global _lifeline_sink
+    if _lifeline_lock is None:
+        return
+    with _lifeline_lock:
+        _lifeline_sink = sink
+        if _lifeline_early:
+            sink(bytes(_lifeline_early))
+            _lifeline_early.clear()
 
 
 def _watch_lifeline() -> None:
@@ -30,17 +49,23 @@ def _watch_lifeline() -> None:
     input. Its end (the controller passed a Ctrl-C on, or died and its SSH session closed) interrupts
     this process as a Ctrl-C on a terminal would. Without a terminal nothing else would: an SSH
     session that goes away sends no signal to a command run without a tty."""
-    global lifeline
+    global lifeline, _lifeline_lock
     if os.environ.pop(LIFELINE_ENV, None) != "stdin":   # (popped: ranks and commands do not inherit it)
         return
     lifeline = True
     import signal
     import threading
 
+    _lifeline_lock = threading.Lock()
+
     def watch() -> None:
         try:
-            while os.read(0, 1 << 16):
-                pass
+            while data := os.read(0, 1 << 16):
+                with _lifeline_lock:
+                    if _lifeline_sink is not None:
+                        _lifeline_sink(data)
+                    elif len(_lifeline_early) + len(data) <= _LIFELINE_EARLY_MAX:
+                        _lifeline_early.extend(data)
         except OSError:
             pass
         os.kill(os.getpid(), signal.SIGINT)
@@ -91,9 +116,8 @@ def resolve_name(name: str | None, *, clusters: bool = False, verb: str = "this 
             return name
         raise StateError(f"testbed {name!r} spans several hosts, and {verb} does not work across hosts yet "
                          f"(up, down, status, ls, exec, link, run, node, partition, heal, logs, ps, top, graph, "
-                         f"events, stacks, capture, scenario and cleanup do; attach runs ssh to the node's host; cp prints "
-                         f"the scp steps): run it on the node's host (`testbed status {name}` shows where each "
-                         f"node is)")
+                         f"events, stacks, capture, scenario, cp and cleanup do; attach runs ssh to the node's host): "
+                         f"run it on the node's host (`testbed status {name}` shows where each node is)")
     if name not in local:
         up = local + spread
         hint = f"; up: {', '.join(up)}" if up else "; none is up (testbed up TOPOLOGY)"

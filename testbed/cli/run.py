@@ -20,19 +20,25 @@ def _run_over_hosts(name: str, cmd: List[str], workers: str, nproc_per_node: int
 
     if cmd[:1] == ["--"]:
         cmd = cmd[1:]
-    if not cmd:
+    if replay and cmd:
+        fail("--replay runs no command: give either a command or --replay", 2)
+    if not cmd and not replay:
         fail("nothing to run: give a command after --", 2)
-    if real is not None or record_ops or replay:
-        fail("--real, --record-ops and --replay are not built for testbeds over several hosts yet", 2)
+    if replay and (real is not None or record_ops):
+        fail("--replay plays a recorded run to phantoms only: no --real, no --record-ops", 2)
     chosen = None if workers == "all" else [w.strip() for w in workers.split(",") if w.strip()]
     def show(host: str, line: str) -> None:   # the ranks' lines as they come ("[w2:r2] ..." say whose)
         if line.startswith("[testbed]"):
             line = f"[testbed {host}]{line[len('[testbed]'):]}"
         console.print(line, highlight=False, markup=False, soft_wrap=True)
 
+    if (real is not None or record_ops) and no_probe:
+        fail("--real and --record-ops need the probe (it announces and records the collectives): drop --no-probe", 2)
     result = controller.run_job(name, cmd, workers=chosen, nproc_per_node=nproc_per_node, port=port,
                                 timeout=timeout, env=env, probe=not no_probe, real_clock=real_clock, grace=grace,
-                                progress=lambda m: err_console.print(m, highlight=False), on_output=show)
+                                progress=lambda m: err_console.print(m, highlight=False), on_output=show,
+                                real=None if real is None else [w.strip() for w in real.split(",") if w.strip()],
+                                record_ops=record_ops, replay=replay)
     from testbed.report import report as make_report
 
     text, a, _plots = make_report(result["run_dir"], plots=False)
@@ -43,6 +49,29 @@ def _run_over_hosts(name: str, cmd: List[str], workers: str, nproc_per_node: int
     console.print(f"run directory: {rd}  (testbed report {rd})", highlight=False)
     if result["rc"] != 0:
         raise typer.Exit(result["rc"] if 0 < result["rc"] < 256 else 1)
+
+
+def _host_part_hooks(mirror_relay: bool) -> dict:
+    """--this-host-only: the ranks' lines and (--mirror-relay) the leader's announcements share this
+    process's stdout, which the controller reads line by line: one writer at a time."""
+    import sys
+    import threading
+
+    from testbed.cli import common
+    from testbed.jobs import relay
+
+    lock = threading.Lock()
+
+    def say(line: str) -> None:
+        with lock:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+
+    hooks: dict = {"echo": say}
+    if mirror_relay:
+        hooks["relay_send"] = lambda line: say(relay.PREFIX + line.decode(errors="replace"))
+        hooks["relay_listen"] = common.on_lifeline_input
+    return hooks
 
 
 def _tell_start(run_dir) -> None:
@@ -83,6 +112,9 @@ def register(app: typer.Typer) -> None:
         this_host_only: bool = typer.Option(False, "--this-host-only", hidden=True,
                                             help="(the controller's) one host's ranks of a run over several hosts; "
                                                  "prints the run directory as JSON, no report"),
+        mirror_relay: bool = typer.Option(False, "--mirror-relay", hidden=True,
+                                          help="(the controller's, with --this-host-only --real) the leader's "
+                                               "announcements go out on stdout, or come in on the lifeline"),
     ) -> None:
         """Start CMD on every selected worker the torchrun way; logs and probe data go to runs/<time>-<testbed>/.
 
@@ -112,12 +144,13 @@ def register(app: typer.Typer) -> None:
         # one host's part of a run over several hosts: the controller judges it with its own constants
         machine = None if this_host_only else \
             calibration.constants_or_none(progress=lambda m: err_console.print(m, highlight=False))
+        hooks = _host_part_hooks(mirror_relay) if this_host_only else {}
         result = run(cluster, cmd or [], workers=workers, nproc_per_node=nproc_per_node, master=master, port=port,
                      timeout=timeout, env=extra, probe=not no_probe, grace=grace, machine=machine,
                      emulated_clock=not real_clock,
                      real=[w.strip() for w in real.split(",") if w.strip()] if real is not None else None,
                      record_ops=record_ops, replay=replay, this_host_only=this_host_only,
-                     on_start=_tell_start if this_host_only else None)
+                     on_start=_tell_start if this_host_only else None, **hooks)
         if this_host_only:
             import json
 

@@ -137,5 +137,7 @@ def register(app: typer.Typer) -> None:
                "check_here")
     _host_verb(sc, "host-apply", "(scenario run over several hosts) apply steps to this host's part at their "
                                  "times.", "apply_here")
+    _host_verb(sc, "host-follow", "(scenario run over several hosts) apply the batches of steps the controller "
+                                  "sends on the lifeline, each at its time.", "follow_here")
     _host_verb(sc, "host-restore", "(scenario run over several hosts) this host's part back as the topology "
                                    "describes it.", "restore_here")

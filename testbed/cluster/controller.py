@@ -174,6 +174,20 @@ class _Pipe:
     def is_open(self) -> bool:
         return self._w is not None
 
+    def write(self, data: bytes) -> bool:
+        """Send `data` on (phantoms' announcements relayed from another host); False once closed."""
+        with self._lock:
+            w = self._w
+        if w is None:
+            return False
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(w, view):]
+        except OSError:
+            return False
+        return True
+
     def close(self, last: bytes | None = None) -> None:
         """Write `last` (if any), then EOF. Once; later calls do nothing."""
         with self._lock:
@@ -189,6 +203,8 @@ class _Pipe:
             os.close(w)
 
 
+Lifeline = _Pipe   # (public name: callers of stream_on_every_host make their own)
+
 # A remote testbed started under this env takes the end of its stdin as a Ctrl-C (cli.common: the
 # SSH session's end sends no signal to a command without a tty, so nothing else would stop it).
 LIFELINE_ARGV = ("env", "TESTBED_LIFELINE=stdin")
@@ -196,16 +212,16 @@ LIFELINE_ARGV = ("env", "TESTBED_LIFELINE=stdin")
 
 def _parallel(ctls: dict[str, Any], names: Sequence[str], fn: Callable[..., Any], *, lifeline: bool = False,
               progress: Callable[[str], None] = lambda _m: None, stop: threading.Event | None = None,
-              ) -> dict[str, Any]:
+              pipes: dict[str, _Pipe] | None = None) -> dict[str, Any]:
     """fn(ctl) on the named hosts at once: host -> result or the exception it raised.
 
     lifeline: fn(ctl, stdin) runs a testbed command under LIFELINE_ARGV with `stdin` as its stdin. A
     Ctrl-C here cuts every host's lifeline (each host's testbed stops as on a Ctrl-C there: a run
     stops its ranks and keeps its run directory) and waits for their answers; a second Ctrl-C
     stops waiting (the caller's connections close, which ends the lifelines too). `stop` set (from
-    another thread) cuts them too, quietly."""
+    another thread) cuts them too, quietly. pipes: the lifelines to use (the caller writes on them too)."""
     results: dict[str, Any] = {}
-    pipes = {n: _Pipe() for n in names} if lifeline else {}
+    pipes = (pipes if pipes is not None else {n: _Pipe() for n in names}) if lifeline else {}
     done = {n: threading.Event() for n in names}
 
     def one(n: str) -> None:
@@ -599,7 +615,8 @@ def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str,
         progress(f"building the parts on {len(used)} host(s) at once")
         for n in used:
             spec = {"name": name, "topology": topo.to_json(), "part": parts[n].to_json(),
-                    "dilation": dilation.to_json(), "runtime": runtime, "net_admin": net_admin}
+                    "dilation": dilation.to_json(), "runtime": runtime, "net_admin": net_admin,
+                    "workdir": os.getcwd()}   # the directory docker workers mount, as on one host
             sessions[n].send(json.dumps(spec).encode())
         try:
             results = _wait_all(sessions)
@@ -773,12 +790,15 @@ def run_on_every_host(name: str, argv: Sequence[str], timeout: float | None = 60
 def stream_on_every_host(name: str, argv: Sequence[str], on_line: Callable[[str, str], None], *,
                          stop: threading.Event | None = None, timeout: float | None = None,
                          progress: Callable[[str], None] = lambda _m: None,
-                         on_end: Callable[[str, Any], None] | None = None) -> dict[str, Any]:
+                         on_end: Callable[[str, Any], None] | None = None,
+                         lifelines: dict[str, Lifeline] | None = None) -> dict[str, Any]:
     """argv (a testbed command line, without the `testbed`) on every host of the testbed at once, each
     line of its stdout passed on as it comes: on_line(host, line), from the hosts' threads. Until
     every host's command ends, `stop` is set, or a Ctrl-C (then each host's testbed stops as on a
     Ctrl-C there). on_end(host, RemoteResult or exception): as each host's command ends (an
-    unreachable host is known at once, not when the others end). Returns host -> the same."""
+    unreachable host is known at once, not when the others end). Returns host -> the same.
+    lifelines: host -> Lifeline, for every host of the testbed: what the caller writes on one
+    reaches that host's testbed (cli.common.on_lifeline_input); closing it is a Ctrl-C there."""
     doc = load(name)
     by_name = {h.name: h for h in doc["_hosts"]}
     names = [h for h in doc.get("hosts", {}) if h in by_name]
@@ -797,7 +817,7 @@ def stream_on_every_host(name: str, argv: Sequence[str], on_line: Callable[[str,
         return res
 
     try:
-        return _parallel(ctls, names, one, lifeline=True, progress=progress, stop=stop)
+        return _parallel(ctls, names, one, lifeline=True, progress=progress, stop=stop, pipes=lifelines)
     finally:
         _close(ctls)
 
@@ -843,7 +863,8 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
             base_dir: str | Path | None = None, progress: Callable[[str], None] = lambda _m: None,
             on_output: Callable[[str, str], None] | None = None,
             on_started: Callable[[str, str], None] | None = None,
-            stop: threading.Event | None = None) -> dict[str, Any]:
+            stop: threading.Event | None = None, real: Sequence[str] | None = None, record_ops: bool = False,
+            replay: str | Path | None = None) -> dict[str, Any]:
     """CMD on the selected workers of a testbed over several hosts, as one run.
 
     Every host that holds some of the workers runs `testbed run --this-host-only` with the whole
@@ -851,13 +872,21 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
     the emulated network) and the same port, and starts its own workers' ranks with their global
     ranks, the probe and the monitor, as a single-host run does. Their run directories come back
     here and are merged into one (probe files, logs, link counters by node; the summary's ranks
-    from every host; monitor.json from the master's host, the others under parts/HOST/) that
+    from every host; monitor.json with every host's queues and delay lines and the CPU samples of the
+    most loaded machine; each host's own under parts/HOST/) that
     `testbed report` reads like any run. Returns {"run_dir", "rc", "hosts", "problems"}.
 
     on_output(host, line): each line the host's ranks print, as it comes (from the hosts' threads).
     on_started(host, remote run directory): once each host's run has started. stop: when set (from
-    another thread), every host stops its ranks as on a Ctrl-C; the run directories still come back."""
+    another thread), every host stops its ranks as on a Ctrl-C; the run directories still come back.
+
+    Phantom ranks: real (the workers that run CMD; every other rank mirrors the lowest real rank):
+    every host gets the same list, and the leader's announcements come here from its host's
+    stdout and go on to every other host's lifeline (testbed.jobs.relay). record_ops: the host of
+    rank 0 records. replay: the trace is checked here and copied to every host, which plays it to
+    its own phantoms (each on its own clock, from its start)."""
     import base64
+    import contextlib
     import io
     import random
     import re
@@ -866,6 +895,7 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
     import tarfile
 
     from testbed.jobs import rundir
+    from testbed.jobs.relay import PREFIX
     from testbed.topology.model import Topology
 
     doc = load(name)
@@ -879,10 +909,24 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
     by_name = {h.name: h for h in doc["_hosts"]}
     hosts = [h for h in doc.get("hosts", {}) if any(doc["placement"][w] == h for w in chosen)]
     master_host = doc["placement"][chosen[0]]
+    leader_host = None
+    if real is not None:
+        from testbed.jobs.run import check_real
+
+        real = check_real(real, chosen)
+        leader_host = doc["placement"][next(w for w in chosen if w in real)]
+    trace = None
+    if replay is not None:
+        from testbed.jobs.run import load_trace
+
+        trace = load_trace(replay)   # checked here: a bad trace is refused before any host starts
     rd = rundir.create(name, base_dir)
     progress(f"{len(chosen) * nproc_per_node} rank(s) on {len(hosts)} host(s) ({', '.join(hosts)}), master "
              f"{chosen[0]} on {master_host}, port {port}; run directory {rd}")
     ctls = _controls([by_name[h] for h in hosts], doc.get("known_hosts"), False)
+    pipes = {h: _Pipe() for h in hosts}
+    relays = {h: _Forward(pipes[h]) for h in hosts if real is not None and h != leader_host}
+    shipped: dict[str, tuple[str, str]] = {}   # host -> (directory, path) of the trace's copy there
 
     def start(ctl: Any, stdin: Any) -> Any:
         h = by_name[ctl.name]
@@ -892,11 +936,22 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
         argv += ["--timeout", str(timeout)] if timeout else []
         argv += ["--no-probe"] if not probe else []
         argv += ["--real-clock"] if real_clock else []
+        argv += ["--real", ",".join(real), "--mirror-relay"] if real is not None else []
+        argv += ["--record-ops"] if record_ops and real is None and ctl.name == master_host else []
+        if trace is not None:
+            shipped[ctl.name] = _ship_trace(ctl, trace)
+            argv += ["--replay", shipped[ctl.name][1]]
         for k, v in sorted((env or {}).items()):
             argv += ["--env", f"{k}={v}"]
-        script = f"cd {shlex.quote(workdir)} && exec {shlex.join([*LIFELINE_ARGV, *argv, '--', *cmd])}"
+        argv += ["--", *(cmd if trace is None else [])]
+        script = f"cd {shlex.quote(workdir)} && exec {shlex.join([*LIFELINE_ARGV, *argv])}"
 
         def line(text: str) -> None:
+            if text.startswith(PREFIX) and ctl.name == leader_host:   # the leader's announcement
+                data = text[len(PREFIX):].encode() + b"\n"
+                for fwd in relays.values():
+                    fwd.put(data)
+                return
             started = _started_line(text)
             if started is not None:
                 if on_started is not None:
@@ -936,7 +991,7 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
     problems: dict[str, str] = {}
     rcs: dict[str, int] = {}
     try:
-        results = _parallel(ctls, hosts, start, lifeline=True, progress=progress, stop=halt)
+        results = _parallel(ctls, hosts, start, lifeline=True, progress=progress, stop=halt, pipes=pipes)
         for h, r in results.items():
             if isinstance(r, Exception):
                 problems[h] = f"its ranks could not be run: {r}"
@@ -968,12 +1023,122 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
                 shutil.rmtree(part_dir, ignore_errors=True)
                 continue
     finally:
+        for fwd in relays.values():
+            fwd.close()
+        for h, (there, _path) in shipped.items():
+            with contextlib.suppress(Exception):   # (a host lost meanwhile keeps the copy in its /tmp)
+                ctls[h].run(["rm", "-rf", "--", there], timeout=30)
         _close(ctls)
     _merge_parts(rd, hosts, master_host, doc, problems)
+    merged = rundir.read_json(rd / "summary.json")
+    if trace is not None and isinstance(merged, dict) and isinstance(merged.get("replay"), dict):
+        merged["replay"]["source"] = str(trace.source)   # what was replayed here, not a host's copy
+        rundir.write_json(rd / "summary.json", merged)
     # the first failure's status, not that of the hosts stopped because of it (130, 143)
     rc = next((v for v in rcs.values() if v not in (0, 130, 143)), next((v for v in rcs.values() if v), 0))
     rc = rc or (1 if problems else 0)
     return {"run_dir": rd, "rc": rc, "hosts": hosts, "problems": problems}
+
+
+class _Forward:
+    """The leader's announcements on their way to one other host's lifeline, in order, from a thread
+    of their own: a host that stops reading holds up neither the leader's host nor the others."""
+
+    def __init__(self, pipe: _Pipe):
+        import queue
+
+        self._q: Any = queue.SimpleQueue()
+        self._pipe = pipe
+        threading.Thread(target=self._send, name="relay", daemon=True).start()
+
+    def put(self, data: bytes) -> None:
+        self._q.put(data)
+
+    def _send(self) -> None:
+        while (data := self._q.get()) is not None:
+            if not self._pipe.write(data):
+                return
+
+    def close(self) -> None:
+        self._q.put(None)
+
+
+def _ship_trace(ctl: Any, trace: Any) -> tuple[str, str]:
+    """A copy of a replayed trace on the host: (the directory made for it, what --replay is given).
+    A recorded run travels as a run directory of two files (its operations and its dilation factor,
+    which scales the recorded gaps); a Chakra trace as the file itself."""
+    import secrets
+    import tempfile
+
+    there = f"/tmp/testbed-replay-{secrets.token_hex(6)}"
+    if trace.kind == "chakra":
+        path = f"{there}/{Path(trace.source).name}"
+        ctl.put(Path(trace.source), path)
+        return there, path
+    ctl.put(Path(trace.source), f"{there}/probe/ops-{trace.rank}.jsonl")
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump({"time_dilation": {"factor": trace.dilation}}, f)
+        f.flush()
+        ctl.put(Path(f.name), f"{there}/summary.json")
+    return there, there
+
+
+def _merge_monitors(by_host: dict[str, dict[str, Any]], decides: str, cores: Any) -> dict[str, Any]:
+    """One monitor.json out of every host's, as the verdict reads it: every host's queues and delay
+    lines (each host samples its own nodes and links); the CPU samples and pressure of `decides`,
+    a host of the most loaded machine (each host samples its whole machine); `cores` the compute
+    devices the run's world had (the merged summary's), the machine's own in cpu_cores."""
+    def part(m: dict[str, Any], key: str) -> dict[str, Any]:   # (what a host wrote is not trusted)
+        v = m.get(key)
+        return v if isinstance(v, dict) else {}
+
+    main = by_host[decides]
+    qdiscs: dict[str, Any] = {}
+    first: dict[str, Any] = {}
+    last: dict[str, Any] = {}
+    for m in by_host.values():
+        qdiscs.update(part(m, "qdiscs"))
+        first.update(part(part(m, "delay_lines"), "first"))
+        last.update(part(part(m, "delay_lines"), "last"))
+    times = [m.get(k) for m in by_host.values() for k in ("t0", "t1") if isinstance(m.get(k), (int, float))]
+    return {**main, "t0": min(times, default=None), "t1": max(times, default=None),
+            "cores": cores if isinstance(cores, int) else main.get("cores"), "cpu_cores": main.get("cores"),
+            "qdiscs": qdiscs, "delay_lines": {"first": first, "last": last},
+            "cpu_from": decides, "hosts": sorted(by_host)}
+
+
+def _merge_phantoms(by_host: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One `phantoms` record out of every host's. A rank is phantom if its host says so and real
+    otherwise (under torchrun a host knows only its own phantoms). How late the phantoms followed:
+    the latest host's median, since every collective waits for its slowest member (over hosts it
+    includes the relay through the controller), and each host's under announce_late_by_host."""
+    def items(ph: dict[str, Any], key: str) -> list[Any]:   # (what a host wrote is not trusted)
+        v = ph.get(key)
+        return v if isinstance(v, list) else []
+
+    def number(ph: dict[str, Any], key: str) -> float | None:
+        v = ph.get(key)
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    def ints(key: str) -> set[int]:
+        return {x for ph in by_host.values() for x in items(ph, key) if isinstance(x, int)}
+
+    phantom = ints("phantom_ranks")
+    p50s = {h: number(ph, "announce_late_p50_s") for h, ph in by_host.items()
+            if number(ph, "announce_late_p50_s") is not None}
+    maxes = [m for ph in by_host.values() if (m := number(ph, "announce_late_max_s")) is not None]
+    first = next(iter(by_host.values()))
+    return {
+        "real_workers": [str(w) for w in items(first, "real_workers")],
+        "real_ranks": sorted(ints("real_ranks") - phantom), "phantom_ranks": sorted(phantom),
+        "ops_mirrored": [x for ph in by_host.values() for x in items(ph, "ops_mirrored")],
+        "errors": [f"{h}: {e}" for h, ph in by_host.items() for e in items(ph, "errors")],
+        "warnings": sorted({str(w) for ph in by_host.values() for w in items(ph, "warnings")})[:20],
+        "announce_late_p50_s": max(p50s.values()) if p50s else None,
+        "announce_late_max_s": max(maxes) if maxes else None,
+        "announce_late_by_host": p50s,
+        "relayed_lines": int(sum(number(ph, "relayed_lines") or 0 for ph in by_host.values())),
+    }
 
 
 def _started_line(text: str) -> str | None:
@@ -1017,7 +1182,7 @@ def _merge_parts(rd: Path, hosts: Sequence[str], master_host: str, doc: dict[str
             t = c.get("t") if t is None else t
         merged_counters[which] = {"t": t, "nodes": nodes}
         rundir.write_json(rd / which, merged_counters[which])
-    for f in ("topology.json", "monitor.json"):
+    for f in ("topology.json",):
         src = rd / "parts" / master_host / f
         if not src.is_file():
             src = next((p / f for _h, p in parts if (p / f).is_file()), None)
@@ -1060,14 +1225,24 @@ def _merge_parts(rd: Path, hosts: Sequence[str], master_host: str, doc: dict[str
         bid = (p / "boot_id").read_text().strip() if (p / "boot_id").is_file() else h
         machines.setdefault(bid, []).append(h)
     world = int(base.get("world_size") or len(ranks) or 1)
-    load = []
-    for hs in machines.values():
+    load = {}
+    for bid, hs in machines.items():
         devices = max(int(summaries[h].get("gpus") or 0) or int(summaries[h].get("cores") or 1) for h in hs)
-        load.append(sum(len(summaries[h].get("ranks") or []) for h in hs) / max(1, devices))
-    if load and max(load) > 0:
-        base["cores"] = max(1, round(world / max(load)))
+        load[bid] = sum(len(summaries[h].get("ranks") or []) for h in hs) / max(1, devices)
+    if load and max(load.values()) > 0:
+        base["cores"] = max(1, round(world / max(load.values())))
         base["gpus"] = 0 if not any(sm.get("gpus") for sm in summaries.values()) else base["cores"]
     base["over_hosts"]["machines"] = list(machines.values())
+    monitors = {h: m for h, p in parts if isinstance(m := rundir.read_json(p / "monitor.json"), dict)}
+    if monitors:
+        busiest = max(load, key=load.get) if load else None
+        decides = next((h for h in machines.get(busiest, []) if h in monitors), next(iter(monitors)))
+        rundir.write_json(rd / "monitor.json", _merge_monitors(monitors, decides, base.get("cores")))
+    phantoms = {h: sm["phantoms"] for h, sm in summaries.items() if isinstance(sm.get("phantoms"), dict)}
+    if phantoms:
+        base["phantoms"] = _merge_phantoms(phantoms)
+        base["real_cpu_cap"] = next((sm["real_cpu_cap"] for sm in summaries.values()
+                                     if isinstance(sm.get("real_cpu_cap"), (int, float))), None)
     if base.get("started") and base.get("ended"):
         base["duration_s"] = base["ended"] - base["started"]
     rundir.write_json(rd / "summary.json", base)

@@ -9,15 +9,18 @@ player (testbed.faults.player):
    steps it will shape against its own kernel (`testbed scenario host-check`: player.preflight on
    its part), which also proves every host answers before anything starts;
 2. the job runs as `testbed run` does across hosts (controller.run_job), in a thread of its own;
-3. a watcher polls the master host's probe step records over one SSH connection it keeps
-   (controller.open_host): t0 is
+3. a watcher polls the master host's probe step records (with phantoms: the leading real rank's
+   host's) over one SSH connection it keeps (controller.open_host): t0 is
    the first training step's time as the record says (not when the poll saw it), and no step
    progress for hang_after ends the job (`stop`) as `hung`;
-4. a dispatcher sends the steps to every host at once (`testbed scenario host-apply`, through
-   controller.run_on_every_host) a little *ahead* of their time, each with its deadline on the wall
-   clock: each host's testbed starts, loads its state and sleeps until the deadline, so SSH and
-   start-up do not make the step late. Steps closer together than that lead go in one call, applied
-   in order. Hosts' clocks are assumed to agree (NTP); the check measures and reports a skew;
+4. a dispatcher sends the steps to every host at once a little *ahead* of their time, each with its
+   deadline on the wall clock: each host sleeps until the deadline, so SSH does not make the step
+   late. The steps go to one `testbed scenario host-follow` per host, started with the job (its
+   imports done and its connection open before the first step is due, which matters for steps
+   due right after t0), on its lifeline, one batch per line; where a host's session is gone, a
+   batch goes as `testbed scenario host-apply` (a testbed process started for it) to every host.
+   Steps closer together than the lead go in one batch, applied in order. Hosts' clocks are
+   assumed to agree (NTP); the check measures and reports a skew;
 5. the end: every host restores its part (`testbed scenario host-restore`: control.restore_all),
    and events.jsonl, scenario.json and scenario.png go into the merged run directory.
 
@@ -140,6 +143,43 @@ def apply_here(name: str, data: dict[str, Any]) -> dict[str, Any]:
     return {"results": out}
 
 
+def follow_here(name: str, data: dict[str, Any]) -> dict[str, Any]:
+    """`host-follow` on a host: batches of steps as host-apply takes them, one JSON line each on the
+    lifeline (cli.common.on_lifeline_input), applied in order; one JSON line out per batch, {"id",
+    "results"}, as it is done; {"end": true} ends it. {"ready": true} once it can take steps."""
+    import queue
+
+    from testbed.cli import common
+
+    if not common.lifeline:
+        raise ScenarioError("scenario host-follow takes its steps from the controller's lifeline "
+                            "(TESTBED_LIFELINE=stdin): it is the controller's, not a command to run by hand")
+    _warm_up()
+    lines: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+    buf = bytearray()
+
+    def sink(chunk: bytes) -> None:   # (the lifeline's thread)
+        buf.extend(chunk)
+        while (i := buf.find(b"\n")) >= 0:
+            lines.put(bytes(buf[:i]))
+            del buf[:i + 1]
+
+    common.on_lifeline_input(sink)
+    print(json.dumps({"ready": True}), flush=True)
+    n = 0
+    while True:
+        try:
+            raw = lines.get(timeout=0.5)   # (a timeout: a Ctrl-C gets through between waits)
+        except queue.Empty:
+            continue
+        batch = json.loads(raw)
+        if not isinstance(batch, dict) or batch.get("end"):
+            return {"batches": n}
+        res = apply_here(name, batch)
+        print(json.dumps({"id": batch.get("id"), **res}), flush=True)
+        n += 1
+
+
 def _warm_up() -> None:
     """Import what applying a step uses (netlink, shaping, routes): a few hundred ms on a loaded host."""
     import pyroute2  # noqa: F401
@@ -185,6 +225,71 @@ def _verb(name: str, verb: str, data: dict[str, Any], timeout: float) -> dict[st
         else:
             out[host] = r if isinstance(r, Exception) else RuntimeError(str(r))
     return out
+
+
+class _Followers:
+    """One `scenario host-follow` per host (controller.stream_on_every_host), fed batches of steps on
+    its lifeline; each batch's answers come back as its lines. apply() answers as _verb does."""
+
+    def __init__(self, name: str, data: dict[str, Any]):
+        from testbed.cluster import controller
+
+        self.hosts = list(controller.load(name).get("hosts", {}))
+        self.lifelines = {h: controller.Lifeline() for h in self.hosts}
+        self.answers: dict[tuple[int, str], dict[str, Any]] = {}
+        self.ended: dict[str, Any] = {}
+        self.changed = threading.Condition()
+        self._next = 0
+        argv = ["scenario", "host-follow", "--name", name, "--data", json.dumps(data)]
+        self._thread = threading.Thread(
+            target=lambda: controller.stream_on_every_host(name, argv, self._line, on_end=self._end,
+                                                           lifelines=self.lifelines),
+            name="scenario-followers", daemon=True)
+        self._thread.start()
+
+    def _line(self, host: str, line: str) -> None:
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            return
+        if isinstance(doc, dict) and isinstance(doc.get("id"), int):
+            with self.changed:
+                self.answers[(doc["id"], host)] = doc
+                self.changed.notify_all()
+
+    def _end(self, host: str, res: Any) -> None:
+        with self.changed:
+            self.ended[host] = res
+            self.changed.notify_all()
+
+    def alive(self) -> bool:
+        """Every host's session still runs (a batch can go to all of them)."""
+        with self.changed:
+            return not self.ended
+
+    def apply(self, data: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """The batch to every host at once: host -> {"results": [...]} or an Exception saying why not."""
+        with self.changed:
+            k, self._next = self._next, self._next + 1
+        line = json.dumps({**data, "id": k}).encode() + b"\n"
+        for h in self.hosts:
+            self.lifelines[h].write(line)
+        end = time.monotonic() + timeout
+        with self.changed:
+            while not all((k, h) in self.answers or h in self.ended for h in self.hosts):
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self.changed.wait(left)
+            return {h: self.answers[(k, h)] if (k, h) in self.answers
+                    else RuntimeError(f"its scenario session {'ended' if h in self.ended else 'did not answer'}"
+                                      + (f": {self.ended[h]}" if h in self.ended else f" within {timeout:g} s"))
+                    for h in self.hosts}
+
+    def close(self) -> None:
+        for lifeline in self.lifelines.values():
+            lifeline.close(b'{"end": true}\n')
+        self._thread.join(30)
 
 
 def _batches(plan: Plan, lead: float) -> list[list[Step]]:
@@ -310,7 +415,10 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
     cmd = list(scenario.job.command) if isinstance(scenario.job.command, tuple) \
         else shlex.split(scenario.job.command)
     placement = doc["placement"]
-    master_host = placement[plan.workers[0]]
+    real = plan.job.resolve_real(plan.workers)
+    # whose step records make t0 and the watchdog: the master's host, or the leading real rank's
+    # when the others are phantoms (phantoms record no steps)
+    steps_host = placement[next(w for w in plan.workers if real is None or w in real)]
     started_text = f"{scenario.name} started: {len(plan.steps)} steps, job on {', '.join(plan.workers)}"
 
     # every host checks what it will shape (and answers at all) before the job starts
@@ -348,11 +456,11 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
     hung: dict[str, Any] = {}
     ctx: dict[str, Any] = {"t_start": time.time(), "stacks": None}
     begun = threading.Event()                 # t0 is known
-    master_dir: dict[str, str] = {}
+    steps_dir: dict[str, str] = {}
 
     def on_started(host: str, remote_dir: str) -> None:
-        if host == master_host and "dir" not in master_dir:
-            master_dir["dir"] = remote_dir
+        if host == steps_host and "dir" not in steps_dir:
+            steps_dir["dir"] = remote_dir
             ctx["t_start"] = time.time()
 
     def on_output(host: str, line: str) -> None:
@@ -365,8 +473,8 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
         reader: RemoteSteps | None = None
         try:
             while not stop.is_set():
-                if reader is None and "dir" in master_dir:
-                    reader = RemoteSteps(name, master_host, master_dir["dir"])
+                if reader is None and "dir" in steps_dir:
+                    reader = RemoteSteps(name, steps_host, steps_dir["dir"])
                 if reader is not None:
                     reader.poll()
                     if not begun.is_set() and reader.first_new_t is not None:
@@ -385,7 +493,7 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
                     quiet = now - ctx["t_start"] > max(hang_s, startup_s)
                 if quiet and not hung:
                     hung.update(steps=reader.steps if reader else 0)
-                    why = f" (the master host's step records could not be read: {reader.error})" \
+                    why = f" ({steps_host}'s step records could not be read: {reader.error})" \
                         if reader is not None and reader.error else ""
                     if say:
                         say(f"[scenario] no step progress for {hang_s:g}s"
@@ -412,9 +520,12 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
                 return
             items = [{"step": st.to_json(), "at": t0 + plan.wall(st)} for st in batch]
             last = t0 + plan.wall(batch[-1])
+            data = {"scenario": scenario.name, "t0": t0, "dilation": s, "steps": items}
             try:
-                res = _verb(name, "host-apply", {"scenario": scenario.name, "t0": t0, "dilation": s, "steps": items},
-                            timeout=max(0.0, last - time.time()) + 120)
+                if followers.alive():
+                    res = followers.apply(data, timeout=max(0.0, last - time.time()) + 120)
+                else:
+                    res = _verb(name, "host-apply", data, timeout=max(0.0, last - time.time()) + 120)
             except Exception as exc:  # noqa: BLE001 - (the record unreadable...): each step says so
                 res = {h: exc for h in doc.get("hosts", {})}
             for k, st in enumerate(batch):
@@ -426,6 +537,7 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
                     say(f"[scenario] {rec['applied_s']:8.3f}s  #{st.event} {rec['what']}  ({late})"
                         + (f"  ERROR: {rec['error']}" if "error" in rec else ""))
 
+    followers = _Followers(name, {"scenario": scenario.name})
     threads = [threading.Thread(target=f, name=f"scenario-{f.__name__}", daemon=True) for f in (watcher, dispatcher)]
     for t in threads:
         t.start()
@@ -433,6 +545,7 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
     try:
         result = controller.run_job(name, cmd, workers=plan.workers, timeout=timeout_s, env=dict(scenario.job.env),
                                     base_dir=base_dir, on_output=on_output, on_started=on_started, stop=stop,
+                                    real=real,
                                     progress=(lambda m: say(f"[scenario] {m}")) if say else (lambda _m: None))
     finally:
         stop.set()
@@ -440,6 +553,7 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
             # a call in flight is waited for (its steps are applied, then restored below): it ends by
             # its last deadline, or its own timeout
             t.join()
+        followers.close()
         if result is None:   # the job could not be run: what was applied is undone all the same
             _verb(name, "host-restore", {"scenario": scenario.name, "say": f"{scenario.name} ended: not run"},
                   timeout=600)
@@ -472,7 +586,8 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
            "outcome": outcome, "error": error, "rc": result["rc"], "dilation": s, "hang_after_s": hang_s / s,
            "timeout_s": timeout_s / s, "events": events, "restored": restored, "plan": plan.to_json(),
            "job_status": summary.get("status"), "first_failure": summary.get("first_failure"),
-           "over_hosts": {"hosts": list(answers), "master_host": master_host, "t0_wall": ctx.get("t0_wall"),
+           "over_hosts": {"hosts": list(answers), "master_host": placement[plan.workers[0]],
+                          "steps_host": steps_host, "t0_wall": ctx.get("t0_wall"),
                           "t0_seen_after_s": ctx.get("t0_seen_after_s"),
                           "lead_s": lead,
                           "clock_skew_s": skews, "restore_problems": problems,

@@ -243,7 +243,8 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
     res = None
     try:
         res = jobrun.run(cluster, cmd, workers=plan.workers, timeout=timeout_s, env=dict(scenario.job.env),
-                         echo=say if say else False, base_dir=base_dir, on_start=on_start)
+                         echo=say if say else False, base_dir=base_dir, on_start=on_start,
+                         real=plan.job.resolve_real(plan.workers))
     finally:
         stop.set()
         for t in threads:

@@ -23,6 +23,8 @@ A scenario file::
       timeout: 120s             # wall-clock limit of the run (emulated time: scaled by dilation)
       hang_after: 30s           # no step progress for this long: the run is `hung`
       startup: 180s             # ... but the first step may take this long (imports, rendezvous)
+      phantoms: true            # optional: the first worker runs the command, the others are
+                                # phantom ranks (testbed run --real); or real: [w0, w4]
     events:
       - at: 10s
         link: [agg0-0, core0]
@@ -65,7 +67,7 @@ __all__ = ["ScenarioError", "JobSpec", "Event", "Scenario", "Step", "Plan", "loa
            "SET_FIELDS", "DIRECTIONS"]
 
 TOP_FIELDS = ("name", "description", "seed", "topology", "job", "events")
-JOB_FIELDS = ("workers", "command", "timeout", "hang_after", "startup", "env")
+JOB_FIELDS = ("workers", "command", "timeout", "hang_after", "startup", "env", "phantoms", "real")
 EVENT_FIELDS = ("at", "link", "node", "partition", "heal", "action", "set", "direction", "for",
                 "every", "count", "down_for", "cpus", "note")
 LINK_SELECT_FIELDS = ("tier", "node", "pick")
@@ -102,6 +104,14 @@ class JobSpec:
     hang_after_s: float = DEFAULT_HANG_AFTER_S
     env: tuple[tuple[str, str], ...] = ()
     startup_s: float = DEFAULT_STARTUP_S           # the first step may take this long (imports, rendezvous)
+    real: tuple[str, ...] | None = None            # phantoms: the workers that run the command (None: all)
+    phantoms: bool = False                         # phantoms: true without real: the first worker is real
+
+    def resolve_real(self, workers: Sequence[str]) -> list[str] | None:
+        """The workers that run the command when the others are phantoms (None: every worker runs it)."""
+        if self.real is not None:
+            return list(self.real)
+        return list(workers[:1]) if self.phantoms else None
 
     def resolve_workers(self, topo: Topology) -> list[str]:
         if self.workers == "all":
@@ -114,7 +124,8 @@ class JobSpec:
         return {"workers": list(self.workers) if isinstance(self.workers, tuple) else self.workers,
                 "command": list(self.command) if isinstance(self.command, tuple) else self.command,
                 "timeout_s": self.timeout_s, "hang_after_s": self.hang_after_s, "startup_s": self.startup_s,
-                "env": dict(self.env)}
+                "env": dict(self.env), "real": None if self.real is None else list(self.real),
+                "phantoms": self.phantoms or self.real is not None}
 
 
 @dataclass(frozen=True)
@@ -247,6 +258,9 @@ class Plan:
     def format(self) -> str:
         head = f"scenario {self.scenario} (seed {self.seed}): {len(self.steps)} steps, " \
                f"job on {len(self.workers)} workers"
+        real = self.job.resolve_real(self.workers)
+        if real is not None:
+            head += f" ({', '.join(real)} real, {len(self.workers) - len(real)} phantom(s))"
         if self.dilation != 1:
             head += f", time dilation {self.dilation:g} (wall = {self.dilation:g} x at)"
         lines = [head, f"{'at':>10}  {'wall':>10}  {'event':<6} change"]
@@ -452,8 +466,15 @@ def _job(f: str | None, raw: Any) -> JobSpec:
         if not isinstance(k, str) or isinstance(v, (dict, list)) or v is None:
             raise _err(f, "env values must be strings or numbers", f"job.env.{k}", v)
         env_items.append((k, str(v)))
+    phantoms = raw.get("phantoms", False)
+    if not isinstance(phantoms, bool):
+        raise _err(f, "phantoms must be true or false", "job.phantoms", phantoms)
+    real = _names(f, raw["real"], "job.real") if "real" in raw else None
+    if real is not None and "phantoms" in raw and not phantoms:
+        raise _err(f, "real: names the workers that run the command while the others are phantoms; "
+                      "it cannot go with phantoms: false", "job.phantoms", phantoms)
     return JobSpec(workers=workers, command=command, timeout_s=timeout, hang_after_s=hang, env=tuple(env_items),
-                  startup_s=startup)
+                   startup_s=startup, real=real, phantoms=phantoms or real is not None)
 
 
 def _event(f: str | None, raw: Any, i: int) -> Event:
@@ -686,6 +707,14 @@ def plan_scenario(scenario: Scenario, topo: Topology, dilation: float = 1.0) -> 
         raise _err(f, f"the topology has only {len(topo.workers)} workers", "job.workers", scenario.job.workers)
     if len(set(workers)) != len(workers):
         raise _err(f, "a worker is named twice", "job.workers", list(workers))
+    real = scenario.job.resolve_real(workers)
+    if real is not None:
+        stray = [w for w in real if w not in workers]
+        if stray:
+            raise _err(f, "not one of the job's workers", "job.real", stray[0])
+        if len(set(real)) == len(workers):
+            raise _err(f, "every worker of the job is real: no phantom is left (drop real:, or name fewer)",
+                       "job.real", list(real))
 
     def link_key(a: str, b: str) -> tuple[str, str]:
         link = topo.link_between(a, b)

@@ -57,7 +57,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from testbed import events, procs
 from testbed.errors import TestbedError
-from testbed.jobs import counters, rundir
+from testbed.jobs import counters, relay, rundir
 from testbed.jobs.probe import PROBE_PATH
 
 DEFAULT_GRACE_S = 5.0
@@ -283,7 +283,9 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         on_start: Callable[[Path], None] | None = None, machine: Any = None,
         monitor: bool = True, emulated_clock: bool = True, stop: threading.Event | None = None,
         real: Sequence[str] | None = None, record_ops: bool = False,
-        replay: str | os.PathLike | None = None, this_host_only: bool = False) -> RunResult:
+        replay: str | os.PathLike | None = None, this_host_only: bool = False,
+        relay_send: Callable[[bytes], None] | None = None,
+        relay_listen: Callable[[Callable[[bytes], None]], None] | None = None) -> RunResult:
     """Run CMD across the cluster; return the exit status and the run directory.
 
     machine: the calibrated MachineConstants, recorded for the verdict (testbed.report.verdict);
@@ -297,7 +299,10 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     replay: a recorded run directory (or its ops-N.jsonl): no command runs, every rank is a
     phantom fed that sequence with its recorded gaps (scaled to this testbed's dilation);
     this_host_only: on one host of a testbed over several hosts, start the ranks of this host's
-    workers only (the controller starts the others on theirs, with the same master and port)."""
+    workers only (the controller starts the others on theirs, with the same master and port);
+    relay_send, relay_listen: with `real` there, how the leader's announcements reach the phantoms
+    of the other hosts (testbed.jobs.relay): on the leader's host each line goes to relay_send; on
+    the others relay_listen(sink) is called once and the sink gets the relayed bytes."""
     cmd = list(cmd)
     trace = None
     if replay is not None:
@@ -317,21 +322,21 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     if cluster.part is not None and not this_host_only:
         raise RunError(f"testbed {cluster.name} spans several hosts and this host holds part of it: start jobs "
                        "from the controller, where it was brought up (`testbed run` there starts every host's ranks)")
-    if this_host_only and (cluster.part is None or port is None or real is not None or replay is not None):
+    if this_host_only and (cluster.part is None or port is None):
         raise RunError("--this-host-only is the controller's: one host's ranks of a testbed over several hosts, "
-                       "with --port given; no --real or --replay")
+                       "with --port given")
+    if this_host_only and real is not None and (relay_send is None or relay_listen is None):
+        raise RunError("--real over several hosts needs the controller's relay (--mirror-relay): start the run "
+                       "from the controller")
     here = [w for w in chosen if cluster.part is None or w in cluster.part]
     if not here:
         raise RunError(f"none of the run's workers ({', '.join(chosen)}) is on this host")
     if real is not None:
-        real = list(real)
-        unknown = [w for w in real if w not in chosen]
-        if unknown:
-            raise RunError(f"--real {', '.join(unknown)}: not among the run's workers ({', '.join(chosen)})")
-        if not real or len(real) == len(chosen):
-            raise RunError("--real needs at least one real worker and one phantom among the run's workers")
+        real = check_real(real, chosen)
         if not probe:
             raise RunError("--real needs the probe (it announces the real rank's collectives): drop --no-probe")
+    leader_worker = next((w for w in chosen if w in (real or ())), None)   # its lowest rank leads
+    leads_here = leader_worker is not None and leader_worker in here
     master = master or chosen[0]
     if master not in chosen:
         raise RunError(f"master {master!r} is not among the selected workers ({', '.join(chosen)})")
@@ -409,14 +414,18 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             ranks.append(Rank(w, node_rank, lr, rank, f"{w}:r{rank}", list(cmd), renv))
     ranks = [r for r in ranks if r.worker in here]   # over several hosts: this host's ranks only
     feeds: list[str] = []
+    checks: list[str] = []
+    outbound = inbound = None
     if real is not None:
-        feeds = _make_phantoms(ranks, set(real), shared / "phantom", cluster.runtime)
+        feeds, checks = _make_phantoms(ranks, set(real), shared / "phantom", cluster.runtime,
+                                       leader_rank=None if torchrun else chosen.index(leader_worker) * nproc_per_node,
+                                       leader_here=leads_here, relay_out=leads_here and relay_send is not None)
     elif trace is not None:
         if trace.world != world:
             raise RunError(f"{trace.source} is a {trace.world}-rank job; this run has {world} ranks "
                            f"(--workers, --nproc-per-node)")
-        feeds = _make_phantoms(ranks, set(), shared / "phantom", cluster.runtime, leader_rank=trace.rank)
-    if record_ops or real is not None:
+        feeds, _ = _make_phantoms(ranks, set(), shared / "phantom", cluster.runtime, leader_rank=trace.rank)
+    if leads_here or (record_ops and real is None):
         lead = next(r for r in ranks if not r.phantom)   # the lowest real rank, or torchrun's agent there
         lead.env["TESTBED_OPS_TRACE"] = str(probe_dir / f"ops-{'{RANK}' if lead.rank is None else lead.rank}.jsonl")
         if lead.rank is None:
@@ -456,7 +465,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     }
     capped: list[str] = []
     if real is not None:
-        summary["real_cpu_cap"] = _cap_real_workers(cluster, real, nproc_per_node, capped, echo)
+        summary["real_cpu_cap"] = _cap_real_workers(cluster, [w for w in real if w in here], nproc_per_node,
+                                                    capped, echo)
     rundir.write_json(rd / "summary.json", {**summary, "status": "running"})
     events.emit(cluster.name, "run", f"run {run_id} started: {world} rank(s) on {len(chosen)} worker(s)"
                 + (f", {len(feeds)} phantom(s)" if feeds else "") + f": {shlex.join(cmd)[:200]}",
@@ -490,6 +500,12 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         old_term = signal.signal(signal.SIGTERM, _term)
     try:
         try:
+            if real is not None and relay_send is not None and relay_listen is not None:
+                if leads_here:
+                    outbound = relay.Outbound(str(shared / "phantom" / relay.FIFO_NAME), relay_send).start()
+                else:
+                    inbound = relay.Inbound(feeds + checks)
+                    relay_listen(inbound)
             for r in ranks:
                 full_env = {**common, **r.env}
                 argv = cluster.executor.argv(r.worker, r.argv, r.env, workdir)
@@ -523,8 +539,11 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                                      f"in {grace:g}s")
                 if alive == 0:
                     break
-                if real is not None and stop_at is None and all(r.rc is not None for r in ranks if not r.phantom):
-                    # the real ranks are done: a phantom has nothing left to mirror
+                if real is not None and stop_at is None and (
+                        all(r.rc is not None for r in ranks if not r.phantom) if any(not r.phantom for r in ranks)
+                        else inbound is not None and inbound.ended.is_set()):
+                    # the real ranks are done (on a host of phantoms only: the leader said its end):
+                    # a phantom has nothing left to mirror
                     reason, stop_at = ("completed" if rc == 0 else reason), now + PHANTOM_GRACE_S
                 if now >= next_poll:
                     next_poll = now + 1.0
@@ -582,6 +601,10 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                 if echo is not None:
                     echo(f"[testbed] monitor samples lost ({exc})")
         stop_feed.set()
+        if outbound is not None:
+            outbound.stop()
+        if inbound is not None:
+            inbound.close()
         phantom_stats = _phantom_stats(shared / "phantom") if feeds else None
         _uncap(cluster, capped, echo)
         _collect_probe(rd, shared)
@@ -609,9 +632,11 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         "replay": None if trace is None else {"source": str(trace.source), "ops": len(trace.lines),
                                                "recorded_dilation": trace.dilation, "format": trace.kind,
                                                "skipped": dict(trace.skipped)},
-        "phantoms": None if not feeds else {
+        "phantoms": None if not feeds and real is None else {
             "real_workers": list(real or []), **_real_and_phantom_ranks(ranks, world, phantom_stats),
-            **{k: v for k, v in (phantom_stats or {}).items() if k != "ranks"}},
+            **{k: v for k, v in (phantom_stats or {}).items() if k != "ranks"},
+            **({"relayed_lines": outbound.lines} if outbound is not None else {}),
+            **({"relayed_bytes": inbound.bytes} if inbound is not None else {})},
     })
     if topo is not None:
         summary["links"] = counters.link_bytes(topo, before, after)
@@ -619,21 +644,38 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     return RunResult(rc, rd, summary)
 
 
+def check_real(real: Sequence[str], chosen: Sequence[str]) -> list[str]:
+    """--real against the run's workers: every one of them among them, and at least one phantom left."""
+    real = list(real)
+    unknown = [w for w in real if w not in chosen]
+    if unknown:
+        raise RunError(f"--real {', '.join(unknown)}: not among the run's workers ({', '.join(chosen)})")
+    if not real or len(set(real)) == len(chosen):
+        raise RunError("--real needs at least one real worker and one phantom among the run's workers")
+    return real
+
+
 def _make_phantoms(ranks: list[Rank], real: set[str], chan: Path, runtime: str,
-                   leader_rank: int | None = None) -> list[str]:
+                   leader_rank: int | None = None, leader_here: bool = True,
+                   relay_out: bool = False) -> tuple[list[str], list[str]]:
     """Turn the ranks of workers not in `real` into phantoms: same environment, the phantom module
     as the command, and a FIFO each on which the lowest real rank announces its operations (with
     no real rank, a replay: the launcher feeds them; leader_rank is the recorded rank). Returns
-    the phantoms' FIFOs. Every other real rank gets one too (TESTBED_PHANTOM_CHECK): it compares
-    each of its operations with the leader's, so rank-dependent control flow stops the run with
-    both operations named instead of hanging the phantoms.
+    the phantoms' FIFOs and the checking ranks'. Every other real rank gets one too
+    (TESTBED_PHANTOM_CHECK): it compares each of its operations with the leader's, so
+    rank-dependent control flow stops the run with both operations named instead of hanging the
+    phantoms.
+
+    Over several hosts (testbed.jobs.relay): leader_here False: the leader (rank leader_rank) is on
+    another host, every real rank here checks and the FIFOs are fed by the relay; relay_out: the
+    leader is here and announces on one more FIFO too, relay.FIFO_NAME, for the other hosts.
 
     Under torchrun a worker's Rank is its agent, and which global ranks it gets is the rendezvous'
     choice: FIFOs are named by worker and local rank, the phantom agent runs the phantom module
     with the job's torchrun options, and the real agent's local rank 0 leads."""
     chan.mkdir(mode=0o755)
     reals = [r for r in ranks if r.worker in real]
-    leader = reals[0] if reals else None
+    leader = reals[0] if reals and leader_here else None
     leader_rank = leader.rank if leader is not None else int(leader_rank or 0)
     fifos = []
     pkg_root = str(Path(__file__).resolve().parents[2])
@@ -666,7 +708,7 @@ def _make_phantoms(ranks: list[Rank], real: set[str], chan: Path, runtime: str,
         if leader_rank is not None:
             r.env["TESTBED_PHANTOM_LEADER"] = str(leader_rank)
     checks = []
-    for r in reals[1:]:   # the other real ranks: each compares its operations with the leader's
+    for r in reals[1:] if leader is not None else reals:   # the others: each compares its operations with the leader's
         stem = f"check-{r.worker}-{{LOCAL_RANK}}" if r.local_rank is None else f"check-rank-{r.rank}"
         nproc = int(r.env.get("LOCAL_WORLD_SIZE", "1")) if r.local_rank is None else 1
         for lr in range(nproc):
@@ -676,10 +718,14 @@ def _make_phantoms(ranks: list[Rank], real: set[str], chan: Path, runtime: str,
         r.env["TESTBED_PHANTOM_CHECK"] = str(chan / f"{stem}.fifo")
         r.env["TESTBED_PHANTOM_LEADER"] = str(leader_rank)
     if leader is not None:
-        leader.env["TESTBED_PHANTOM_OUT"] = os.pathsep.join(fifos + checks)
+        out = fifos + checks
+        if relay_out:
+            os.mkfifo(chan / relay.FIFO_NAME, 0o600)
+            out.append(str(chan / relay.FIFO_NAME))
+        leader.env["TESTBED_PHANTOM_OUT"] = os.pathsep.join(out)
         if leader.local_rank is None:
             leader.env["TESTBED_PHANTOM_LEADER_LOCAL_RANK"] = "0"   # its other local ranks do not announce
-    return fifos
+    return fifos, checks
 
 
 # torchrun options that take no value: the first other word not starting with "-" is the script

@@ -262,7 +262,7 @@ def cpu_check(monitor: dict[str, Any], s: float, window: tuple[float, float] | N
         return Check("cpu", None, "how many cores or GPUs the ranks shared was not recorded")
     need = max(1.0, ranks / devices)
     samples = [c for c in monitor.get("cpu") or [] if window is None or window[0] <= c["t"] <= window[1]]
-    cores = int(monitor.get("cores") or 1)
+    cores = int(monitor.get("cpu_cores") or monitor.get("cores") or 1)   # (over hosts: the sampled machine's)
     detail = f"{ranks} ranks on {devices} compute device(s) need dilation >= {need:.3g}, the run had {s:g}"
     if samples:
         runnable = statistics.mean(c["runnable"] for c in samples) / cores

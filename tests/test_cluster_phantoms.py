@@ -1,0 +1,167 @@
+"""Phantom ranks on a testbed over several hosts (`testbed run --real`, `--record-ops`, `--replay`), end to
+end against two emulated hosts (testbed/cluster/emulate.py).
+
+One testbed for the module: topologies/two-sides.yaml pinned so that h1 holds w0, w1 and s0 and h2
+holds w2, w3 and s1 (tests/cluster_hosts.py): s0-s1 is the cut link, a VXLAN tunnel. With --real w0
+the leader (rank 0) is on h1; its announcements reach the phantoms of h2 through the controller
+(testbed/jobs/relay.py), never over the emulated network. The CLI runs as a process, as a user runs
+it, from a working directory under /var/tmp (the ranks start in it on every host, and the run
+directories go there; not /tmp: workers have their own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from cluster_hosts import CAN_EMULATE, NEEDS, REPO, emulated_hosts, pids_with, tb, up_line
+
+
+def hosts(test):
+    """Against the emulated hosts: root, sshd and ssh."""
+    return pytest.mark.root(pytest.mark.skipif(not CAN_EMULATE, reason=NEEDS)(test))
+
+
+JOB = ["python", f"{REPO}/examples/train_ddp.py", "--steps", "15", "--model", "mlp", "--hidden", "512", "--no-check"]
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    yield from emulated_hosts(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def line(emu):
+    yield from up_line(emu, "tbph")
+
+
+@pytest.fixture
+def workdir():
+    d = Path(tempfile.mkdtemp(prefix="tb-cluster-phantoms-", dir="/var/tmp"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _run(line: str, cwd: Path, *args: str, check: bool = True) -> tuple[subprocess.CompletedProcess, dict]:
+    r = tb("run", "--name", line, *args, cwd=cwd, check=check, timeout=300)
+    m = re.search(r"run directory: (\S+)", r.stdout)
+    assert m, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    return r, json.loads((Path(m.group(1)) / "summary.json").read_text())
+
+
+def _links(summary: dict) -> dict:
+    return {(lk["a"], lk["b"]): (lk["bytes_ab"], lk["bytes_ba"]) for lk in summary["links"]}
+
+
+def _same_bytes(ref: dict, got: dict, rel: float, slack: int) -> int:
+    """Every link direction of `got` carried what it did in `ref` (within rel x + slack bytes: the
+    rendezvous and control traffic differ); returns the bytes compared."""
+    want, have = _links(ref), _links(got)
+    assert want.keys() == have.keys()
+    total = 0
+    for k, (ab, ba) in want.items():
+        for w, h in ((ab, have[k][0]), (ba, have[k][1])):
+            total += w
+            assert abs(h - w) <= rel * w + slack, (k, h, w)
+    return total
+
+
+@hosts
+def test_phantoms_on_both_hosts_and_a_replay_put_the_jobs_bytes_on_every_link(line, workdir):
+    """The all-real DDP job records rank 0's operations (--record-ops, on rank 0's host); the same job
+    with w0 real and ranks 1-3 phantoms (one on h1, two on h2, fed through the controller) and a
+    replay of the recording with every rank a phantom (each host plays the trace it was sent) put
+    the same bytes on every link, the cut one included, as the job did."""
+    full_r, full = _run(line, workdir, "--record-ops", "--", *JOB)
+    assert full["status"] == "completed", full_r.stdout[-3000:]
+    rec_dir = Path(full["run_dir"])
+    assert [p.name for p in (rec_dir / "probe").glob("ops-*.jsonl")] == ["ops-0.jsonl"]   # rank 0's host only
+
+    ph_r, ph = _run(line, workdir, "--real", "w0", "--", *JOB)
+    assert ph["status"] == "completed" and ph["rc"] == 0, (ph_r.stdout[-3000:], ph_r.stderr[-2000:])
+    info = ph["phantoms"]
+    assert info["real_ranks"] == [0] and info["phantom_ranks"] == [1, 2, 3] and not info["errors"], info
+    assert len(set(info["ops_mirrored"])) == 1 and info["ops_mirrored"][0] > 15, info   # each saw every op
+    assert sorted(info["announce_late_by_host"]) == ["h1", "h2"] and info["relayed_lines"] > 15, info
+    assert [(r["rank"], r["host"], r["phantom"]) for r in ph["ranks"]] == \
+        [(0, "h1", False), (1, "h1", True), (2, "h2", True), (3, "h2", True)]
+    total = _same_bytes(full, ph, 0.05, 30_000)
+    assert total > 15 * 4 * 1_000_000   # megabytes of gradients per step: the comparison means something
+    assert _links(ph)[("s0", "s1")][0] > 15 * 1_000_000   # and the cut link carried them
+    probe = Path(ph["run_dir"]) / "probe"
+    assert sorted(p.name for p in probe.glob("rank-*.jsonl")) == ["rank-0.jsonl"]   # step times: the real rank's
+    assert "phantom" in ph_r.stdout   # the verdict names the phantoms
+
+    rep_r, rep = _run(line, workdir, "--replay", str(rec_dir))
+    assert rep["status"] == "completed", (rep_r.stdout[-3000:], rep_r.stderr[-2000:])
+    assert rep["replay"]["source"] == str(rec_dir / "probe" / "ops-0.jsonl")   # the controller's, not a copy
+    assert rep["phantoms"]["phantom_ranks"] == [0, 1, 2, 3]
+    _same_bytes(full, rep, 0.01, 30_000)
+    assert not list(Path("/tmp").glob("testbed-replay-*")), "a host kept its copy of the trace"
+    assert not pids_with("testbed.jobs.phantom"), "phantoms left running"
+
+
+@hosts
+def test_a_phantom_killed_on_the_other_host_ends_the_run(line, workdir):
+    """A phantom of h2 killed mid-run: the real rank's collective fails, the run ends with a failure
+    (not a hang) and no rank or phantom is left on either host."""
+    from testbed import procs
+
+    marker = f"tbkill{uuid.uuid4().hex[:8]}"
+    job = ("import time, torch, torch.distributed as dist\n"
+           "dist.init_process_group('gloo')\n"
+           "for i in range(1200):\n"
+           f"    dist.all_reduce(torch.ones(1000)); time.sleep(0.05)  # {marker}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "testbed", "run", "--name", line, "--real", "w0", "--grace", "2",
+                             "--", "python", "-c", job], cwd=workdir, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "250"})
+    try:
+        deadline = time.monotonic() + 120
+        victims: list[int] = []
+        while not victims and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+            victims = [p for p in procs.pids_with_env("TESTBED_WORKER", "w2")
+                       if p in pids_with("testbed.jobs.phantom")]
+        assert victims, "no phantom of w2 started on h2"
+        time.sleep(3)   # well into the loop of collectives
+        for pid in victims:
+            os.kill(pid, 9)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert time.monotonic() - t0 < 60, "the run took too long to end after its phantom died"
+    assert proc.returncode not in (0, 130), (proc.returncode, out[-2000:], err[-2000:])
+    m = re.search(r"run directory: (\S+)", out)
+    assert m, (proc.returncode, out[-3000:], err[-3000:])
+    summary = json.loads((Path(m.group(1)) / "summary.json").read_text())
+    assert summary["status"] == "rank failed", summary["status"]
+    assert not pids_with(marker), "ranks left running"
+    assert not pids_with("testbed.jobs.phantom"), "phantoms left running"
+
+
+@hosts
+def test_replay_with_a_command_or_a_broken_trace_is_refused_before_any_host_starts(line, workdir):
+    bad = workdir / "ops-0.jsonl"
+    bad.write_text('{"ev": "op", "t": 1}\n')
+    r = tb("run", "--name", line, "--replay", str(bad), cwd=workdir, check=False)
+    assert r.returncode != 0 and "an operation before the init record" in r.stderr, r.stderr
+    assert "rank(s) on 2 host(s)" not in r.stderr   # nothing was started
+    r = tb("run", "--name", line, "--replay", str(bad), "--", "true", cwd=workdir, check=False)
+    assert r.returncode == 2 and "either a command or --replay" in r.stderr, r.stderr
+    r = tb("run", "--name", line, "--real", "w9", "--", "true", cwd=workdir, check=False)
+    assert r.returncode != 0 and "--real w9: not among the run's workers" in r.stderr, r.stderr
