@@ -1,8 +1,8 @@
 """The verbs on a testbed over several hosts, end to end, against two emulated hosts
 (testbed/cluster/emulate.py): `node down|up|crash|slow|restore` (sent to every host, each acting on
-what it holds), `logs` and `ps` (on the nodes' hosts), `attach` (ssh to the node's host), `cp` (between
-two nodes of one host it runs there; else it prints the ssh/scp route, which is run here to show it
-works), Ctrl-C on `exec` and `run` (passed on to the hosts) and `cleanup` (on every host too).
+what it holds), `logs` and `ps` (on the nodes' hosts), `attach` (ssh to the node's host), Ctrl-C on
+`exec` and `run` (passed on to the hosts) and `cleanup` (on every host too). `cp` has its own module
+(tests/test_cluster_cp.py).
 
 One testbed for the module: topologies/two-sides.yaml (tests/cluster_hosts.py), pinned so that h1 holds w0,
 w1 and s0 and h2 holds w2, w3 and s1 (s0-s1 is the cut link). Each test puts back what it changed.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -199,11 +198,6 @@ def test_logs_and_ps_of_remote_nodes(emu, line):
         on_host(emu, "h2", "rm", "-rf", d)
 
 
-def _commands(stderr: str) -> list[list[str]]:
-    """The commands a refusal quotes in backquotes."""
-    return [shlex.split(c) for c in re.findall(r"`(s(?:sh|cp) [^`]+)`", stderr)]
-
-
 def _interrupt_when(proc: subprocess.Popen, ready, within: float = 60.0) -> None:
     import signal
     import time
@@ -300,29 +294,6 @@ def test_attach_runs_ssh_to_the_nodes_host(emu, line):
     assert "w2 is on host h2: ssh -t" in r.stderr and f"attach w2 --name {line}" in r.stderr, r.stderr
 
 
-def test_cp_between_nodes_of_one_host_runs_there_and_across_hosts_says_how(emu, line, tmp_path):
-    tb("exec", "w2", "--name", line, "--", "sh", "-c", "echo w2-data > /tmp/a.txt")
-    tb("cp", "w2:/tmp/a.txt", "w3:/tmp/b.txt", "--name", line)
-    assert tb("exec", "w3", "--name", line, "--", "cat", "/tmp/b.txt").stdout == "w2-data\n"
-    # this machine -> a node on h2: refused, with the two steps, which work
-    src = tmp_path / f"in-{uuid.uuid4().hex[:6]}.txt"
-    src.write_text("from the controller\n")
-    r = tb("cp", str(src), "w2:/tmp/c.txt", "--name", line, check=False)
-    assert r.returncode == 2 and "does not copy across hosts yet (w2 is on host h2" in r.stderr, r.stderr
-    steps = _commands(r.stderr)
-    assert [c[0] for c in steps] == ["scp", "ssh"], steps
-    try:
-        for c in steps:
-            subprocess.run(c, stdin=subprocess.DEVNULL, check=True, capture_output=True, timeout=120)
-        assert tb("exec", "w2", "--name", line, "--", "cat", "/tmp/c.txt").stdout == "from the controller\n"
-    finally:
-        Path("/tmp", src.name).unlink(missing_ok=True)   # where it stopped on h2 (/tmp is shared here)
-    # a node on h1 -> a node on h2: refused too, four steps through this machine
-    r = tb("cp", "w0:/etc/hostname", "w2:/tmp/", "--name", line, check=False)
-    assert r.returncode == 2 and "w0 is on host h1; w2 is on host h2" in r.stderr, r.stderr
-    assert [c[0] for c in _commands(r.stderr)] == ["ssh", "scp", "scp", "ssh"]
-
-
 def test_cleanup_on_the_controller_cleans_every_host_and_keeps_the_testbed(emu, line):
     dead = f"zz{uuid.uuid4().hex[:6]}"   # an `up` on h2 that died before writing its state
     on_host(emu, "h2", "mkdir", "-p", "-m", "700", f"/run/testbed/{dead}")
@@ -339,5 +310,5 @@ def test_verbs_not_across_hosts_name_those_that_are(emu, line):
     # every verb a user types works across hosts now; the hosts' own hidden verbs still refuse it here
     r = tb("scenario", "host-check", "--name", line, check=False)
     assert r.returncode != 0
-    assert "node, partition, heal, logs, ps, top, graph, events, stacks, capture, scenario and cleanup do" in r.stderr, \
+    assert "node, partition, heal, logs, ps, top, graph, events, stacks, capture, scenario, cp and cleanup do" in r.stderr, \
         r.stderr

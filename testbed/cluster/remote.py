@@ -72,7 +72,7 @@ T = TypeVar("T")
 DEFAULT_CONNECT_TIMEOUT = 10.0   # s: TCP connect, SSH banner, authentication, opening a session
 KILL_AFTER_S = 5                 # the remote `timeout -k`: SIGKILL this long after SIGTERM
 LOCAL_GRACE_S = 15.0             # the local side waits this much longer than the remote timeout
-DRAIN_S = 2.0                    # after the exit status, how long output may still trickle in
+DRAIN_S = 2.0                    # after the exit status, how long output may still trickle in without moving
 STDERR_LINES = 5                 # lines of stderr a RemoteError quotes
 STREAM_KEEP = 1 << 20            # with on_stdout, the result keeps this much of stdout's end
 SYSTEM_KNOWN_HOSTS = ("~/.ssh/known_hosts", "/etc/ssh/ssh_known_hosts")
@@ -440,6 +440,7 @@ class SshHost:
                 raise self._unreachable(f"lost the connection while starting `{command[:200]}`: {exc}") from None
             raise self._unreachable(f"the host refused a new session for `{command[:200]}`: {exc}") from None
         out, err = bytearray(), bytearray()
+        moved = [time.monotonic(), False]   # when output last came in or was passed on; passing it on now
 
         def drain(recv: Callable[[int], bytes], buf: bytearray, tell: Callable[[bytes], None] | None) -> None:
             while True:
@@ -449,15 +450,21 @@ class SshHost:
                     return
                 if not data:
                     return
+                moved[0] = time.monotonic()
                 buf += data
                 if tell is not None:
-                    tell(data)
+                    moved[1] = True   # (tell may wait: a streamed copy's reader is slower than the network)
+                    try:
+                        tell(data)
+                    finally:
+                        moved[:] = [time.monotonic(), False]
                     if len(buf) > STREAM_KEEP:   # streamed: the caller has it; keep the tail only
                         del buf[:len(buf) - STREAM_KEEP]
 
         def feed() -> None:
-            # the command may exit without reading all of its input: as with a pipe, not an error
-            with contextlib.suppress(*lost):
+            # the command may exit without reading all of its input: as with a pipe, not an error;
+            # nor is a stdin the caller closed meanwhile (ValueError: it gave up on the command)
+            with contextlib.suppress(*lost, ValueError):
                 if isinstance(stdin, (bytes, bytearray, memoryview)):
                     chan.sendall(bytes(stdin))
                 elif stdin is not None:
@@ -483,10 +490,12 @@ class SshHost:
                 if not transport.is_active():
                     break
             if why is None:
-                # output sent before the status may still be on its way; a background process that
-                # keeps stdout open must not hold us forever
-                for th in threads[:2]:
-                    th.join(DRAIN_S)
+                # output sent before the status may still be on its way, or still be passed on to a
+                # slow reader; a background process that keeps stdout open must not hold us forever:
+                # waited for while it moves, given up after DRAIN_S without any
+                moved[0] = max(moved[0], time.monotonic())
+                while any(th.is_alive() for th in threads[:2]) and (moved[1] or time.monotonic() - moved[0] < DRAIN_S):
+                    threads[0].join(0.05)
         finally:
             chan.close()
             for th in threads:
@@ -624,7 +633,8 @@ def _check_version(ctl: HostControl, cmd: list[str], rep: HostReport, expect: st
         r = ctl.run([*cmd, "version"], timeout=timeout)   # a testbed from before `version --json`
     if r.rc in (126, 127):
         rep.problems.append(f"testbed is not installed on {rep.name} at `{_shown(cmd)}` "
-                            f"({(_tail(r.stderr, 1) or ['not found'])[0]})")
+                            f"({(_tail(r.stderr, 1) or ['not found'])[0]}): `testbed install --hosts FILE` "
+                            "installs this controller's version there")
         return False
     if r.rc != 0:
         last = (_tail(r.stderr, 1) or _tail(r.stdout, 1) or ["no output"])[0]
@@ -639,7 +649,8 @@ def _check_version(ctl: HostControl, cmd: list[str], rep: HostReport, expect: st
         rep.version = lines[-1].strip() if lines else None
     if expect is not None and rep.version != expect:
         rep.problems.append(f"{rep.name} runs testbed {rep.version or '(unknown version)'} and this controller "
-                            f"{expect}: install the same version there")
+                            f"{expect}: install the same version there (`testbed install --hosts FILE` "
+                            "ships this controller's version)")
     return True
 
 
