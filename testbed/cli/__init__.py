@@ -39,6 +39,8 @@ VERBS: dict[str, Verb] = {
     "events": Verb("events", "Print the testbed's events from the start: up, link and node changes, partitions, "
                              "scenario steps, runs and their verdicts (-f: keep following)."),
     "exec": Verb("exec", "Run CMD inside NODE with stdin/stdout/stderr passed through; exit with its status."),
+    "install": Verb("install", "Install this controller's testbed (its version, its dependencies' versions) on "
+                               "the hosts of a hosts file, over SSH."),
     "logs": Verb("logs", "Show the output of the jobs started in NODE (-f: keep following it)."),
     "ls": Verb("ls", "List the testbeds that are up."),
     "part": Verb("part", "One host's side of a testbed over several hosts (run by the controller over SSH)."),
