@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from typing import Any
 
@@ -26,7 +27,7 @@ from testbed.cli.common import fail, require_root
 part_app = typer.Typer(help="One host's side of a testbed over several hosts (run by the controller over SSH).",
                        no_args_is_help=True, add_completion=False)
 
-_SPEC_FIELDS = {"name", "topology", "part", "time_dilation", "dilation", "runtime", "net_admin"}
+_SPEC_FIELDS = {"name", "topology", "part", "time_dilation", "dilation", "runtime", "net_admin", "workdir"}
 
 
 def _spec(text: str) -> dict[str, Any]:
@@ -138,6 +139,11 @@ def _build(spec: dict[str, Any]) -> dict[str, Any]:
             fail(f"part up: dilation: {exc}", 2)
         if not (math.isfinite(dilation.factor) and dilation.factor >= 1):
             fail(f"part up: dilation.factor: a factor >= 1 (got {dilation.factor!r})", 2)
+    workdir = spec.get("workdir")
+    if isinstance(workdir, str) and os.path.isdir(workdir):
+        # the controller's working directory, where `up` ran (when this host has it; else the SSH
+        # login's): docker workers mount it, as `up` on one host does its own
+        os.chdir(workdir)
     st = lifecycle.up(topo, spec["name"], time_dilation=dilation, runtime=runtime,
                       net_admin=bool(spec.get("net_admin")), part=part)
     return {"built": True, "name": st["name"], "host": part.host, "nodes": sorted(part.nodes),

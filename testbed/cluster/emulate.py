@@ -1,13 +1,15 @@
 """Several hosts made out of this machine, reached over SSH exactly as real ones (CI, and users without servers).
 
     python -m testbed.cluster.emulate up --hosts 2 --dir DIR [--underlay-mtu 9000] [--cores 2]
+        [--login-user NAME [--sudo nopasswd|none] [--sudo HOST=none]] [--docker-socket PATH]
     python -m testbed.cluster.emulate down --dir DIR
     python -m testbed.cluster.emulate stop-sshd --dir DIR h1      # h1 becomes unreachable
     python -m testbed.cluster.emulate start-sshd --dir DIR h1
 
 or create(n, workdir) -> Emulated, destroy(workdir), and emulated(n, workdir) as a context manager
 (a pytest fixture: ``with emulated(2, tmp_path) as emu: yield emu``). Needs root, iproute2,
-util-linux (unshare, nsenter) and openssh-server (/usr/sbin/sshd; no system sshd needs to run).
+util-linux (unshare, nsenter) and openssh-server (/usr/sbin/sshd; no system sshd needs to run);
+sudo for a login user who may use it.
 
 Each emulated host hN (N = 1..n) is:
 
@@ -33,38 +35,63 @@ underlay address, capacity cores, and `testbed:` where the hosts schema has it) 
 (everything destroy needs, and "testbed": the command that runs testbed on a host: this checkout's
 venv, by absolute path, as the hosts share its filesystem).
 
+A login user (create(login_user=NAME), --login-user NAME): hosts.yaml logs in as NAME@ADDR, and
+testbed runs commands as root through `sudo -n` (testbed/cluster/remote.py). NAME exists on the
+hosts only, never in this machine's /etc: the holder binds, in the host's mount namespace, its
+own copies of /etc/passwd, /etc/group and /etc/shadow (this machine's, plus NAME with a uid (= gid)
+free here and the password "*": no password, not locked), of /etc/hosts (plus "127.0.1.1 hN":
+sudo resolves the host's name) and of /etc/sudoers.d (this machine's, plus "NAME ALL=(ALL)
+NOPASSWD: ALL" where sudo is "nopasswd"; "none": no rule, so sudo -n refuses), all kept in DIR/hN/etc.
+Its home is DIR/hN/home/NAME, bound on the host's /run/home (NAME could not reach it under DIR,
+which is root's), with a copy of the client key: sshd reads a user's keys as that user.
+
+A shared Docker daemon (create(docker_socket=PATH), --docker-socket PATH, e.g. scripts/dockerd.sh's
+socket): the holder binds PATH on the host's /run/docker.sock, where the Docker SDK and CLI look
+by default (sshd and sudo pass no DOCKER_HOST), so the hosts' Docker workers are containers of
+this machine's daemon. That daemon resolves the containers' bind mounts in this machine's
+filesystem, where a host's /run is not, and each host's testbed labels its containers with its
+state root: so each host keeps its testbed state in DIR/hN/state (TESTBED_STATE_DIR, set by the
+`testbed:` command of hosts.yaml), not in its /run/testbed, and the hosts' containers stay apart.
+The hosts keep the socket they were made with: a daemon started again afterwards is not theirs.
+
 Shared among the emulated hosts and this machine, unlike real hosts: the kernel (modules,
 sysctls outside net.*, limits, time), /sys (so /sys/class/net lists this machine's interfaces, not
 the host's; `ip netns exec` remounts it per namespace as usual) and the cgroup filesystem (a
 host's cgroups are the machine's), /proc/sys outside net, the PID space (ps on a host shows every
 process of the machine), /dev (and /dev/shm), and the whole filesystem outside /run: /tmp, /var,
-/etc, this checkout. Private to each: its network stack (interfaces, addresses, routes, firewall,
-net.* sysctls), /run, its hostname, its sshd.
+/etc (but for a login user's files above), this checkout, and a Docker daemon given to them.
+Private to each: its network stack (interfaces, addresses, routes, firewall, net.* sysctls), /run,
+its hostname, its sshd.
 
 Ownership is provable: every namespace's lo and the root-side veth carry the alias
 "testbed-emulated <token>" (a random token kept in DIR), and every process of a host sees the
 file /run/.testbed-emulated-host holding that token and the host's name, which no process outside
 the hosts can see (it lives in their private /run). destroy ends exactly the processes that see it
 (sshd, the holder, anything started over SSH, workers that kept the host's /run), then removes the
+containers on a shared Docker daemon labelled with one of the hosts' state roots (under DIR), the
 namespaces and the veth it can prove are ours, then our files: never anything else, and never by
-process name.
+process name. The binds a host's holder made vanish with its mount namespace.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import grp
 import ipaddress
 import json
 import os
+import pwd
+import re
 import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +112,11 @@ DEFAULT_CORES = 2
 READY_TIMEOUT_S = 15.0
 LOCK_DIR = "/run/lock"   # flocked while an instance picks its /24 and builds
 _UNSAFE = set(" \t\n\"'%\\#")   # characters a path must not have in an sshd_config line
+SUDO_MODES = ("nopasswd", "none")
+LOGIN_UIDS = range(50000, 60000)   # the login user's uid (= gid): the first free on this machine
+LOGIN_HOMES = "/run/home"          # in each host: its DIR/hN/home, where the login user's home is
+_USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+HOST_DOCKER_SOCKET = "/run/docker.sock"   # in each host: the Docker SDK's default, /var/run/docker.sock
 
 _CHILDREN: dict[int, subprocess.Popen] = {}   # processes this process started: reaped when they end
 
@@ -100,6 +132,7 @@ class EmulatedHost:
     dir: str
     holder_pid: int | None = None
     sshd_pid: int | None = None
+    sudo: str | None = None          # with a login user: "nopasswd" (it may sudo -n anything) or "none"
 
     @property
     def path(self) -> Path:
@@ -119,6 +152,9 @@ class Emulated:
     testbed: list[str]
     hosts: list[EmulatedHost] = field(default_factory=list)
     made_workdir: bool = False
+    login_user: str | None = None    # hosts.yaml logs in as this user (None: root), uid = gid = login_uid
+    login_uid: int | None = None
+    docker_socket: str | None = None   # this machine's Docker daemon socket, seen by each host at /run/docker.sock
 
     # -- names and paths
 
@@ -157,6 +193,21 @@ class Emulated:
     @property
     def authorized_keys(self) -> Path:
         return self.dir / "authorized_keys"
+
+    @property
+    def login(self) -> str:
+        """Who hosts.yaml logs in as."""
+        return self.login_user or "root"
+
+    @property
+    def login_home(self) -> str:
+        """The login user's home directory, as a host sees it."""
+        return f"{LOGIN_HOMES}/{self.login_user}"
+
+    def state_root(self, h: EmulatedHost) -> str | None:
+        """Where testbed keeps its state on host `h`: None for its own /run/testbed, else (with a
+        shared Docker daemon) a directory under its DIR (see the module's docstring)."""
+        return str(h.path / "state") if self.docker_socket else None
 
     def host(self, name: str) -> EmulatedHost:
         for h in self.hosts:
@@ -404,13 +455,32 @@ def _keygen(path: Path, comment: str) -> None:
 
 _HOLDER_SCRIPT = r"""
 set -e
+# every mount below is made in the host's private mount namespace: this machine never sees it, and
+# it vanishes with the host
+# the Docker daemon's socket (TB_DOCKER) may live under /run, which is covered next: first bound on
+# a file under DIR (TB_DOCKER_STAGE), from where it goes to the host's own /run
+if [ -n "$TB_DOCKER" ]; then mount --bind "$TB_DOCKER" "$TB_DOCKER_STAGE"; fi
 # the machine's mounts under /run (its /run/netns and namespace files) must not show through the
-# host's own /run: detached here, in the host's private mount namespace, deepest first
+# host's own /run: detached here, deepest first
 for m in $(awk '$5 ~ "^/run/" {print $5}' /proc/self/mountinfo | sort -r); do umount -l "$m" 2>/dev/null || true; done
 mount -t tmpfs -o mode=0755,nosuid,nodev tbh-run /run
 mkdir -p /run/netns /run/testbed /run/lock
 mkdir -m 0755 /run/sshd
 chmod 1777 /run/lock
+if [ -n "$TB_DOCKER" ]; then
+  : > "$TB_DOCKER_AT"
+  mount --bind "$TB_DOCKER_STAGE" "$TB_DOCKER_AT"
+  umount "$TB_DOCKER_STAGE"
+fi
+# the login user (TB_ETC): the host's own copies of the user and group files, which add it, of
+# /etc/hosts (which names the host: sudo looks its name up) and of /etc/sudoers.d (its rule); its
+# home (under DIR/hN/home, which it cannot reach: DIR is root's) at /run/home
+if [ -n "$TB_ETC" ]; then
+  for f in passwd group shadow hosts; do mount --bind "$TB_ETC/$f" "/etc/$f"; done
+  if [ -d "$TB_ETC/sudoers.d" ]; then mount --bind "$TB_ETC/sudoers.d" /etc/sudoers.d; fi
+  mkdir -m 0755 "$TB_HOMES"
+  mount --bind "$TB_HOME" "$TB_HOMES"
+fi
 printf '%s\n' "$TB_MARK" > /run/.testbed-emulated-host
 printf '%s\n' "$TB_HOST" > /proc/sys/kernel/hostname
 ip link set dev lo up
@@ -423,6 +493,12 @@ def _start_holder(emu: Emulated, h: EmulatedHost) -> None:
     """The process that keeps the host's mount and UTS namespaces (and its /run) alive."""
     log = h.path / "holder.log"
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "TB_HOST": h.name, "TB_MARK": f"{emu.token} {h.name}"}
+    if emu.login_user:
+        env.update(TB_ETC=str(h.path / "etc"), TB_HOME=str(h.path / "home"), TB_HOMES=LOGIN_HOMES)
+    if emu.docker_socket:
+        stage = h.path / "docker.sock"
+        stage.touch(mode=0o600)
+        env.update(TB_DOCKER=emu.docker_socket, TB_DOCKER_STAGE=str(stage), TB_DOCKER_AT=HOST_DOCKER_SOCKET)
     proc = _spawn(["nsenter", f"--net=/run/netns/{h.netns}", "--", "unshare", "--mount", "--uts",
                    "--propagation", "private", "--", "/bin/sh", "-c", _HOLDER_SCRIPT], log,
                   stdout=subprocess.PIPE, env=env)
@@ -464,9 +540,76 @@ LoginGraceTime 30
 LogLevel INFO
 Subsystem sftp internal-sftp
 """
+    if emu.login_user:
+        # sshd reads a user's keys as that user, who cannot reach DIR (root's): its own copy, in its home
+        text += (f"# the login user's keys: a copy in its home (sshd reads them as the user)\n"
+                 f"Match User {emu.login_user}\n"
+                 f"    AuthorizedKeysFile {emu.login_home}/.ssh/authorized_keys\n")
     path = d / "sshd_config"
     path.write_text(text)
     return path
+
+
+def _free_login_uid() -> int:
+    """A uid free on this machine that is also free as a gid (the login user's own group)."""
+    used = {p.pw_uid for p in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
+    for uid in LOGIN_UIDS:
+        if uid not in used:
+            return uid
+    raise StateError(f"no uid free in {LOGIN_UIDS.start}-{LOGIN_UIDS.stop - 1} for the login user")
+
+
+def _copy_as(src: str, dst: Path, extra: str = "") -> None:
+    """`src` copied to `dst` with its mode and owner, `extra` (a line) appended."""
+    st = os.stat(src)
+    text = Path(src).read_bytes()
+    if extra:
+        text += (b"" if not text or text.endswith(b"\n") else b"\n") + extra.encode() + b"\n"
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(text)
+    os.chown(dst, st.st_uid, st.st_gid)
+    os.chmod(dst, stat.S_IMODE(st.st_mode))
+
+
+def _make_login(emu: Emulated, h: EmulatedHost) -> None:
+    """Host `h`'s login user, in files under DIR/hN that the holder binds in the host's mount
+    namespace only: etc/passwd, group and shadow (this machine's, plus the user), etc/hosts (plus
+    the host's name), etc/sudoers.d (this machine's, plus its NOPASSWD rule when h.sudo says so)
+    and home/NAME with the client key."""
+    user, uid = emu.login_user, emu.login_uid
+    assert user and uid is not None
+    etc = h.path / "etc"
+    etc.mkdir(mode=0o755)
+    _copy_as("/etc/passwd", etc / "passwd", f"{user}:x:{uid}:{uid}:testbed emulated host login:{emu.login_home}:/bin/sh")
+    _copy_as("/etc/group", etc / "group", f"{user}:x:{uid}:")
+    # "*": no password can match, and the account is not locked ("!" is: sshd would refuse the key)
+    _copy_as("/etc/shadow", etc / "shadow", f"{user}:*:::::::")
+    # the host's name, as Debian's installer writes it (sudo warns on every command when it cannot be resolved)
+    _copy_as("/etc/hosts", etc / "hosts", f"127.0.1.1\t{h.name}")
+    if os.path.isdir("/etc/sudoers.d"):
+        sudoers = etc / "sudoers.d"
+        sudoers.mkdir(mode=0o755)
+        for entry in sorted(os.listdir("/etc/sudoers.d")):
+            src = os.path.join("/etc/sudoers.d", entry)
+            if os.path.isfile(src) and not os.path.islink(src):
+                _copy_as(src, sudoers / entry)
+        if h.sudo == "nopasswd":
+            rule = sudoers / f"zz-testbed-emulated-{user}"   # read last: it is not overridden
+            fd = os.open(rule, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o440)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(f"# made by testbed.cluster.emulate for host {h.name}\n{user} ALL=(ALL) NOPASSWD: ALL\n")
+    homes = h.path / "home"
+    homes.mkdir(mode=0o755)
+    home = homes / user
+    ssh = home / ".ssh"
+    ssh.mkdir(mode=0o700, parents=True)
+    keys = ssh / "authorized_keys"
+    keys.write_text(emu.authorized_keys.read_text())
+    keys.chmod(0o600)
+    for p in (home, ssh, keys):
+        os.chown(p, uid, uid)
+    home.chmod(0o755)
 
 
 def _sshd_alive(emu: Emulated, h: EmulatedHost) -> bool:
@@ -556,9 +699,53 @@ def _preflight(workdir: Path) -> None:
                            "(its paths go into sshd's configuration)")
 
 
+def _sudo_modes(names: list[str], sudo: str | Mapping[str, str]) -> dict[str, str]:
+    """Each host's sudo mode: `sudo` for all, or host -> mode (a host not named: nopasswd)."""
+    modes = ({n: sudo for n in names} if isinstance(sudo, str)
+             else {n: sudo.get(n, SUDO_MODES[0]) for n in names})
+    if not isinstance(sudo, str) and set(sudo) - set(names):
+        raise TestbedError(f"--sudo names no such host: {', '.join(sorted(set(sudo) - set(names)))}")
+    bad = sorted({m for m in modes.values() if m not in SUDO_MODES})
+    if bad:
+        raise TestbedError(f"--sudo: {', '.join(bad)} is not one of {', '.join(SUDO_MODES)}")
+    return modes
+
+
+def _check_login_user(user: str, modes: dict[str, str]) -> None:
+    if not _USER_RE.match(user) or user == "root":
+        raise TestbedError(f"--login-user {user!r}: a user name (lowercase letters, digits, '_', '-'), not root")
+    for lookup, what in ((pwd.getpwnam, "a user"), (grp.getgrnam, "a group")):
+        try:
+            lookup(user)
+        except KeyError:
+            continue
+        raise TestbedError(f"--login-user {user}: {what} of that name exists on this machine; the emulated "
+                           "hosts add their own (pick another name)")
+    if "nopasswd" in modes.values() and (shutil.which("sudo") is None or not os.path.isdir("/etc/sudoers.d")):
+        raise CapabilityError("a login user with sudo needs sudo (and /etc/sudoers.d): apt-get install sudo")
+
+
+def _check_docker_socket(path: str) -> str:
+    path = os.path.abspath(path)
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise TestbedError(f"--docker-socket {path}: {exc.strerror}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise TestbedError(f"--docker-socket {path}: not a socket")
+    if os.path.realpath("/var/run") != "/run":
+        raise CapabilityError("--docker-socket: /var/run is not /run here, so the hosts' Docker clients would "
+                              f"not find the socket at {HOST_DOCKER_SOCKET}")
+    return path
+
+
 def create(n: int, workdir: str | Path, *, underlay_mtu: int = DEFAULT_MTU, cores: int = DEFAULT_CORES,
-           names: list[str] | None = None) -> Emulated:
+           names: list[str] | None = None, login_user: str | None = None,
+           sudo: str | Mapping[str, str] = "nopasswd", docker_socket: str | None = None) -> Emulated:
     """Make `n` emulated hosts recorded in `workdir` (made if missing); see the module's docstring.
+    login_user: hosts.yaml logs in as this user (made on each host only), who runs commands as root
+    through sudo when sudo says "nopasswd" (for all hosts, or host -> mode; "none": no sudo rule).
+    docker_socket: this machine's Docker daemon socket, which every host then sees as its own.
     On any failure everything made so far is removed before the error is raised."""
     if not 1 <= n <= 253:
         raise TestbedError(f"--hosts must be 1-253 (got {n})")
@@ -567,6 +754,11 @@ def create(n: int, workdir: str | Path, *, underlay_mtu: int = DEFAULT_MTU, core
     names = list(names) if names else [f"h{i}" for i in range(1, n + 1)]
     if len(names) != n or len(set(names)) != n:
         raise TestbedError(f"need {n} distinct host names (got {names})")
+    modes = _sudo_modes(names, sudo)
+    if login_user is not None:
+        _check_login_user(login_user, modes)
+    if docker_socket is not None:
+        docker_socket = _check_docker_socket(docker_socket)
     workdir = Path(os.path.abspath(workdir))
     _preflight(workdir)
     if (workdir / STATE_FILE).exists():
@@ -576,7 +768,8 @@ def create(n: int, workdir: str | Path, *, underlay_mtu: int = DEFAULT_MTU, core
     workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
         with _subnet_lock():   # two instances made at once must not pick the same /24
-            return _create(n, workdir, names, underlay_mtu, cores, made)
+            return _create(n, workdir, names, underlay_mtu, cores, made, login_user,
+                           modes if login_user else {}, docker_socket)
     except BaseException:
         if made:
             with contextlib.suppress(OSError):   # only when nothing was left in it
@@ -597,13 +790,15 @@ def _subnet_lock() -> Iterator[None]:
         os.close(fd)
 
 
-def _create(n: int, workdir: Path, names: list[str], underlay_mtu: int, cores: int, made: bool) -> Emulated:
+def _create(n: int, workdir: Path, names: list[str], underlay_mtu: int, cores: int, made: bool,
+            login_user: str | None, modes: dict[str, str], docker_socket: str | None) -> Emulated:
     ident, net = _pick_subnet()
     emu = Emulated(workdir=str(workdir), id=ident, token=secrets.token_hex(16), subnet=str(net), mtu=underlay_mtu,
-                   cores=cores, testbed=_testbed_command(), made_workdir=made)
+                   cores=cores, testbed=_testbed_command(), made_workdir=made, login_user=login_user,
+                   login_uid=_free_login_uid() if login_user else None, docker_socket=docker_socket)
     for i, name in enumerate(names, start=1):
         emu.hosts.append(EmulatedHost(name=name, address=str(net[i]), netns=f"{PREFIX}{ident}-{name}",
-                                      dir=str(workdir / name)))
+                                      dir=str(workdir / name), sudo=modes.get(name)))
     emu.save()   # from here on, destroy(workdir) knows what to remove
     try:
         _build(emu)
@@ -645,6 +840,10 @@ def _build(emu: Emulated) -> None:
         _ip("addr", "add", f"{h.address}/{plen}", "dev", "eth0", ns=h.netns)
         _ip("link", "set", "dev", "eth0", "up", ns=h.netns)
         _keygen(h.path / "ssh_host_ed25519_key", f"{h.name}.emulated-{emu.id}")
+        if emu.login_user:
+            _make_login(emu, h)
+        if emu.state_root(h):
+            Path(emu.state_root(h)).mkdir(mode=0o700)
         _start_holder(emu, h)
         start_sshd(emu, h.name)
         pub = (h.path / "ssh_host_ed25519_key.pub").read_text().split()
@@ -663,12 +862,13 @@ def _write_hosts_file(emu: Emulated) -> None:
 
     doc = {"description": f"{len(emu.hosts)} emulated hosts on this machine ({PREFIX}{emu.id}; "
                           f"python -m testbed.cluster.emulate down --dir {emu.dir})",
-           "hosts": [{"name": h.name, "ssh": f"root@{h.address}", "key": str(emu.key), "agent": False,
+           "hosts": [{"name": h.name, "ssh": f"{emu.login}@{h.address}", "key": str(emu.key), "agent": False,
                       "underlay": h.address, "capacity": {"cores": emu.cores}, "labels": {"emulated": "true"}}
                      for h in emu.hosts]}
     if "testbed" in Host.model_fields:   # hosts files that name the remote testbed command
-        for entry in doc["hosts"]:
-            entry["testbed"] = shlex.join(emu.testbed)
+        for h, entry in zip(emu.hosts, doc["hosts"]):
+            root = emu.state_root(h)
+            entry["testbed"] = shlex.join(["env", f"TESTBED_STATE_DIR={root}", *emu.testbed] if root else emu.testbed)
     head = (f"# Emulated hosts made by testbed.cluster.emulate: namespaces on this machine, not servers.\n"
             f"# Host keys: {emu.known_hosts}. testbed on each host: {' '.join(emu.testbed)} "
             f"(also in {STATE_FILE}).\n")
@@ -695,6 +895,30 @@ def _kill_ours(emu: Emulated, problems: list[str], timeout: float = 10.0) -> Non
             _CHILDREN.pop(pid, None)
 
 
+def _remove_containers(emu: Emulated, problems: list[str]) -> None:
+    """Worker containers the hosts' testbeds left on the shared Docker daemon: those labelled with a
+    state root of ours (a directory under DIR, which only our hosts use). Nothing when the daemon
+    is gone."""
+    import docker
+
+    roots = [r for r in (emu.state_root(h) for h in emu.hosts) if r]
+    try:
+        client = docker.DockerClient(base_url=f"unix://{emu.docker_socket}", timeout=30)
+        client.ping()
+    except Exception:  # noqa: BLE001 - no daemon there (any more): no container of ours runs
+        return
+    try:
+        for root in roots:
+            for c in client.containers.list(all=True, filters={"label": ["testbed.owner=testbed",
+                                                                          f"testbed.state_root={root}"]}):
+                if (c.labels or {}).get("testbed.state_root") == root:
+                    c.remove(force=True, v=True)
+    except Exception as exc:  # noqa: BLE001 - reported with the rest
+        problems.append(f"Docker containers of the hosts (label testbed.state_root under {emu.dir}): {exc}")
+    finally:
+        client.close()
+
+
 def destroy(workdir: str | Path) -> None:
     """Remove the emulated hosts recorded in `workdir`: their processes, namespaces, the veth and
     our files (see the module's docstring for how each is proven ours). Idempotent: nothing recorded,
@@ -705,6 +929,8 @@ def destroy(workdir: str | Path) -> None:
         return
     problems: list[str] = []
     _kill_ours(emu, problems)
+    if emu.docker_socket:
+        _remove_containers(emu, problems)
 
     c = emu.root_veth
     alias = _link_alias(c)
@@ -767,6 +993,14 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--underlay-mtu", type=int, default=DEFAULT_MTU, help=f"MTU of the underlay (default {DEFAULT_MTU})")
     up.add_argument("--cores", type=int, default=DEFAULT_CORES,
                     help=f"capacity cores of each host in hosts.yaml (default {DEFAULT_CORES})")
+    up.add_argument("--login-user", metavar="NAME",
+                    help="hosts.yaml logs in as NAME (made on each host only, not here), not as root")
+    up.add_argument("--sudo", action="append", default=[], metavar="[HOST=]MODE",
+                    help="with --login-user: nopasswd (the default: NAME may sudo -n anything) or none (no sudo "
+                         "rule), for every host or, as HOST=MODE, for one (repeatable)")
+    up.add_argument("--docker-socket", metavar="PATH",
+                    help="this machine's Docker daemon socket (e.g. from scripts/dockerd.sh), bound on each "
+                         f"host's {HOST_DOCKER_SOCKET}: the hosts' Docker workers use that daemon")
     down = sub.add_parser("down", help="remove the emulated hosts recorded in DIR")
     down.add_argument("--dir", required=True)
     for verb in ("stop-sshd", "start-sshd"):
@@ -776,9 +1010,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.verb == "up":
-            emu = create(args.hosts, args.dir, underlay_mtu=args.underlay_mtu, cores=args.cores)
+            if args.sudo and not args.login_user:
+                raise TestbedError("--sudo goes with --login-user")
+            every, per = SUDO_MODES[0], {}
+            for word in args.sudo:
+                host, eq, mode = word.rpartition("=")
+                if eq:
+                    per[host] = mode
+                else:
+                    every = mode
+            sudo = {**{f"h{i}": every for i in range(1, args.hosts + 1)}, **per} if per else every
+            emu = create(args.hosts, args.dir, underlay_mtu=args.underlay_mtu, cores=args.cores,
+                         login_user=args.login_user, sudo=sudo, docker_socket=args.docker_socket)
             for h in emu.hosts:
-                print(f"{h.name}: root@{h.address} (namespace {h.netns}, sshd pid {h.sshd_pid})")
+                how = f", sudo {h.sudo}" if h.sudo else ""
+                print(f"{h.name}: {emu.login}@{h.address} (namespace {h.netns}, sshd pid {h.sshd_pid}{how})")
             print(f"hosts file: {emu.hosts_file}\nknown hosts: {emu.known_hosts}\n"
                   f"testbed on the hosts: {' '.join(emu.testbed)}\n"
                   f"down: python -m testbed.cluster.emulate down --dir {emu.dir}")
