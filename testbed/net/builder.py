@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from testbed import paths, procs
-from testbed.net import fanout, names, netns, shaping
+from testbed.net import fanout, names, netns
 from testbed.topology.model import LinkProfile, Topology
 from testbed.topology.plan import BRIDGE, LinkPlan, NetworkPlan, Route
 
@@ -98,6 +98,8 @@ def _kernel_dst(dst: str) -> str:
 
 def no_delay_element(topo: Topology, caps: Any) -> list[dict[str, Any]]:
     """Link directions that ask for a delay at or below shaping.delay_threshold (no delay element)."""
+    from testbed.net import shaping
+
     out = []
     for i, link in enumerate(topo.links):
         for src, dst, prof in ((link.a, link.b, link.ab), (link.b, link.a, link.ba)):
@@ -107,13 +109,18 @@ def no_delay_element(topo: Topology, caps: Any) -> list[dict[str, Any]]:
 
 
 # -- shaping and delay lines: thin adapters over testbed.net.shaping / delayline -------------------------
+# (shaping imported where used: it brings pyroute2, ~0.25 s, which `down` never needs)
 
 def needs_delay_line(profile: LinkProfile, caps: Any) -> bool:
+    from testbed.net import shaping
+
     return caps is not None and bool(shaping.needs_delay_line(profile, caps))
 
 
 def shape(ipr: Any, index: int, profile: LinkProfile, caps: Any) -> None:
     """Shape the egress of one freshly made interface end (the one place the builder touches tc)."""
+    from testbed.net import shaping
+
     shaping.apply(ipr, index, profile, caps, fresh=True)
 
 
