@@ -83,17 +83,24 @@ def emu(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def house(emu):
-    """The wheelhouse, built once into the test's cache (what `testbed install` then finds there)."""
+    """The wheelhouse, built once into the test's cache (what `testbed install` then finds there), in
+    a process of its own as a user's earlier `install` would: this one's imports and sys.path are
+    the whole test session's."""
     from testbed.cluster import install
 
     t0 = time.monotonic()
-    try:
-        found = install.wheelhouse(install.prepare())
-    except install.WheelhouseError as exc:
-        pytest.skip(f"cannot build the wheelhouse on this machine (no package index reachable?): {exc}")
+    code = ("import json; from testbed.cluster import install as i; h = i.wheelhouse(i.prepare()); "
+            "print(json.dumps({'dir': str(h.dir), 'what': h.describe()}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=1800)
+    if r.returncode != 0:
+        if "WheelhouseError" in r.stderr:
+            pytest.skip(f"cannot build the wheelhouse on this machine (no package index reachable?): {r.stderr[-800:]}")
+        raise AssertionError(r.stderr)
+    made = json.loads(r.stdout.splitlines()[-1])
     TIMES["wheelhouse"] = time.monotonic() - t0
-    print(f"\nwheelhouse: {found.describe()} in {TIMES['wheelhouse']:.1f} s", file=sys.stderr)
-    return found
+    print(f"\nwheelhouse: {made['what']} in {TIMES['wheelhouse']:.1f} s ({made['dir']}; this process's key "
+          f"{install.prepare().key[:16]})", file=sys.stderr)
+    return made
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +152,7 @@ def test_install_then_up_with_it_then_down(emu, house, missing, tmp_path):
     r = tb("install", *common, timeout=1200)
     TIMES["install"] = time.monotonic() - t0
     out = " ".join(r.stdout.split())
-    assert "from the cache" in r.stderr, r.stderr   # the house fixture's
+    assert f"from the cache {house['dir']}" in r.stderr, r.stderr   # the house fixture's
     for host in ("h1", "h2"):
         assert re.search(rf"{host} .*installed .*{PREFIX}/{__version__} in [0-9.]+ s", out), r.stdout
         assert f"{host}: pip install testbed=={__version__}" in r.stderr, r.stderr

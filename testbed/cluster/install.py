@@ -262,16 +262,20 @@ class Wheelhouse:
         return f"{len(self.wheels)} wheels, {self.size / 1e6:.1f} MB"
 
 
-def _load_cached(build: Build, entry: Path) -> Wheelhouse | None:
+def _load_cached(build: Build, entry: Path) -> tuple[Wheelhouse | None, str]:
+    """The wheelhouse kept in `entry`, or None and why not."""
     try:
         manifest = json.loads((entry / "manifest.json").read_text())
         tar = entry / "wheels.tar"
-        if manifest.get("key") != build.key or tar.stat().st_size != manifest.get("tar_bytes") \
-                or _sha256(tar) != manifest.get("tar_sha256"):   # (what it holds is installed as root)
-            return None
-        return Wheelhouse(build, entry, tar, tuple(manifest["wheels"]), int(manifest["size"]), 0.0, True)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        if manifest.get("key") != build.key:
+            return None, "it was built from other sources or versions"
+        if tar.stat().st_size != manifest.get("tar_bytes") or _sha256(tar) != manifest.get("tar_sha256"):
+            return None, "its wheels.tar is not the one it was built with"   # (what it holds is installed as root)
+        return Wheelhouse(build, entry, tar, tuple(manifest["wheels"]), int(manifest["size"]), 0.0, True), ""
+    except FileNotFoundError:
+        return None, "none is kept"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return None, f"its manifest is unreadable ({exc})"
 
 
 def _sha256(path: Path) -> str:
@@ -318,11 +322,12 @@ def wheelhouse(build: Build, progress: Progress = lambda m: None, *, rebuild: bo
     cache = _private_dir(cache_root())
     root = _private_dir(cache / "wheelhouse")
     entry = root / build.name
-    if not rebuild and (found := _load_cached(build, entry)) is not None:
+    found, why = (None, "--rebuild") if rebuild else _load_cached(build, entry)
+    if found is not None:
         os.utime(entry)   # the newest used: kept by _prune
         return found
     progress(f"building wheels (this machine's versions) of testbed {build.version} and its dependencies "
-             f"with {Path(sys.executable).name} -m pip wheel ...")
+             f"with {Path(sys.executable).name} -m pip wheel (not from the cache {entry}: {why}) ...")
     t0 = time.monotonic()
     scratch = Path(os.path.realpath(root / f".build-{secrets.token_hex(4)}"))
     scratch.mkdir(mode=0o700)
@@ -369,9 +374,9 @@ def wheelhouse(build: Build, progress: Progress = lambda m: None, *, rebuild: bo
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     _prune(root, entry)
-    found = _load_cached(build, entry)
+    found, why = _load_cached(build, entry)
     if found is None:
-        raise WheelhouseError(f"the wheelhouse in {entry} is incomplete after building it")
+        raise WheelhouseError(f"the wheelhouse in {entry} is unusable right after building it: {why}")
     return Wheelhouse(build, entry, found.tar, found.wheels, found.size, seconds, False)
 
 
