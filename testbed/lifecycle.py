@@ -214,7 +214,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     from testbed.runtime import gpu
     from testbed.runtime.env import worker_env
     from testbed.topology.dilation import choose as choose_dilation, dilate_topology
-    from testbed.net.builder import Builder, no_delay_element
+    from testbed.net.builder import Builder, delayed_cut_links, no_delay_element
     from testbed.topology.plan import plan_network
 
     t_start = time.perf_counter()
@@ -311,6 +311,8 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         "resources": {
             "switch_netns": [names.netns(name, s) for s in topo.switches if here(s)],
             "worker_netns": [names.netns(name, w) for w in local_workers],
+            # (over several hosts, without netem) a namespace per delayed cut link of this host's part
+            "cut_netns": [names.cut_netns(name, i) for i in delayed_cut_links(topo, caps, part)],
             "delay_lines": [],
         },
         "timings": timings,
@@ -468,11 +470,13 @@ def _remove(st: dict[str, Any], refused: list[str] | None = None) -> list[str]:
         except Exception as exc:
             left.append(f"MPS daemon (pid {mps['pid']}): {exc}")
     try:
-        left += teardown(list(res.get("switch_netns", [])), list(res.get("delay_lines", [])),
+        left += teardown(list(res.get("switch_netns", [])) + list(res.get("cut_netns", [])),
+                         list(res.get("delay_lines", [])),
                          str(paths.directory(name)), refused)
     except Exception as exc:
         left.append(f"switch namespaces and delay lines: {exc}")
-    rest = [n for n in res.get("worker_netns", []) + res.get("switch_netns", []) if netns.exists(n)]
+    rest = [n for n in res.get("worker_netns", []) + res.get("switch_netns", []) + res.get("cut_netns", [])
+            if netns.exists(n)]
     if rest:
         kill_processes_in(rest)
         delete_namespaces(rest)
@@ -552,7 +556,7 @@ def health(st: dict[str, Any]) -> list[str]:
     """What a testbed that says it is up is missing (empty: healthy)."""
     missing = []
     res = st.get("resources", {})
-    for ns in res.get("switch_netns", []) + res.get("worker_netns", []):
+    for ns in res.get("switch_netns", []) + res.get("worker_netns", []) + res.get("cut_netns", []):
         if not netns.exists(ns):
             missing.append(f"namespace {ns}")
     for rec in res.get("delay_lines", []):

@@ -202,6 +202,22 @@ def _worker_netns(v: str, info: ValidationInfo) -> str:
     return _netns_of(v, info, "workers")
 
 
+def _delay_line_end(v: str, info: ValidationInfo) -> str:
+    """A node's namespace, or a delayed cut link's own (its delay line's far end)."""
+    prefix = names.netns_prefix(_topology(info).name)
+    return _cut_netns(v, info) if v.startswith(prefix + names.CUT_MARK) else _testbed_netns(v, info)
+
+
+def _cut_netns(v: str, info: ValidationInfo) -> str:
+    """v is tb-NAME-~lINDEX for a link of the topology (a delayed cut link's own namespace)."""
+    ctx = _topology(info)
+    prefix = names.cut_netns(ctx.name, 0)[:-1]
+    index = v[len(prefix):] if v.startswith(prefix) else ""
+    if not (index.isdigit() and str(int(index)) == index and int(index) < len(ctx.link_ends)):
+        raise _fail(f"not the namespace of one of this testbed's links ({prefix}INDEX)", v)
+    return v
+
+
 def _a_worker(v: str, info: ValidationInfo) -> str:
     if v not in _topology(info).workers:
         raise _fail("not a worker of the topology", v)
@@ -241,6 +257,8 @@ CgroupDir = Annotated[StrictStr, AfterValidator(_cgroup_dir)]
 TestbedNetns = Annotated[StrictStr, AfterValidator(_testbed_netns)]
 SwitchNetns = Annotated[StrictStr, AfterValidator(_switch_netns)]
 WorkerNetns = Annotated[StrictStr, AfterValidator(_worker_netns)]
+CutNetns = Annotated[StrictStr, AfterValidator(_cut_netns)]
+DelayLineEnd = Annotated[StrictStr, AfterValidator(_delay_line_end)]
 WorkerKey = Annotated[StrictStr, AfterValidator(_a_worker)]
 NodeKey = Annotated[StrictStr, AfterValidator(_a_node)]
 EnvName = Annotated[StrictStr, AfterValidator(_env_name)]
@@ -406,7 +424,7 @@ class DelayLine(_Record):
     link_id: StrictStr
     ns_a: TestbedNetns
     if_a: IfName
-    ns_b: TestbedNetns
+    ns_b: DelayLineEnd
     if_b: IfName
     control: AbsolutePath
     pid_file: AbsolutePath
@@ -420,9 +438,14 @@ class DelayLine(_Record):
         if self.link_id != str(self.link):
             raise _fail(f"not the id of link {self.link}", self.link_id, "link_id")
         a, b = ctx.link_ends[self.link]
-        for key, node in (("ns_a", a), ("ns_b", b)):
-            if getattr(self, key) != ctx.netns(node):
-                raise _fail(f"not the namespace of {node}, an end of link {self.link}", getattr(self, key), key)
+        cut = names.cut_netns(ctx.name, self.link)
+        if self.ns_b == cut:   # a delayed cut link: from this host's end to the link's own namespace
+            if self.ns_a not in (ctx.netns(a), ctx.netns(b)):
+                raise _fail(f"not the namespace of {a} or {b}, the ends of link {self.link}", self.ns_a, "ns_a")
+        else:
+            for key, node in (("ns_a", a), ("ns_b", b)):
+                if getattr(self, key) != ctx.netns(node):
+                    raise _fail(f"not the namespace of {node}, an end of link {self.link}", getattr(self, key), key)
         for key, suffix in (("control", "sock"), ("pid_file", "pid")):
             why = _path_is(ctx, getattr(self, key), f"dl-{self.link_id}.{suffix}")
             if why:
@@ -436,6 +459,7 @@ class Resources(_Record):
 
     switch_netns: list[SwitchNetns] = []
     worker_netns: list[WorkerNetns] = []
+    cut_netns: list[CutNetns] = []   # over several hosts, without netem: the delayed cut links' own
     delay_lines: list[DelayLine] = []
 
 

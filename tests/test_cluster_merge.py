@@ -44,3 +44,17 @@ def test_the_hosts_monitors_merge_into_one_the_verdict_reads():
     assert m["cpu"] == h2["cpu"] and m["psi_cpu_some_share"] == 0.4 and m["cpu_from"] == "h2"
     assert m["cores"] == 12 and m["cpu_cores"] == 4
     assert (m["t0"], m["t1"]) == (9.5, 21.0) and m["hosts"] == ["h1", "h2", "h3"]
+
+
+def test_a_cut_links_two_delay_lines_are_both_kept():
+    """Without netem a delayed cut link has a delay line on each of its hosts, under one link id:
+    both reach the verdict, named by host; a line only one host has keeps its plain id."""
+    from testbed.cluster.controller import _merge_monitors
+
+    line = {"ab": {"delay_s": 0.001}}
+    h1 = {"delay_lines": {"first": {"4": line, "0": line}, "last": {"4": line, "0": line}}}
+    h2 = {"delay_lines": {"first": {"4": line}, "last": {"4": {"ab": {"delay_s": 0.002}}}}}
+    m = _merge_monitors({"h1": h1, "h2": h2}, "h1", 4)
+    assert sorted(m["delay_lines"]["last"]) == ["0", "4 on h1", "4 on h2"]
+    assert m["delay_lines"]["last"]["4 on h2"] == {"ab": {"delay_s": 0.002}}
+    assert sorted(m["delay_lines"]["first"]) == ["0", "4 on h1", "4 on h2"]

@@ -435,6 +435,28 @@ def test_a_record_names_only_its_own_things(full, tbdir):
         assert found and found[0][0] == dotted(path), (path, found[:2])
 
 
+def test_a_delayed_cut_links_namespace_and_line_are_its_own(full, tbdir):
+    """Over several hosts without netem: a delayed cut link's own namespace (tb-NAME-~lINDEX) and
+    its line from this host's end to it validate; another link's namespace, or one outside the
+    topology, is refused by name, and so is a line from a node that is not an end of its link."""
+    dl = full["resources"]["delay_lines"][0]
+    i, (a, _b) = dl["link"], full["topology"]["links"][dl["link"]]["endpoints"]
+    doc = copy.deepcopy(full)
+    doc["resources"]["cut_netns"] = [names.cut_netns(NAME, i)]
+    doc["resources"]["delay_lines"][0].update(ns_a=names.netns(NAME, a), ns_b=names.cut_netns(NAME, i), if_b="dl")
+    assert check(doc, NAME, tbdir) == []
+    for path, value in ((("resources", "cut_netns", 0), names.cut_netns(NAME, 999)),
+                        (("resources", "cut_netns", 0), names.cut_netns(NAME, 0) + "0"),
+                        (("resources", "cut_netns", 0), "tb-other-~l0"),
+                        (("resources", "delay_lines", 0, "ns_b"), names.cut_netns(NAME, i + 1)),
+                        (("resources", "delay_lines", 0, "ns_a"), names.netns(NAME, next(
+                            w for w in full["topology"]["nodes"] if w not in full["topology"]["links"][i]["endpoints"])))):
+        bad = copy.deepcopy(doc)
+        put(bad, path, value)
+        found = check(bad, NAME, tbdir)
+        assert found and found[0][0] == dotted(path), (path, value, found[:2])
+
+
 def test_a_link_inside_the_directory_does_not_lead_out(full, tbdir, tmp_path):
     """workers/w0 made a symbolic link to a directory elsewhere: the path no longer resolves to
     where testbed puts it."""

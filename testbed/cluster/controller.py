@@ -1096,10 +1096,16 @@ def _merge_monitors(by_host: dict[str, dict[str, Any]], decides: str, cores: Any
     qdiscs: dict[str, Any] = {}
     first: dict[str, Any] = {}
     last: dict[str, Any] = {}
+    # a delayed cut link has a line on each of its hosts (without netem): both kept, named by host
+    hosts_of: dict[str, int] = {}
     for m in by_host.values():
+        for lid in part(part(m, "delay_lines"), "last"):
+            hosts_of[lid] = hosts_of.get(lid, 0) + 1
+    for h, m in by_host.items():
         qdiscs.update(part(m, "qdiscs"))
-        first.update(part(part(m, "delay_lines"), "first"))
-        last.update(part(part(m, "delay_lines"), "last"))
+        for key, into in (("first", first), ("last", last)):
+            for lid, v in part(part(m, "delay_lines"), key).items():
+                into[lid if hosts_of.get(lid, 0) < 2 else f"{lid} on {h}"] = v
     times = [m.get(k) for m in by_host.values() for k in ("t0", "t1") if isinstance(m.get(k), (int, float))]
     return {**main, "t0": min(times, default=None), "t1": max(times, default=None),
             "cores": cores if isinstance(cores, int) else main.get("cores"), "cpu_cores": main.get("cores"),

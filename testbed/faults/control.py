@@ -410,7 +410,12 @@ def _apply_profiles(h: Handle, i: int, new_ab: LinkProfile, new_ba: LinkProfile)
                            (new_ab.delay_s, new_ab.jitter_s, new_ba.delay_s, new_ba.jitter_s)):
         from testbed.net import delayline
 
-        delayline.update(dl.get("control"), dilate(new_ab, s), dilate(new_ba, s))
+        if dl.get("ns_b") == names.cut_netns(h.name, i):
+            # a cut link's line on this host delays what this end sends; what comes in, the far host did
+            sends = new_ab if dl.get("ns_a") == h.netns(link.a) else new_ba
+            delayline.update(dl.get("control"), sent(sends), None)
+        else:
+            delayline.update(dl.get("control"), dilate(new_ab, s), dilate(new_ba, s))
     if (new_ab, new_ba) == (link.ab, link.ba):
         rec.pop("profile", None)
     else:

@@ -13,6 +13,9 @@ switch namespaces are made here. Then, phase by phase (timed, see
              namespaces (IFLA_NET_NS_FD on the device and on the peer), with
              fixed MAC addresses; or a delay line (two TAPs and a helper
              process) when the link needs a delay and the kernel has no netem.
+             Over several hosts a cut link's end is a VXLAN device; with a
+             delay and no netem, a delay line's TAP whose far TAP is bridged
+             with the VXLAN device in a namespace of the link's own.
   configure  per namespace, with one IPRoute socket opened inside it: lo up,
              the bridge with the gateway address (switches that serve
              workers), ports up/enslaved/addressed, shaping (one call per
@@ -33,6 +36,7 @@ namespaces, which removes every interface, qdisc and route in them.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import signal
@@ -64,6 +68,8 @@ SWITCH_SYSCTLS = {
 }
 WORKER_SYSCTLS = dict(COMMON_SYSCTLS)
 FIRST_IFINDEX = 16
+# in a delayed cut link's own namespace (no sch_netem: Builder._delayed_tunnel_end)
+CUT_TAP, CUT_TUNNEL, CUT_BRIDGE = "dl", "tunnel", "br"
 
 Recorder = Callable[[str, Any], None]
 """record(kind, item): called right after something outside our namespaces is created
@@ -115,6 +121,15 @@ def needs_delay_line(profile: LinkProfile, caps: Any) -> bool:
     from testbed.net import shaping
 
     return caps is not None and bool(shaping.needs_delay_line(profile, caps))
+
+
+def delayed_cut_links(topo: Topology, caps: Any, part: Any) -> list[int]:
+    """The cut links of this host's part whose delay needs a delay line (a kernel without
+    sch_netem): each gets a namespace of its own here (names.cut_netns; Builder._delayed_tunnel_end)."""
+    if part is None:
+        return []
+    return [i for i, link in enumerate(topo.links) if part.local(link.a) != part.local(link.b)
+            and (needs_delay_line(link.ab, caps) or needs_delay_line(link.ba, caps))]
 
 
 def shape(ipr: Any, index: int, profile: LinkProfile, caps: Any) -> None:
@@ -192,6 +207,7 @@ class Builder:
 
         t0 = time.perf_counter()
         fds: dict[str, int] = {}
+        delayed_cut = set(delayed_cut_links(self.topo, self.caps, self.part))
         try:
             for node in self.nodes:
                 fds[node] = os.open(netns.path(self.ns(node)), os.O_RDONLY | os.O_CLOEXEC)
@@ -202,6 +218,8 @@ class Builder:
                     a_here, b_here = self.here(lp.a.node), self.here(lp.b.node)
                     if not (a_here or b_here):
                         pass   # another host's link
+                    elif a_here != b_here and lp.index in delayed_cut:
+                        self._delayed_tunnel_end(lp, lp.a if a_here else lp.b, ipr)
                     elif a_here != b_here:
                         self._tunnel_end(lp, lp.a if a_here else lp.b, ipr)
                     elif needs_delay_line(link.ab, self.caps) or needs_delay_line(link.ba, self.caps):
@@ -221,23 +239,60 @@ class Builder:
                 os.close(fd)
         self._timed("links", t0)
 
-    def _tunnel_end(self, lp: LinkPlan, port: Any, ipr: Any) -> None:
-        """This host's end of a cut link: a VXLAN device with the port's name, MAC and MTU. Its
-        delay is netem's on the device (shape()); a kernel without netem has only delay lines,
-        which join two local TAPs and cannot reach another host."""
-        from testbed.errors import CapabilityError, TestbedError
-        from testbed.net import tunnels
+    def _tunnel(self, lp: LinkPlan) -> Any:
+        from testbed.errors import TestbedError
 
-        link = self.topo.links[lp.index]
-        if needs_delay_line(link.ab, self.caps) or needs_delay_line(link.ba, self.caps):
-            raise CapabilityError(
-                f"link {link.a}-{link.b} crosses hosts and has a delay, which needs sch_netem on this host "
-                f"({self.part.host}); its kernel has none (delay lines join two local devices only). Give the "
-                "link no delay, pin both ends to one host (--pin), or use a kernel with netem")
         end = self.part.tunnel(lp.index)
         if end is None:
+            link = self.topo.links[lp.index]
             raise TestbedError(f"link {link.a}-{link.b} crosses hosts but this host's part has no tunnel for it")
-        tunnels.create(end, self.ns(port.node), ipr)
+        return end
+
+    def _tunnel_end(self, lp: LinkPlan, port: Any, ipr: Any) -> None:
+        """This host's end of a cut link: a VXLAN device with the port's name, MAC and MTU. Its
+        delay, if any, is netem's on the device (shape())."""
+        from testbed.net import tunnels
+
+        tunnels.create(self._tunnel(lp), self.ns(port.node), ipr)
+
+    def _delayed_tunnel_end(self, lp: LinkPlan, port: Any, ipr: Any) -> None:
+        """This host's end of a cut link with a delay on a kernel without sch_netem. The node's port
+        is a delay line's TAP, with the port's name (and, in configure(), MAC), shaped like any port;
+        the line's far TAP sits in a namespace of the link's own (names.cut_netns), bridged there with
+        the VXLAN device: the node still sees one Ethernet port, and the underlay stays out of its
+        reach. Each host's line delays what its own end sends (less the underlay's latency, as netem
+        would) and passes what comes in at once: the far host has delayed it."""
+        from testbed.net import delayline, tunnels
+
+        link = self.topo.links[lp.index]
+        end = self._tunnel(lp)
+        ns = names.cut_netns(self.testbed, lp.index)   # (recorded by lifecycle before the build)
+        netns.create(ns, COMMON_SYSCTLS)   # (IPv6 off: its bridge and TAP send nothing of their own)
+        # a MAC of its own: with the port's, the bridge would take frames for the node as its own
+        tunnels.create(dataclasses.replace(end, ifname=CUT_TUNNEL, mac=names.mac_for(self.testbed, f"l{lp.index}/cut")),
+                       ns, ipr)
+        sends = link.ab if port is lp.a else link.ba
+        dl = delayline.start_delay_link(self.testbed, lp.index, self.ns(port.node), port.ifname, ns, CUT_TAP,
+                                        self._egress(lp.index, sends), None, max(link.ab.mtu, link.ba.mtu),
+                                        paths.directory(self.testbed))
+        rec = dl.to_json()
+        rec["link"] = lp.index
+        self.delay_lines.append(rec)
+        if self.record is not None:
+            self.record("delay_line", rec)
+        with netns.Home() as home:
+            cut = self._iproute_in_netns(home, ns)
+            try:
+                lo = cut.link_lookup(ifname="lo")[0]
+                cut.link("set", index=lo, state="up", **({"ifalias": self.owner_label} if self.owner_label else {}))
+                cut.link("add", ifname=CUT_BRIDGE, kind="bridge", br_stp_state=0, br_forward_delay=0,
+                         br_mcast_snooping=0)
+                br = cut.link_lookup(ifname=CUT_BRIDGE)[0]
+                for ifname in (CUT_TUNNEL, CUT_TAP):
+                    cut.link("set", index=cut.link_lookup(ifname=ifname)[0], master=br, state="up")
+                cut.link("set", index=br, state="up")
+            finally:
+                cut.close()
 
     def _start_delay_line(self, lp: LinkPlan) -> None:
         from testbed.net import delayline
@@ -260,9 +315,13 @@ class Builder:
 
     def _iproute_in(self, home: Any, node: str) -> Any:
         """An IPRoute socket bound to `node`'s namespace (made there, then back home)."""
+        return self._iproute_in_netns(home, self.ns(node))
+
+    @staticmethod
+    def _iproute_in_netns(home: Any, ns: str) -> Any:
         from pyroute2 import IPRoute
 
-        fd = os.open(netns.path(self.ns(node)), os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(netns.path(ns), os.O_RDONLY | os.O_CLOEXEC)
         try:
             netns.setns(fd)
             return IPRoute()
@@ -488,9 +547,9 @@ def delete_namespaces(namespaces: Iterable[str]) -> list[str]:
 
 def teardown(switch_namespaces: list[str], delay_lines: list[dict[str, Any]], state_dir: str | None = None,
              refused: list[str] | None = None) -> list[str]:
-    """Take down what the builder made: helper processes, then the switch namespaces. Returns
-    what could not be removed (every step runs regardless); records it would not act on go to
-    `refused`."""
+    """Take down what the builder made: helper processes, then the switch namespaces (and the
+    delayed cut links' own, names.cut_netns). Returns what could not be removed (every step runs
+    regardless); records it would not act on go to `refused`."""
     left = stop_delay_lines(delay_lines, refused)
     if state_dir:  # helpers started but not yet recorded (the up died in between) left a pid file
         from testbed.net import delayline

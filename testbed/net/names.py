@@ -33,3 +33,12 @@ def netns(testbed: str, node: str) -> str:
 
 def netns_prefix(testbed: str) -> str:
     return f"{PREFIX}{testbed}-"
+
+
+CUT_MARK = "~"   # never in a node's name ([A-Za-z0-9_-]): a link's namespace cannot be a node's
+
+
+def cut_netns(testbed: str, link_index: int) -> str:
+    """The namespace of this host's end of a delayed cut link on a kernel without sch_netem (the
+    delay line's far TAP, bridged with the VXLAN device): tb-<testbed>-~l<index>."""
+    return f"{PREFIX}{testbed}-{CUT_MARK}l{link_index}"
