@@ -261,7 +261,8 @@ class Builder:
         the line's far TAP sits in a namespace of the link's own (names.cut_netns), bridged there with
         the VXLAN device: the node still sees one Ethernet port, and the underlay stays out of its
         reach. Each host's line delays what its own end sends (less the underlay's latency, as netem
-        would) and passes what comes in at once: the far host has delayed it."""
+        would, and less the far line's pass: tunnels.sending_line_delay) and passes what comes in at
+        once: the far host has delayed it."""
         from testbed.net import delayline, tunnels
 
         link = self.topo.links[lp.index]
@@ -271,10 +272,10 @@ class Builder:
         # a MAC of its own: with the port's, the bridge would take frames for the node as its own
         tunnels.create(dataclasses.replace(end, ifname=CUT_TUNNEL, mac=names.mac_for(self.testbed, f"l{lp.index}/cut")),
                        ns, ipr)
-        sends = link.ab if port is lp.a else link.ba
+        sends = self._egress(lp.index, link.ab if port is lp.a else link.ba)
+        sends = sends.with_changes(delay_s=tunnels.sending_line_delay(sends.delay_s))
         dl = delayline.start_delay_link(self.testbed, lp.index, self.ns(port.node), port.ifname, ns, CUT_TAP,
-                                        self._egress(lp.index, sends), None, max(link.ab.mtu, link.ba.mtu),
-                                        paths.directory(self.testbed))
+                                        sends, None, max(link.ab.mtu, link.ba.mtu), paths.directory(self.testbed))
         rec = dl.to_json()
         rec["link"] = lp.index
         self.delay_lines.append(rec)
