@@ -11,13 +11,18 @@ NAME   ?=
 PY      = $(VENV)/bin/python
 TESTBED = $(VENV)/bin/testbed
 PYTEST_ARGS ?=
+# `make test` runs this many tests at once (pytest-xdist); 1: one at a time
+TEST_JOBS ?= 2
+SUITE    = $(PY) tests/suite.py --jobs $(TEST_JOBS)
 
-.PHONY: help deps venv testbed down test test-kernel bench fidelity image doctor clean
+.PHONY: help deps venv testbed down test test-rest test-all test-kernel bench fidelity image doctor clean
 
 help:
 	@echo "make testbed TOPO=fat-tree   bring up a topology and run the main training job"
 	@echo "make down                    tear down every testbed"
-	@echo "make test                    run the test suite (root tests need root)"
+	@echo "make test                    the fast suite (~6 min on 2 cores): all but slow and multi-host tests"
+	@echo "make test-rest               the slow and multi-host tests (what make test leaves out)"
+	@echo "make test-all                every test: make test's phases, then make test-rest's, in one run"
 	@echo "make test-kernel             run the netem tests under a stock kernel (virtme-ng)"
 	@echo "make bench                   benchmarks (up/down speed vs Mininet)"
 	@echo "make fidelity                the fidelity matrix: measured vs the reference model (~1 h; docs/fidelity.md)"
@@ -27,7 +32,7 @@ help:
 
 # What the tests measure with (Debian/Ubuntu); Docker and the kernel VM stage: see .ci/run.
 deps:
-	apt-get install -y --no-install-recommends iproute2 iputils-ping iperf3 nftables tcpdump ethtool \
+	apt-get install -y --no-install-recommends iproute2 iputils-ping iperf3 nftables tcpdump shellcheck ethtool \
 	  procps util-linux kmod python3-venv chromium
 
 venv: $(VENV)/.stamp
@@ -48,8 +53,16 @@ down: venv
 doctor: venv
 	$(TESTBED) doctor
 
+# The phases and markers: tests/suite.py, tests/conftest.py, docs/HACKING.md. PYTEST_ARGS go to each
+# phase (PYTEST_ARGS=tests/test_shaping.py, PYTEST_ARGS='-k delay'); TESTBED_REQUIRE=all: no silent skip.
 test: venv
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(SUITE) fast timing -- $(PYTEST_ARGS)
+
+test-rest: venv
+	$(SUITE) rest -- $(PYTEST_ARGS)
+
+test-all: venv
+	$(SUITE) all -- $(PYTEST_ARGS)
 
 test-kernel: venv
 	bash scripts/kernel-vm.sh $(KERNEL_TEST_ARGS)

@@ -91,7 +91,7 @@ def main() -> int:
         def job_b() -> None:
             box["b"] = run(cl, _train(100000), workers=cl.workers[2:], echo=False, machine=machine,
                            base_dir=str(base), workdir=str(REPO), stop=stop_b,
-                           on_start=lambda rd: box.__setitem__("b_dir", rd))
+                           on_start=lambda rd, _probe: box.__setitem__("b_dir", rd))
 
         tb = threading.Thread(target=job_b)
         tb.start()

@@ -105,7 +105,7 @@ def case(key: str, steps: int, machine, scale: bool = False, dilation: str = "au
             print(f"  {key}: {mode} ...", flush=True)
             peak: dict = {}
 
-            def sample(rd: Path) -> None:
+            def sample(rd: Path, _probe: Path) -> None:
                 import threading
 
                 def later() -> None:

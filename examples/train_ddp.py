@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -79,6 +80,8 @@ def main() -> int:
     ap.add_argument("--no-check", action="store_true",
                     help="skip the final check that every rank holds identical parameters")
     ap.add_argument("--log-every", type=int, default=5)
+    ap.add_argument("--step-cpu", action="store_true",
+                    help="rank 0 prints the median CPU time of a step (all of this process's threads)")
     args = ap.parse_args()
 
     rank = int(os.environ.get("RANK", "0"))
@@ -113,15 +116,20 @@ def main() -> int:
     teacher = torch.randn(3 * args.image_size ** 2, 10, generator=torch.Generator().manual_seed(7))
 
     t_start = time.time()
+    step_cpu = []
     for step in range(1, args.steps + 1):
+        c0 = time.process_time()   # (CPU time: no clock a probe or a busy machine bends)
         x, y = synthetic_batch(gen, teacher, args.batch_size, args.image_size, device)
         loss = F.cross_entropy(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        step_cpu.append(time.process_time() - c0)
         if rank == 0 and (step % args.log_every == 0 or step == 1 or step == args.steps):
             print(f"step {step}/{args.steps} loss {loss.item():.4f}", flush=True)
     elapsed = time.time() - t_start
+    if args.step_cpu and rank == 0:
+        print(f"step cpu: median {1e3 * statistics.median(step_cpu):.3f} ms over {len(step_cpu)} steps", flush=True)
 
     if args.no_check:
         if rank == 0:

@@ -29,8 +29,8 @@ after it are checked against it. Without a context nothing validates.
 Loosely typed, as dicts of anything (informational: shown by `status`, read back into the
 objects that wrote them, nothing testbed acts on as root): `plan`, `capabilities`, `dilation`,
 `timings`, the entries of `no_delay_element`, `gpu.devices`, `gpu.assignment`,
-`topology.params`, a docker worker's `hosts`, and the other keys of a `time_dilation` record
-({"factor": s, ...}). `created`, `state_root` and `owner` are strings, not checked further.
+`topology.params`, a docker worker's `hosts`, a part's cut-link ends (`part.tunnels`), and the
+other keys of a `time_dilation` record ({"factor": s, ...}). `created`, `state_root` and `owner` are strings, not checked further.
 
 Cost: this module is imported by the first `store.load` of a process (not by importing the
 store), and builds the document's validator then, once (defer_build: the records get none of
@@ -45,7 +45,6 @@ hand-written checks this replaced took.
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
@@ -63,16 +62,18 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from testbed import cgroupfs, names
 from testbed.errors import TopologyError
-from testbed.net import names
-from testbed.runtime import cgroups
-from testbed.store import SCHEMA_VERSION
 from testbed.topology.model import Topology
 
-NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-DOCKER_HOST_RE = re.compile(r"^(unix:///[^\0]+|tcp://[\w.-]+:\d+)$")
-CONTAINER_ID_RE = re.compile(r"^[0-9a-f]{64}$")
+# The version of the document this schema describes. testbed.store writes the same number (its own
+# SCHEMA_VERSION: importing this module to read it would build the validator on every save).
+SCHEMA_VERSION = 1
+
+NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+DOCKER_HOST_RE = re.compile(r"^(unix:///[^\0]+|tcp://[\w.-]+:\d+)\Z")
+CONTAINER_ID_RE = re.compile(r"^[0-9a-f]{64}\Z")
 _ERROR = "testbed_state"                 # our own errors: ctx carries why, where (below loc), value
 _UNCHECKED = "testbed_state_unchecked"   # a rule that needs the topology, which is not valid
 
@@ -94,10 +95,12 @@ class StateContext:
     switches: frozenset[str] = frozenset()
     link_ends: tuple[tuple[str, str], ...] = ()
     _real_mounts: dict[str, str] = field(default_factory=dict)
+    _real_dirs: dict[str, str] = field(default_factory=dict)
+    _links_in: dict[str, set[str]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, name: str, directory: str | os.PathLike[str]) -> Self:
-        hier = cgroups.hierarchy()
+        hier = cgroupfs.hierarchy()
         mounts = frozenset(os.path.realpath(m) for m in hier.mounts.values()) if hier else frozenset()
         d = os.fspath(directory)
         return cls(name=name, directory=d, real_directory=os.path.realpath(d), cgroup_mounts=mounts)
@@ -116,6 +119,29 @@ class StateContext:
         if real is None:
             real = self._real_mounts[mount] = os.path.realpath(mount)
         return real
+
+    def realpath(self, path: str) -> str:
+        """os.path.realpath(path), each directory resolved and listed once: a state names thousands
+        of files in a few directories (k=16: 8,192), and realpath walks every part of every one.
+        Its last part is resolved only when the listing shows a link there (a missing file is kept
+        as it is, after its resolved directory, as realpath does)."""
+        head, tail = os.path.split(path)
+        if tail in ("", ".", ".."):
+            return os.path.realpath(path)
+        links = self._links_in.get(head)
+        if links is None:
+            try:
+                with os.scandir(head) as it:
+                    links = {e.name for e in it if e.is_symlink()}
+            except OSError:   # (no listing: realpath says where it leads)
+                return os.path.realpath(path)
+            self._links_in[head] = links
+        if tail in links:
+            return os.path.realpath(path)
+        real = self._real_dirs.get(head)
+        if real is None:
+            real = self._real_dirs[head] = os.path.realpath(head)
+        return os.path.join(real, tail)
 
 
 def _context(info: ValidationInfo) -> StateContext:
@@ -165,13 +191,16 @@ def _cgroup_dir(v: str, info: ValidationInfo) -> str:
     """<mount>/testbed/NAME[.faults]/NODE, the mount one of this machine's, under /sys/fs/cgroup.
     (Which NODE and which of NAME, NAME.faults: the record holding it checks.)"""
     ctx = _context(info)
-    p = Path(_absolute(v))
-    if not (p.parent.name in (ctx.name, f"{ctx.name}.faults") and p.parent.parent.name == cgroups.TOP
-            and NODE_RE.match(p.name)):
-        raise _fail(f"not a cgroup of this testbed ({cgroups.TOP}/{ctx.name}/NODE)", v)
-    mount = ctx.real_mount(str(p.parent.parent.parent))
-    if not Path(mount).is_relative_to(cgroups.CGROUP_ROOT):
-        raise _fail(f"not under {cgroups.CGROUP_ROOT}", v)
+    # (string operations, not Path: a k=16 state holds 5,120 of these)
+    group_dir, node = os.path.split(os.path.normpath(_absolute(v)))
+    top_dir, group = os.path.split(group_dir)
+    mount_dir, top = os.path.split(top_dir)
+    if not (group in (ctx.name, f"{ctx.name}.faults") and top == cgroupfs.TOP and NODE_RE.match(node)):
+        raise _fail(f"not a cgroup of this testbed ({cgroupfs.TOP}/{ctx.name}/NODE)", v)
+    mount = ctx.real_mount(mount_dir)
+    root = str(cgroupfs.CGROUP_ROOT)
+    if not (mount == root or mount.startswith(root + "/")):
+        raise _fail(f"not under {cgroupfs.CGROUP_ROOT}", v)
     if mount not in ctx.cgroup_mounts:
         raise _fail("not under one of this machine's cgroup mounts", v)
     return v
@@ -269,16 +298,16 @@ ContainerId = Annotated[StrictStr, AfterValidator(_container_id)]
 def _path_is(ctx: StateContext, v: str, *rel: str) -> str | None:
     """Why path `v` is not <the testbed's directory>/REL (resolved: no link leads elsewhere), or None."""
     want = os.path.join(ctx.real_directory, *rel)
-    if os.path.realpath(v) != want:
+    if ctx.realpath(v) != want:
         return f"not {os.path.join(ctx.directory, *rel)}"
     return None
 
 
 def _cgroup_of(ctx: StateContext, v: str, group: str, node: str) -> str | None:
     """Why cgroup directory `v` (its form already checked) is not testbed/GROUP/NODE, or None."""
-    p = Path(v)
-    if p.name != node or p.parent.name != group:
-        return f"not {cgroups.TOP}/{group}/{node} (a cgroup of another node or group)"
+    parent, name = os.path.split(v)   # (string operations, not Path: k=16 has 5,120 of these)
+    if name != node or os.path.basename(parent) != group:
+        return f"not {cgroupfs.TOP}/{group}/{node} (a cgroup of another node or group)"
     return None
 
 
@@ -332,6 +361,7 @@ class TopologySnapshot(_Record):
     gpu_sharing: StrictStr | None = None
     address_pool: StrictStr | None = None
     fabric_pool: StrictStr | None = None
+    host_rate: Any = None                     # bit/s per rank, "network-bound" or "this-machine" (Topology.validate)
     nodes: list[NodeSnapshot]
     links: list[LinkSnapshot]
 
@@ -541,6 +571,24 @@ class Faults(_Record):
         return self
 
 
+def _link_index_key(v: str) -> str:
+    if not (v.isascii() and v.isdigit()):
+        raise _fail("not a link index", v)
+    return v
+
+
+class PartRecord(_Record):
+    """One host's part of a testbed over several hosts (testbed.cluster.part.Part.to_json): its
+    host's name, the nodes it builds (nodes of the topology), its ends of the cut links and each cut
+    link's underlay latency (s). The ends are plain data here: nothing reads them back from the
+    state (a tunnel goes with its node's namespace)."""
+
+    host: Annotated[StrictStr, Field(min_length=1)]
+    nodes: list[NodeKey]
+    tunnels: list[dict[str, Any]] = []
+    underlay_s: dict[Annotated[StrictStr, AfterValidator(_link_index_key)], Annotated[float, Field(ge=0, lt=10)]] = {}
+
+
 class Leftover(_Record):
     what: StrictStr
     time: StrictStr | None = None
@@ -573,7 +621,7 @@ class StateDocument(_Record):
     timings: dict[str, Any] = {}
     faults: Faults | None = None
     leftovers: list[Leftover] = []
-    part: dict[str, Any] | None = None   # one host's part of a testbed over several hosts (cluster.part)
+    part: PartRecord | None = None       # one host's part of a testbed over several hosts
 
     @field_validator("schema_version")
     @classmethod
@@ -597,23 +645,6 @@ class StateDocument(_Record):
         if v is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
                               or not 1 <= factor < float("inf")):
             raise _fail("not a time-dilation factor >= 1", v)
-        return v
-
-    @field_validator("part")
-    @classmethod
-    def _a_part_of_this_topology(cls, v: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
-        if v is None:
-            return v
-        from testbed.cluster.part import Part
-
-        try:
-            part = Part.from_json(v)
-        except ValueError as exc:
-            raise _fail(str(exc), "...") from None
-        ctx = _topology(info)
-        unknown = sorted(n for n in part.nodes if n not in ctx.topology.nodes)
-        if unknown:
-            raise _fail("not a node of the topology", unknown[0], "nodes")
         return v
 
     @field_validator("links")
@@ -660,7 +691,9 @@ class _Nothing:
 NOTHING = _Nothing()
 
 
-def _dotted(loc: tuple[Any, ...], at: str = "") -> str:
+def field_path(loc: tuple[Any, ...], at: str = "") -> str:
+    """A pydantic error location as the field path a user reads (`hosts[2].address`; "" for the
+    document itself); `at`: a part a validator named below it (".key" or "[i]")."""
     out = ""
     for part in loc:
         if part == "[key]":            # a dict key was refused: the path already ends with it
@@ -668,7 +701,11 @@ def _dotted(loc: tuple[Any, ...], at: str = "") -> str:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     if at:
         out += at if at.startswith("[") or not out else f".{at}"
-    return out or "(the document)"
+    return out
+
+
+def _dotted(loc: tuple[Any, ...], at: str = "") -> str:
+    return field_path(loc, at) or "(the document)"
 
 
 def problems(exc: ValidationError) -> list[tuple[str, str, Any]]:

@@ -36,9 +36,11 @@ from typing import Any
 
 from testbed import paths
 from testbed.errors import StateError
-from testbed.net import names
+from testbed import names
 
-SCHEMA_VERSION = 1          # what `save` writes; testbed.state_schema accepts only it
+# what `save` writes: testbed.state_schema.SCHEMA_VERSION, the only one it accepts (the same number, not
+# imported: importing the schema builds its validator, which only `load` needs)
+SCHEMA_VERSION = 1
 LOCK_TIMEOUT_S = 30.0
 
 

@@ -20,6 +20,7 @@ reads one stream and writes to one sink.
 from __future__ import annotations
 
 import itertools
+import re
 import tarfile
 from collections.abc import Callable, Iterator
 from typing import IO
@@ -28,7 +29,28 @@ from testbed.errors import TestbedError
 
 BLOCK = 512
 _KEEP = 1 << 16   # bytes of the stream's end kept for the end check (tarfile reads 10 KiB ahead)
-_SPECIAL_BITS = 0o6000   # setuid, setgid: dropped with plain_modes
+_SPECIAL_BITS = 0o6000   # setuid, setgid: never written
+HEADER_MAX = 64 << 10    # a PAX or GNU long-name header: read into memory, so bounded (PATH_MAX is 4 KiB)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class _Bounded(tarfile.TarInfo):
+    """tarfile's member reader, with the headers it would read whole into memory bounded first."""
+
+    what = "the tar stream"
+
+    def _proc_member(self, tarfile_: tarfile.TarFile):  # type: ignore[override]
+        if self.type in (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE,
+                         tarfile.SOLARIS_XHDTYPE) and self.size > HEADER_MAX:
+            raise Refused(f"{self.what}: an extended header of "
+                          f"{self.size} bytes at byte {self.offset} (at most {HEADER_MAX}): refused")
+        if self.type == tarfile.XGLTYPE:   # (its keys would apply to every later member, and pile up)
+            raise Refused(f"{self.what}: a global PAX header at byte "
+                          f"{self.offset}: refused")
+        if self.type == tarfile.GNUTYPE_SPARSE:   # (its map is read block after block before any check)
+            raise Refused(f"{self.what}: member {self.name!r} is a "
+                          "sparse file: refused")
+        return super()._proc_member(tarfile_)
 
 
 class Refused(TestbedError):
@@ -89,12 +111,16 @@ class _Sink:
 class Gate:
     """Check a tar stream read from `src` and write it anew: first() reads and checks the first
     member, pump(sink) writes every checked member to sink as a new archive, then its end.
-    plain_modes: setuid and setgid bits are dropped (a copy onto this machine)."""
+    What is written carries no owner (uid and gid 0, no names: the unpacking side's own) and no
+    setuid or setgid bit, wherever it lands. max_bytes: the most file data the stream may hold."""
 
-    def __init__(self, src: IO[bytes], what: str, *, plain_modes: bool = False):
+    def __init__(self, src: IO[bytes], what: str, *, plain_modes: bool = True, max_bytes: int | None = None,
+                 files_only: bool = False):
         self.src = _Source(src)
         self.what = what
-        self.plain_modes = plain_modes
+        self.max_bytes = max_bytes
+        self.files_only = files_only   # only files and directories (a fetched run directory)
+        self.total = 0
         self.top: str | None = None
         self.top_dir = False
         self.links: set[tuple[str, ...]] = set()   # the stream's symbolic links (and hard links to them)
@@ -106,6 +132,8 @@ class Gate:
     # -- the checks
 
     def _parts(self, name: str, what: str) -> tuple[str, ...]:
+        if _CONTROL.search(name):
+            raise Refused(f"{self.what}: {what} {name!r} has a control character in its name: refused")
         if name.startswith("/"):
             raise Refused(f"{self.what}: {what} {name!r} is an absolute path: refused")
         parts = tuple(p for p in name.split("/") if p not in ("", "."))
@@ -137,13 +165,22 @@ class Gate:
             raise Refused(f"{self.what}: member {m.name!r} is a sparse file: refused")
         if not (m.isreg() or m.isdir() or m.issym() or m.islnk() or m.isfifo()):
             raise Refused(f"{self.what}: member {m.name!r} has a type testbed cp does not take ({m.type!r})")
+        if self.files_only and not (m.isreg() or m.isdir()):
+            raise Refused(f"{self.what}: member {m.name!r} is not a file or a directory (a link or a FIFO a job "
+                          "left?): refused")
         if m.size and not m.isreg():
             raise Refused(f"{self.what}: member {m.name!r} is not a file but carries data: refused")
+        if m.size < 0:
+            raise Refused(f"{self.what}: member {m.name!r} has a negative size ({m.size}): refused")
+        self.total += m.size if m.isreg() else 0
+        if self.max_bytes is not None and self.total > self.max_bytes:
+            raise Refused(f"{self.what}: member {m.name!r} takes the stream past {self.max_bytes} bytes of "
+                          "file data: refused")
         out = tarfile.TarInfo("/".join(parts))
         out.type = tarfile.REGTYPE if m.isreg() else m.type
-        out.mode = m.mode & (0o7777 & ~_SPECIAL_BITS if self.plain_modes else 0o7777)
-        out.uid, out.gid, out.uname, out.gname = m.uid, m.gid, m.uname, m.gname
-        out.mtime = m.mtime
+        out.mode = m.mode & 0o7777 & ~_SPECIAL_BITS
+        out.uid, out.gid, out.uname, out.gname = 0, 0, "", ""   # owners are the unpacking side's
+        out.mtime = m.mtime if isinstance(m.mtime, (int, float)) and 0 <= m.mtime < 1 << 33 else 0
         out.size = m.size if m.isreg() else 0
         if m.islnk():
             target = self._parts(m.linkname, f"hard link {m.name!r} ->")
@@ -153,6 +190,9 @@ class Gate:
                 self.links.add(parts)
             out.linkname = "/".join(target)
         elif m.issym():
+            if _CONTROL.search(m.linkname) or not m.linkname:
+                raise Refused(f"{self.what}: symbolic link {m.name!r} -> {m.linkname!r}: an empty target or a "
+                              "control character in it: refused")
             self.links.add(parts)
             out.linkname = m.linkname   # (it may point anywhere: nothing of the stream goes through it)
         self.names.add(parts)
@@ -176,7 +216,8 @@ class Gate:
     def first(self) -> tuple[str, bool]:
         """Read and check the first member: (the top entry's name, whether it is a directory)."""
         try:
-            self._tf = tarfile.open(fileobj=self.src, mode="r|")   # type: ignore[call-overload]
+            info = type("_Bounded", (_Bounded,), {"what": self.what})   # (named in its refusals)
+            self._tf = tarfile.open(fileobj=self.src, mode="r|", tarinfo=info)   # type: ignore[call-overload]
         except tarfile.TarError as exc:
             raise Refused(f"{self.what} is not a tar stream ({exc})") from None
         m = self._tf.next()   # (the member open() read ahead)

@@ -45,7 +45,7 @@ def test_probe_real_kernel_and_cleanup():
 @pytest.mark.root
 @pytest.mark.skipif(not IS_ROOT, reason="needs root")
 def test_doctor_cli():
-    from testbed.cli import app
+    from testbed.cli.app import app
 
     runner = CliRunner()
     r = runner.invoke(app, ["doctor", "--json"])
@@ -74,3 +74,32 @@ def test_probe_is_cached_on_disk_for_this_boot(tmp_path, monkeypatch):
     monkeypatch.setattr(capabilities, "_probe_all", lambda: pytest.fail("probed again despite the boot cache"))
     again = capabilities.probe()
     assert (again.netem, again.htb, again.latency_floor_s) == (first.netem, first.htb, first.latency_floor_s)
+
+
+def test_an_unchanged_probe_leaves_the_boot_cache_alone(tmp_path, monkeypatch):
+    """A process that found the boot cache and the same answers does not write it again (each
+    rewrite was an os.replace: a journal commit where /run is on a disk); a changed answer is written."""
+    import json
+    import os
+
+    import pytest
+
+    from testbed.net import capabilities
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    monkeypatch.setenv("TESTBED_STATE_DIR", str(tmp_path))
+    monkeypatch.setattr(capabilities, "_CACHE", None)
+    capabilities.probe()
+    cache = tmp_path / ".capabilities.json"
+    before = cache.stat().st_ino
+    monkeypatch.setattr(capabilities, "_CACHE", None)
+    monkeypatch.setattr(capabilities, "_ON_DISK", {})
+    capabilities.probe()
+    assert cache.stat().st_ino == before
+    monkeypatch.setattr(capabilities, "_CACHE", None)
+    monkeypatch.setattr(capabilities, "_ON_DISK", {})
+    monkeypatch.setattr(capabilities, "_cgroup_mode", lambda: "a mode not seen before")
+    capabilities.probe()
+    assert cache.stat().st_ino != before
+    assert json.loads(cache.read_text())["cgroup"] == "a mode not seen before"

@@ -10,7 +10,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 from testbed import lifecycle, paths, procs, store
 from testbed.net import names, netns
 from testbed.runtime import cgroups
+from waiting import wait_for, wait_gone
 
 REPO = Path(__file__).resolve().parents[1]
 ROUNDS = 30
@@ -67,7 +67,8 @@ def test_chaos_kill_9_then_cleanup(root, state_dir):
     canary_ref = None
     killed_at = {"before the end": 0, "finished": 0, "up, then down": 0}
     try:
-        time.sleep(0.2)
+        wait_for(lambda: procs.ns_inode(canary.pid, "net") == netns.inode(canary_ns), timeout=10,
+                 what="the canary's sleep in its namespace")
         canary_ref = procs.ref(canary.pid)
         for r in range(ROUNDS):
             name = f"ch{uuid.uuid4().hex[:5]}"
@@ -75,7 +76,7 @@ def test_chaos_kill_9_then_cleanup(root, state_dir):
                                  "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             delay = rng.uniform(0.05, 1.2)   # the whole script takes ~1 s here
             try:
-                p.wait(delay)
+                p.wait(delay)   # the kill's random moment is the test (a wait that may end early), not a head start
                 killed_at["finished"] += 1
             except subprocess.TimeoutExpired:
                 p.send_signal(signal.SIGKILL)
@@ -94,10 +95,7 @@ def test_chaos_kill_9_then_cleanup(root, state_dir):
             assert not any(cgroups.groups_of(name)), where
             # a helper started a moment before the kill ends itself when it finds its directory (or
             # its namespaces) gone; it must not run on
-            deadline = time.monotonic() + 3
-            while _helpers_of(name) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert not _helpers_of(name), where
+            wait_gone(lambda: _helpers_of(name), timeout=3, what=f"the delay-line helpers to end ({where})")
             assert procs.alive(canary_ref) and netns.exists(canary_ns), where
     finally:
         canary.kill()

@@ -155,3 +155,25 @@ def test_draw_with_utilisation_and_at_scale(tmp_path):
     big = load_topology("fat-tree", ["params.k=16"])  # 1344 nodes, 3072 links: no labels, still renders
     out = draw_topology(big, tmp_path / "big.png")
     assert out.stat().st_size > 0
+
+
+def test_an_error_with_brackets_and_escapes_is_shown_as_written(tmp_path):
+    """A path or a host's words in an error may hold Rich markup (`[/tmp]` closes a tag) or terminal
+    escapes: the error handler shows them inert, it does not crash on them."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "[/tmp]\x1b[31mred"
+    out = subprocess.run([sys.executable, "-m", "testbed", "topo", str(bad)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert "[/tmp]" in out.stderr and "\x1b" not in out.stderr and "\\x1b" in out.stderr, out.stderr
+
+
+def test_inert_text_keeps_its_lines_and_shows_the_rest():
+    """Hosts' answers are often several lines (JSON): the lines stay lines; a carriage return (which
+    overwrites what was printed), ESC and NUL are shown, not obeyed."""
+    from testbed.terminal import inert, plain
+
+    assert inert('{\n  "a": 1\n}\tx') == '{\n  "a": 1\n}\tx'
+    assert inert("ok\rfake\x1b[2J\x00") == "ok\\x0dfake\\x1b[2J\\x00"
+    assert plain("[/tmp]\n[bold]") == "\\[/tmp]\n\\[bold]"

@@ -9,41 +9,17 @@ with a delay is then refused (tested); with netem, its delay is measured (skippe
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from testbed.cluster import emulate
+# LINE: two workers per side of a 1 Gbit/s link between two switches, PINS so that s0-s1 is the cut link
+from cluster_hosts import LINE, PINS, iperf3_server, on_host, tb
 
-REPO = Path(__file__).resolve().parents[1]
-CAN_EMULATE = os.geteuid() == 0 and Path(emulate.SSHD).exists() and shutil.which("ssh-keygen") is not None
-pytestmark = [pytest.mark.root, pytest.mark.skipif(not CAN_EMULATE, reason="needs root and openssh-server")]
-
-# two workers per side of a 1 Gbit/s link between two switches: pinned so that s0-s1 is the cut link
-LINE = (REPO / "topologies" / "two-sides.yaml").read_text()   # s0-s1, 1 Gbit/s, is the link between hosts
-PINS = ["--pin", "w0=h1", "--pin", "w1=h1", "--pin", "s0=h1", "--pin", "w2=h2", "--pin", "w3=h2", "--pin", "s1=h2"]
-
-
-@pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    with emulate.emulated(2, tmp_path_factory.mktemp("emu") / "hosts", cores=8) as e:
-        yield e
-
-
-def tb(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-    """`testbed ARGS` as a process, the way a user runs it."""
-    r = subprocess.run([sys.executable, "-m", "testbed", *args], capture_output=True, text=True, timeout=timeout,
-                       cwd=REPO, env={**os.environ, "COLUMNS": "200"})
-    if check and r.returncode != 0:
-        raise AssertionError(f"testbed {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
-    return r
+pytestmark = [pytest.mark.root, pytest.mark.requires("sshd")]
 
 
 def up(emu, topo: str, name: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -56,16 +32,8 @@ def up(emu, topo: str, name: str, *extra: str, check: bool = True) -> subprocess
     return r
 
 
-def on_host(emu, host: str, *argv: str) -> str:
-    ctl = next(c for c in emu.controls() if c.name == host)
-    try:
-        return ctl.run(list(argv), check=True).stdout
-    finally:
-        ctl.close()
-
-
 def host_netns(emu, host: str) -> list[str]:
-    return on_host(emu, host, "ip", "netns", "list").split()
+    return on_host(emu, host, "ip", "netns", "list").stdout.split()
 
 
 @pytest.fixture
@@ -79,24 +47,21 @@ def name():
 
 
 def goodput(name: str, src: str, dst: str, seconds: int = 3) -> float:
-    """TCP goodput (bit/s) from src to dst by iperf3, through `testbed exec` on their hosts."""
-    for _attempt in range(5):
-        server = subprocess.Popen([sys.executable, "-m", "testbed", "exec", dst, "--name", name, "--", "timeout",
-                                   str(seconds + 20), "iperf3", "-s", "-1"], cwd=REPO, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
+    """TCP goodput (bit/s) from src to dst by iperf3, through `testbed exec` on their hosts: the
+    server is used once it listens (was: 1 s of head start, and up to 5 tries)."""
+    port = 5201 + uuid.uuid4().int % 500
+    server = iperf3_server(name, dst, port, seconds=seconds + 20)
+    try:
+        doc = json.loads(tb("exec", src, "--name", name, "--", "iperf3", "-c", dst, "-p", str(port), "-t",
+                            str(seconds), "-J", check=False).stdout or "{}")
+    finally:
         try:
-            time.sleep(1.0)
-            doc = json.loads(tb("exec", src, "--name", name, "--", "iperf3", "-c", dst, "-t", str(seconds), "-J",
-                                check=False).stdout or "{}")
-        finally:
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
-        if "sum_received" in doc.get("end", {}):
-            return doc["end"]["sum_received"]["bits_per_second"]
-    raise AssertionError(f"iperf3 {src} -> {dst}: {doc.get('error')}")
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    assert "sum_received" in doc.get("end", {}), f"iperf3 {src} -> {dst}: {doc.get('error')}"
+    return doc["end"]["sum_received"]["bits_per_second"]
 
 
 def _topo_file(tmp_path: Path, text: str) -> str:
@@ -129,7 +94,7 @@ def test_fat_tree_over_two_hosts_every_pair_reaches_and_down_leaves_nothing(emu,
     assert "down on every host" in r.stdout
     for host in ("h1", "h2"):
         assert not [ns for ns in host_netns(emu, host) if name in ns]
-        assert name not in on_host(emu, host, "sh", "-c", "ls /run/testbed")
+        assert name not in on_host(emu, host, "sh", "-c", "ls /run/testbed").stdout
     assert name not in tb("ls").stdout
 
 
@@ -169,22 +134,22 @@ def test_a_delayed_cut_link_without_netem_matches_a_local_one(emu, name, tmp_pat
 
     if capabilities.probe().netem:
         pytest.skip("this kernel has sch_netem: cut links take netem's delay (test_a_delayed_cut_link_with_netem_...)")
-    rtt_local = _delayed_cut_link_against_a_local_one(emu, name, tmp_path)
+    rtt_cut = _delayed_cut_link_against_a_local_one(emu, name, tmp_path)
     import yaml
 
     links = yaml.safe_load(LINE)["links"]
     cut = names.cut_netns(name, next(i for i, ln in enumerate(links) if set(ln["endpoints"]) == {"s0", "s1"}))
     for host, switch in (("h1", "s0"), ("h2", "s1")):
         assert cut in host_netns(emu, host)
-        devices = on_host(emu, host, "ip", "-n", cut, "-br", "link")
+        devices = on_host(emu, host, "ip", "-n", cut, "-br", "link").stdout
         assert {ln.split()[0].split("@")[0] for ln in devices.splitlines()} == {"lo", "br", "dl", "tunnel"}, devices
-        ports = on_host(emu, host, "ip", "-n", names.netns(name, switch), "-d", "link")
+        ports = on_host(emu, host, "ip", "-n", names.netns(name, switch), "-d", "link").stdout
         assert "vxlan" not in ports and "tun type tap" in ports, ports   # the switch has only its port
     tb("link", "set", "s0", "s1", "--delay", "5ms", "--name", name)
     rtt_set = _rtt_ms(name, "w0", "w2")
     assert 9.5 < rtt_set < 11.5, rtt_set   # 5 ms each way, each host's line holding its own direction
     tb("link", "reset", "s0", "s1", "--name", name)
-    assert abs(_rtt_ms(name, "w0", "w2") / rtt_local - 1) <= 0.10
+    assert abs(_rtt_ms(name, "w0", "w2") / rtt_cut - 1) <= 0.10   # reset puts the link back as it was
     tb("down", name)
     for host in ("h1", "h2"):
         assert not [ns for ns in host_netns(emu, host) if name in ns]
@@ -277,7 +242,7 @@ def test_ddp_across_hosts_is_one_run_with_one_report(emu, name, tmp_path):
     assert sorted(p.name for p in (run_dir / "probe").glob("rank-*.jsonl")) == [f"rank-{i}.jsonl" for i in range(4)]
     cut = next(x for x in summary["links"] if {x["a"], x["b"]} == {"s0", "s1"})
     assert cut["bytes_ab"] > 100_000 and cut["bytes_ba"] > 100_000   # the all_reduces crossed the tunnel
-    assert re.search(r"^verdict: (FAITHFUL|NOT FAITHFUL|UNVERIFIED)", r.stdout, re.M)
+    assert re.search(r"^verdict: (FAITHFUL|NOT FAITHFUL|INCONCLUSIVE|UNVERIFIED)", r.stdout, re.M)
     for rank in range(4):
         assert re.search(rf"^\s+{rank}\s+w{rank}\s+3\s", r.stdout, re.M), r.stdout   # every rank's steps
     # the verdict's evidence covers both hosts: each host's queues (its own nodes), one machine's CPUs
@@ -287,8 +252,11 @@ def test_ddp_across_hosts_is_one_run_with_one_report(emu, name, tmp_path):
 
 
 def _rtt_ms(name: str, src: str, dst: str) -> float:
+    """The smallest RTT of 20 pings: what the path's delays add. (The mean also carries this 2-core
+    machine's scheduling noise: on 2026-12-02 the same local line's mean RTT was 2.47 and 2.81 ms in
+    two runs a minute apart.)"""
     out = tb("exec", src, "--name", name, "--", "ping", "-n", "-c", "20", "-i", "0.05", "-q", dst).stdout
-    return float(re.search(r"= [\d.]+/([\d.]+)/", out).group(1))   # the mean
+    return float(re.search(r"= ([\d.]+)/[\d.]+/", out).group(1))   # the minimum
 
 
 def test_a_delayed_cut_link_with_netem_matches_a_local_one(emu, name, tmp_path):
@@ -307,7 +275,7 @@ def test_a_delayed_cut_link_with_netem_matches_a_local_one(emu, name, tmp_path):
 def _delayed_cut_link_against_a_local_one(emu, name: str, tmp_path: Path) -> float:
     """The line with s0-s1 at 1 Gbit/s and 1 ms each way, first on this machine alone, then cut
     across the hosts (left up): its RTT within 10% of the local one's, its goodput within 5%.
-    Returns the local RTT (ms)."""
+    Returns the cut link's RTT (ms)."""
     topo = _topo_file(tmp_path, LINE.replace("bandwidth: 1gbit}", "bandwidth: 1gbit, delay: 1ms}"))
     local = f"{name}l"
     try:
@@ -321,7 +289,7 @@ def _delayed_cut_link_against_a_local_one(emu, name: str, tmp_path: Path) -> flo
     assert rtt_local > 1.9   # the two 1 ms delays are there
     assert abs(rtt_cut / rtt_local - 1) <= 0.10, (rtt_cut, rtt_local)
     assert abs(bw_cut / bw_local - 1) <= 0.05, (bw_cut, bw_local)
-    return rtt_local
+    return rtt_cut
 
 
 def test_a_partition_across_hosts_cuts_and_heals(emu, name, tmp_path):

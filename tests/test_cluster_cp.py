@@ -25,19 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster_hosts import CAN_EMULATE, NEEDS, REPO, emulated_hosts, on_host, tb, up_line
+from cluster_hosts import REPO, on_host, tb
+from waiting import wait_for, wait_gone
 
-pytestmark = [pytest.mark.root, pytest.mark.skipif(not CAN_EMULATE, reason=NEEDS)]
-
-
-@pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    yield from emulated_hosts(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def line(emu):
-    yield from up_line(emu, "cp")
+pytestmark = [pytest.mark.root, pytest.mark.requires("sshd")]
 
 
 def tb_bytes(*args: str, data: bytes | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -97,7 +88,8 @@ def test_files_from_here_to_a_node_of_a_host_and_back(emu, line, tmp_path):
     tb("cp", str(tmp_path / "small.bin"), "w2:/tmp/big-copy.bin", "--name", line)
     assert sh(emu, line, "w2", "sha256sum /tmp/big-copy.bin").split()[0] == sha(small)
     assert not leftovers(emu, line, "w2") and not [p for p in back.iterdir() if p.name.startswith(".tbcp-")]
-    assert took < 60, took
+    print(f"two copies to w2 on h2 (300 KiB, 3 MiB) took {took:.2f} s")
+    assert took < 60, took   # a bound on a hang, not a timing claim: 2.85 s here (2026-12-02)
 
 
 def test_a_directory_from_a_node_of_one_host_to_a_node_of_the_other(emu, line):
@@ -184,10 +176,12 @@ def test_ctrl_c_leaves_no_half_copy(emu, line):
         assert p.stdin is not None
         p.stdin.write(whole[:1 << 20])   # a quarter of the file: the stream stays open
         p.stdin.flush()
-        deadline = time.monotonic() + 60
-        while not leftovers(emu, line, "w2"):   # unpacking has begun there
-            assert time.monotonic() < deadline and p.poll() is None, p.stderr.read() if p.stderr else p
-            time.sleep(0.2)
+
+        def unpacking() -> str:
+            assert p.poll() is None, p.stderr.read() if p.stderr else p   # (the copy must not end first)
+            return leftovers(emu, line, "w2")
+
+        wait_for(unpacking, timeout=60, interval=0.2, what="w2 to begin unpacking the copy")
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=60)
     finally:
@@ -195,10 +189,8 @@ def test_ctrl_c_leaves_no_half_copy(emu, line):
             p.kill()
             p.wait()
     assert p.returncode == 130, err
-    deadline = time.monotonic() + 30
-    while leftovers(emu, line, "w2") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not leftovers(emu, line, "w2")
+    wait_gone(lambda: leftovers(emu, line, "w2"), timeout=30, interval=0.2,
+              what="w2 to remove what it had unpacked")
     assert "half.bin" not in sh(emu, line, "w2", "ls -A /tmp")
 
 

@@ -26,20 +26,17 @@ from pathlib import Path
 
 import pytest
 
-from cluster_hosts import CAN_EMULATE, NEEDS, PINS, REPO, TOPOLOGY, tb
+import requires
 
-from testbed.cluster import emulate
+from cluster_hosts import PINS, REPO, TOPOLOGY, tb
 
-pytestmark = [pytest.mark.root, pytest.mark.docker, pytest.mark.skipif(not CAN_EMULATE, reason=NEEDS)]
+pytestmark = [pytest.mark.root, pytest.mark.docker, pytest.mark.requires("sshd")]
 
-REQUIRE = os.environ.get("TESTBED_REQUIRE_DOCKER") == "1"
 HOST = {"w0": "h1", "w1": "h1", "w2": "h2", "w3": "h2"}
 
 
 def _skip_or_fail(msg: str) -> None:
-    if REQUIRE:
-        pytest.fail(f"{msg} (TESTBED_REQUIRE_DOCKER=1)")
-    pytest.skip(msg)
+    requires.need("docker", ok=False, why=msg)   # a failure under TESTBED_REQUIRE_DOCKER=1 or TESTBED_REQUIRE=all
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +54,9 @@ def socket_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def emu(socket_path, tmp_path_factory):
-    state = tmp_path_factory.mktemp("controller")   # the controller's own state root
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TESTBED_STATE_DIR", str(state))
-        with emulate.emulated(2, tmp_path_factory.mktemp("emu") / "hosts", cores=8, docker_socket=socket_path) as e:
-            yield e
+def emulated_options(socket_path) -> dict:
+    """The hosts share this machine's Docker daemon (`emu`, tests/conftest.py)."""
+    return {"docker_socket": socket_path}
 
 
 def containers(name: str) -> dict[str, dict]:

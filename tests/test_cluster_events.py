@@ -21,15 +21,12 @@ import uuid
 
 import pytest
 
-from cluster_hosts import CAN_EMULATE, NEEDS, REPO, emulated_hosts, pids_with, tb, up_line
+import requires
+from waiting import wait_for
 
-pytestmark = [pytest.mark.root, pytest.mark.skipif(not CAN_EMULATE, reason=NEEDS)]
+from cluster_hosts import REPO, pids_with, tb
 
-
-@pytest.fixture(scope="module")
-def line(tmp_path_factory):
-    for emu in emulated_hosts(tmp_path_factory):   # (one: the hosts go when the testbed has)
-        yield from up_line(emu, "ev")
+pytestmark = [pytest.mark.root, pytest.mark.requires("sshd")]
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -75,28 +72,28 @@ def test_events_of_both_hosts_merged_in_time_order_and_followed(line):
     finally:
         _stop(follow)
     assert follow.returncode == 0, err   # a Ctrl-C ends -f, as on one host
-    deadline = time.monotonic() + 10
-    while pids_with(f"events --json --name {line} -f") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not pids_with(f"events --json --name {line} -f"), "events -f still runs on a host"
+    wait_for(lambda: not pids_with(f"events --json --name {line} -f"), timeout=10,
+             what="events -f to end on every host")
 
 
 def test_stacks_of_a_job_across_hosts(line):
     from testbed.jobs.stacks import py_spy
 
-    if py_spy() is None:
-        pytest.skip("py-spy is not installed (pip install py-spy): the hosts cannot read the ranks' stacks")
+    requires.need("py-spy", ok=py_spy() is not None, why="the hosts cannot read the ranks' stacks")
     marker = f"waiting_{uuid.uuid4().hex[:8]}"   # the function the ranks wait in (and no one else runs)
     job = f"import time\ndef {marker}():\n    time.sleep(120)\n{marker}()"
     run = subprocess.Popen([sys.executable, "-m", "testbed", "run", "--name", line, "--no-probe", "--", "python",
                             "-c", job], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 90
-        while len(pids_with(f"python -c {job}", start=True)) < 4:
-            assert run.poll() is None and time.monotonic() < deadline, "the job did not start its 4 ranks"
-            time.sleep(0.2)
-        time.sleep(1)   # past the interpreter's start: in the job's function
-        out = tb("stacks", "--name", line).stdout
+        wait_for(lambda: run.poll() is not None or len(pids_with(f"python -c {job}", start=True)) >= 4, timeout=90,
+                 what="the job's 4 ranks to start")
+        assert run.poll() is None, run.communicate()
+        # the ranks are in the job's function once the stacks say so (was: one look after 1 s)
+        def in_function() -> str | None:
+            o = tb("stacks", "--name", line).stdout
+            return o if marker in o and "4 ranks" in o else None
+
+        out = wait_for(in_function, timeout=60, what=f"the stacks of all 4 ranks in {marker}()")
         assert "4 ranks (0-3) [h1: 2, h2: 2]:" in out and marker in out, out
         ranks = json.loads(tb("stacks", "--json", "--name", line).stdout)
         assert sorted((r["rank"], r["worker"], r["host"]) for r in ranks) == [

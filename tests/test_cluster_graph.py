@@ -1,6 +1,6 @@
 """`testbed graph` on a testbed over several hosts, end to end, against two emulated hosts
 (testbed/cluster/emulate.py): the controller serves the page, its documents from the hosts
-(testbed.observe.graph_hosts: every host's `top --json` merged, their link records and events).
+(testbed.cluster.graph: every host's `top --json` merged, their link records and events).
 
 One testbed: topologies/two-sides.yaml pinned so that h1 holds w0, w1 and s0 and h2 holds w2, w3
 and s1 (s0-s1, 1 Gbit/s, is the cut link: a VXLAN tunnel). `testbed graph` runs as a process, as a
@@ -24,47 +24,31 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
+import uuid
 
 import pytest
 
-from cluster_hosts import CAN_EMULATE, NEEDS, REPO, emulated_hosts, on_host, tb, up_line
+from cluster_hosts import REPO, host_state, iperf3_server, remote_tops, tb
 from testbed.observe import graph
 
-from test_graph import CHROMIUM, Chromium, Served, _get, _until
+from test_graph import CHROMIUM, Chromium, Served, _get
+from waiting import WaitTimeout, wait_for
 
-pytestmark = [pytest.mark.root, pytest.mark.skipif(not CAN_EMULATE, reason=NEEDS)]
+pytestmark = [pytest.mark.root, pytest.mark.requires("sshd")]
+
+
+def _until(fn, timeout: float, step: float = 0.2):
+    """The condition's value once truthy, or its falsy value at the deadline: the callers' asserts
+    then print what the page said instead of a bare timeout."""
+    try:
+        return wait_for(fn, timeout=timeout, interval=step, what="the page's condition")
+    except WaitTimeout:
+        return fn()
 HOST = {"w0": "h1", "w1": "h1", "s0": "h1", "w2": "h2", "w3": "h2", "s1": "h2"}
 
 
-@pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    yield from emulated_hosts(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def line(emu):
-    yield from up_line(emu, "mg")
-
-
-def remote_tops(name: str) -> list[str]:
-    """Command lines of the hosts' `top --for-controller` processes of testbed `name` still running (the
-    emulated hosts share this machine's PID namespace, so their processes are seen in /proc here)."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                argv = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            except OSError:
-                continue
-            if "top" in argv and "--for-controller" in argv and name in argv:
-                found.append(" ".join(argv))
-    return found
-
-
 def link_record(emu, host: str, name: str, a: str, b: str) -> dict:
-    st = json.loads(on_host(emu, host, "cat", f"/run/testbed/{name}/state.json").stdout)
+    st = host_state(emu, host, name)
     return next(rec for rec in st["links"] if set(rec["endpoints"]) == {a, b})
 
 
@@ -109,8 +93,7 @@ def test_every_node_with_its_host_and_both_hosts_sampled(served, line):
     assert {e["host"] for e in ev if e["kind"] == "up"} == {"h1", "h2"}, ev
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install -y chromium): "
-                                            "the page is not loaded in a browser")
+@pytest.mark.requires("chromium")
 def test_the_page_in_a_browser_shows_each_nodes_host(served):
     browser = Chromium(CHROMIUM)
     try:
@@ -134,13 +117,12 @@ def test_the_page_in_a_browser_shows_each_nodes_host(served):
 
 def test_traffic_across_the_cut_link_shows_as_its_utilisation(served, line):
     """iperf3 w0 -> w2: s0->s1 (measured at s0, on h1) busy, its reverse carries only the ACKs."""
-    server = subprocess.Popen([sys.executable, "-m", "testbed", "exec", "w2", "--name", line, "--", "timeout", "60",
-                               "iperf3", "-s", "-1"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port = 5201 + uuid.uuid4().int % 500
+    server = iperf3_server(line, "w2", port)   # returned once it listens
     client = None
     try:
-        time.sleep(2.0)
         client = subprocess.Popen([sys.executable, "-m", "testbed", "exec", "w0", "--name", line, "--", "iperf3",
-                                   "-c", "w2", "-t", "12"], cwd=REPO, stdout=subprocess.DEVNULL,
+                                   "-c", "w2", "-p", str(port), "-t", "12"], cwd=REPO, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)
         busy = _until(lambda: (cut(get(served, "/api/sample"))["util"] or 0) > 0.3, 20.0, 0.5)
         s = get(served, "/api/sample")

@@ -5,8 +5,10 @@ Two emulated hosts (tests/cluster_hosts.py). They share this machine's files but
 /run (a tmpfs of its mount namespace), so the PREFIX is a fresh directory under /run: each host gets
 its own installation there, made in parallel exactly as on two real servers, never visible on this
 machine, and gone with the hosts. The wheelhouse is built into a cache of the test's own
-(TESTBED_CACHE_DIR); if pip cannot build it here (no package index), the tests that need it skip
-saying so.
+(TESTBED_CACHE_DIR), and its digest recorded in a ledger of the test's own
+(TESTBED_WHEELHOUSE_LEDGER): the machine's, /var/lib/testbed/wheelhouses, is never written
+(recording prunes old entries: a test would drop the operator's); if pip cannot reach a package index here, the tests that need it skip saying
+so (they fail under TESTBED_REQUIRE=wheelhouse or =all, as in CI); any other error building it fails.
 
 The hosts file starts with `testbed:` at a path where nothing is: `up` is refused with the hint to
 run `testbed install`. A Debian 12 /usr/bin/python3 (3.11.2) is refused naming its version. The
@@ -17,6 +19,7 @@ there; with `testbed:` set to PREFIX/bin/testbed, `up` works and `down` leaves n
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -28,11 +31,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster_hosts import CAN_EMULATE, NEEDS, PINS, REPO, TOPOLOGY, emulated_hosts, on_host, tb
+import requires
+from cluster_hosts import PINS, REPO, TOPOLOGY, on_host, tb
 
 from testbed import __version__
 
 PREFIX = f"/run/tb-install-{uuid.uuid4().hex[:6]}"   # each emulated host's own /run
+MACHINE_LEDGER = Path("/var/lib/testbed/wheelhouses")   # install's default for root: never touched here
 BASE_PYTHON = Path(sys.base_prefix) / "bin" / "python3"   # the controller's interpreter, outside its venv
 TIMES: dict[str, float] = {}
 
@@ -69,16 +74,28 @@ def test_the_hosts_file_line_keeps_an_env_in_front():
 
 
 @pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    if not CAN_EMULATE:
-        pytest.skip(NEEDS)
+def ledger(tmp_path_factory) -> Path:
+    """The test's own wheelhouse ledger (made 0700 by install, under pytest's root-only tmp)."""
+    return tmp_path_factory.mktemp("ledger") / "wheelhouses"
+
+
+@pytest.fixture(scope="module")
+def emulated_options(tmp_path_factory, ledger):
+    """The hosts (`emu`, tests/conftest.py) live with the test's own cache and ledger set."""
     cache = tmp_path_factory.mktemp("cache")
     try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("TESTBED_CACHE_DIR", str(cache))   # not ~/.cache
-            yield from emulated_hosts(tmp_path_factory)
+        yield {"env": {"TESTBED_CACHE_DIR": str(cache),   # not ~/.cache
+                       "TESTBED_WHEELHOUSE_LEDGER": str(ledger)}}   # not /var/lib/testbed/wheelhouses
     finally:
         shutil.rmtree(cache, ignore_errors=True)   # 60 MB of wheels: not kept with pytest's last runs
+
+
+def _listing(path: Path) -> dict[str, float]:
+    """name -> mtime of what a ledger directory holds (empty when there is none)."""
+    try:
+        return {p.name: p.lstat().st_mtime for p in path.iterdir()}
+    except FileNotFoundError:
+        return {}
 
 
 @pytest.fixture(scope="module")
@@ -88,16 +105,29 @@ def house(emu):
     the whole test session's."""
     from testbed.cluster import install
 
+    machines = _listing(MACHINE_LEDGER)
     t0 = time.monotonic()
     code = ("import json; from testbed.cluster import install as i; h = i.wheelhouse(i.prepare()); "
             "print(json.dumps({'dir': str(h.dir), 'what': h.describe()}))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=1800)
     if r.returncode != 0:
-        if "WheelhouseError" in r.stderr:
-            pytest.skip(f"cannot build the wheelhouse on this machine (no package index reachable?): {r.stderr[-800:]}")
+        # only pip not reaching a package index is the machine's matter (a skip; a failure where
+        # TESTBED_REQUIRE names wheelhouse or all, as in CI); any other error is the product's
+        offline = "WheelhouseError" in r.stderr and re.search(
+            r"No matching distribution|Could not find a version|Failed to establish a new connection|"
+            r"Temporary failure in name resolution|Network is unreachable|ConnectionError|Max retries exceeded",
+            r.stderr)
+        if offline:
+            requires.need("wheelhouse", ok=False, why=r.stderr[-800:])
         raise AssertionError(r.stderr)
     made = json.loads(r.stdout.splitlines()[-1])
     TIMES["wheelhouse"] = time.monotonic() - t0
+    # its digest went to the test's ledger (as the process saw it: TESTBED_WHEELHOUSE_LEDGER), and
+    # the machine's ledger is as it was
+    ledger = Path(os.environ["TESTBED_WHEELHOUSE_LEDGER"])
+    recorded = [p.name for p in ledger.iterdir()] if ledger.is_dir() else []
+    assert any(n.startswith(f"{Path(made['dir']).name}.") for n in recorded), (made["dir"], recorded)
+    assert _listing(MACHINE_LEDGER) == machines, f"{MACHINE_LEDGER} changed while the wheelhouse was built"
     print(f"\nwheelhouse: {made['what']} in {TIMES['wheelhouse']:.1f} s ({made['dir']}; this process's key "
           f"{install.prepare().key[:16]})", file=sys.stderr)
     return made
@@ -212,3 +242,33 @@ def test_install_then_up_with_it_then_down(emu, house, missing, tmp_path):
         state = on_host(emu, host, "sh", "-c", "ls -A /run/testbed 2>/dev/null || true").stdout.split()
         assert not [d for d in state if name in d], state
     print(f"\ntimes: {json.dumps({k: round(v, 1) for k, v in TIMES.items()})}", file=sys.stderr)
+
+
+def test_the_probe_names_a_prefix_others_could_change(tmp_path):
+    """Root runs PREFIX/bin/testbed on every host: a PREFIX (or a directory above it) that another user
+    owns or may write is named by the probe (and install refuses it); a sticky /tmp-like parent is fine."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from testbed.cluster import install
+
+    def probe(prefix):
+        out = subprocess.run([sys.executable, "-I", "-B", "-c", install._PROBE, str(prefix), "0.0.1", install.MARKER],
+                             capture_output=True, text=True, timeout=60, check=True)
+        return json.loads(out.stdout)["unsafe"]
+
+    base = tmp_path / "base"
+    base.mkdir(mode=0o755)
+    os.chmod(tmp_path, 0o755)
+    # pytest's tmp roots are root's and 0700/0755 here; anything above them is the system's
+    assert [u for u in probe(base / "prefix") if u[0].startswith(str(tmp_path))] == []
+    os.chmod(base, 0o777)
+    assert [u[0] for u in probe(base / "prefix")] == [str(base)]
+    os.chmod(base, 0o1777)                                   # sticky: others cannot replace our entries
+    assert [u for u in probe(base / "prefix") if u[0].startswith(str(tmp_path))] == []
+    mine = base / "prefix"
+    mine.mkdir()
+    os.chown(mine, 65534, 65534)                             # nobody's
+    assert [u[0] for u in probe(mine)] == [str(mine)]

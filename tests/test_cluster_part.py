@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from testbed.cluster.part import Part, cut_link_indices, make_parts
-from testbed.topology.hosts import load_hosts_text
+from testbed.cluster.hosts import load_hosts_text
 from testbed.topology.loader import load_topology
-from testbed.topology.placement import place
+from testbed.cluster.placement import place
 from testbed.topology.plan import plan_network
 
 HOSTS = """

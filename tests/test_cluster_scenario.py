@@ -1,5 +1,5 @@
 """`testbed scenario plan|run` on a testbed over several hosts, end to end against two emulated hosts
-(testbed/cluster/emulate.py), and the pure pieces of testbed.faults.hosts_player.
+(testbed/cluster/emulate.py), and the pure pieces of testbed.cluster.scenario.
 
 One testbed for the module: topologies/two-sides.yaml pinned so that h1 holds w0, w1 and s0 and h2
 holds w2, w3 and s1: s0-s1 is the cut link (a VXLAN tunnel), the only path between the halves. The
@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from cluster_hosts import CAN_EMULATE, NEEDS, REPO, emulated_hosts, on_host, tb, up_line
+from cluster_hosts import REPO, host_state, on_host, tb
 
 JOB = f"python {REPO}/examples/train_ddp.py --model mlp --hidden 128 --log-every 100"
 
 
 def root(test):
     """Against the emulated hosts: root, sshd and ssh."""
-    return pytest.mark.root(pytest.mark.skipif(not CAN_EMULATE, reason=NEEDS)(test))
+    return pytest.mark.root(pytest.mark.requires("sshd")(test))
 
 
 # -- pure pieces --------------------------------------------------------------------------------------------------
@@ -43,7 +43,7 @@ def _plan(events, dilation=1.0):
 
 
 def test_steps_survive_their_trip_as_json():
-    from testbed.faults.hosts_player import step_from_json
+    from testbed.cluster.scenario import step_from_json
 
     plan = _plan([{"at": "1s", "link": ["s0", "s1"], "set": {"bandwidth": "100mbit", "loss": "1%"},
                    "direction": "A->B", "for": "2s"},
@@ -58,7 +58,7 @@ def test_steps_survive_their_trip_as_json():
 
 
 def test_steps_close_together_share_a_call():
-    from testbed.faults.hosts_player import BATCH_MAX, _batches
+    from testbed.cluster.scenario import BATCH_MAX, _batches
 
     plan = _plan([{"at": "1s", "link": ["s0", "s1"], "action": "down", "for": "1s"},
                   {"at": "10s", "link": ["w0", "s0"], "action": "flap", "every": "0.5s", "count": 3},
@@ -73,7 +73,7 @@ def test_steps_close_together_share_a_call():
 def test_remote_step_records_are_read_incrementally():
     import base64
 
-    from testbed.faults.hosts_player import RemoteSteps
+    from testbed.cluster.scenario import RemoteSteps
 
     r = RemoteSteps("tb", "h1", "/x")
 
@@ -98,7 +98,7 @@ def test_remote_step_records_are_read_incrementally():
 
 
 def test_an_event_record_says_what_each_host_did_and_when():
-    from testbed.faults.hosts_player import _event_record, _skews
+    from testbed.cluster.scenario import _event_record, _skews
 
     plan = _plan([{"at": "2s", "node": "w2", "action": "crash"}], dilation=2.0)
     step = plan.steps[0]
@@ -121,13 +121,6 @@ def test_an_event_record_says_what_each_host_did_and_when():
 
 
 @pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    if not CAN_EMULATE:
-        pytest.skip(NEEDS)
-    yield from emulated_hosts(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
 def workdir():
     """Where the CLI runs: the ranks start in it on every host (the emulated hosts share this
     machine's files) and the run directories go under it. Not /tmp: workers have their own."""
@@ -136,11 +129,6 @@ def workdir():
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
-
-
-def host_state(emu, host: str, name: str) -> dict:
-    """Testbed `name`'s local state on `host` (its own /run), read there."""
-    return json.loads(on_host(emu, host, "cat", f"/run/testbed/{name}/state.json").stdout)
 
 
 def as_the_topology_says(emu, name: str) -> None:
@@ -152,11 +140,6 @@ def as_the_topology_says(emu, name: str) -> None:
         faults = st.get("faults") or {}
         assert not faults.get("partition"), host
         assert all(n.get("state") in (None, "up") and "cpus" not in n for n in (faults.get("nodes") or {}).values())
-
-
-@pytest.fixture(scope="module")
-def line(emu):
-    yield from up_line(emu, "sc")
 
 
 def _scenario(path: Path, events: str, steps: int = 100000, timeout: str = "100s", hang_after: str = "30s") -> Path:
@@ -186,6 +169,7 @@ CUT_FLAP = """  - at: 2s
 
 @root
 @pytest.mark.slow
+@pytest.mark.timing   # "at their times": each step applied within 0.5 s of its plan, a wall-time bound
 @pytest.mark.timeout(240)
 def test_a_cut_link_down_and_reshaped_by_both_hosts_at_their_times(emu, line, workdir):
     scen = _scenario(workdir / "cut-flap.yaml", CUT_FLAP)
@@ -339,6 +323,7 @@ def test_a_partition_between_the_hosts_is_a_hung_job_and_is_healed_everywhere(em
 
 @root
 @pytest.mark.slow
+@pytest.mark.timing   # the steps on time (within 0.5 s) although the first is due 0.2 s after t0
 @pytest.mark.timeout(240)
 def test_a_scenario_with_phantoms_follows_the_real_rank_on_the_other_host(emu, line, workdir):
     """`real: [w2]`: the job runs on w2 (on h2) and the other three ranks are phantoms, rank 0 (the

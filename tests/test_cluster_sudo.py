@@ -13,33 +13,24 @@ process, as a user runs it. Needs sudo (skipped without it; .ci/run installs it)
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
 
-from cluster_hosts import CAN_EMULATE, NEEDS, PINS, TOPOLOGY, tb
+from cluster_hosts import PINS, TOPOLOGY, tb
 
-from testbed.cluster import emulate
-
-HAS_SUDO = shutil.which("sudo") is not None and os.path.isdir("/etc/sudoers.d")
-pytestmark = [pytest.mark.root, pytest.mark.skipif(not CAN_EMULATE, reason=NEEDS),
-              pytest.mark.skipif(not HAS_SUDO, reason="needs sudo (apt-get install sudo): the hosts' login "
-                                                      "user runs commands as root through sudo -n")]
+# sudo: the hosts' login user runs commands as root through sudo -n
+pytestmark = [pytest.mark.root, pytest.mark.requires("sshd", "sudo")]
 
 USER = "tbsudo"   # made on the emulated hosts only
 
 
 @pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    state = tmp_path_factory.mktemp("controller")   # the controller's own state root
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TESTBED_STATE_DIR", str(state))
-        with emulate.emulated(3, tmp_path_factory.mktemp("emu") / "hosts", cores=8, login_user=USER,
-                              sudo={"h3": "none"}) as e:
-            yield e
+def emulated_options() -> dict:
+    """Three hosts that log in as USER, who may sudo on h1 and h2 only (`emu`, tests/conftest.py)."""
+    return {"n": 3, "login_user": USER, "sudo": {"h3": "none"}}
 
 
 def hosts_file(emu, names: list[str], where: Path) -> Path:

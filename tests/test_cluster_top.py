@@ -1,6 +1,6 @@
 """`testbed top` on a testbed over several hosts, end to end, against two emulated hosts
 (testbed/cluster/emulate.py): every host runs `top --json` on its own part and the controller merges
-their documents into one (testbed.observe.top_hosts).
+their documents into one (testbed.cluster.top).
 
 One testbed for the module: topologies/two-sides.yaml pinned so that h1 holds w0, w1 and s0 and h2
 holds w2, w3 and s1 (s0-s1, 1 Gbit/s, is the cut link: a VXLAN tunnel). The CLI runs as a process,
@@ -15,44 +15,24 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import uuid
 
 import pytest
 
-from cluster_hosts import CAN_EMULATE, NEEDS, REPO, emulated_hosts, tb, up_line
+import requires
 
-pytestmark = [pytest.mark.root, pytest.mark.skipif(not CAN_EMULATE, reason=NEEDS)]
+from cluster_hosts import REPO, iperf3_connections, iperf3_server, remote_tops, tb
+from waiting import wait_for
+
+pytestmark = [pytest.mark.root, pytest.mark.requires("sshd")]
 
 HOST = {"w0": "h1", "w1": "h1", "s0": "h1", "w2": "h2", "w3": "h2", "s1": "h2"}
 LINKS = [("w0", "s0"), ("w1", "s0"), ("w2", "s1"), ("w3", "s1"), ("s0", "s1")]   # the topology's order
 
 
-@pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    yield from emulated_hosts(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def line(emu):
-    yield from up_line(emu, "mt")
-
-
 def top_once(name: str, *extra: str, check: bool = True) -> tuple[dict, subprocess.CompletedProcess]:
     r = tb("top", "--name", name, "--once", "--json", *extra, timeout=120, check=check)
     return json.loads(r.stdout), r
-
-
-def remote_tops(name: str) -> list[str]:
-    """Command lines of the hosts' `top --for-controller` processes of testbed `name` still running (the
-    emulated hosts share this machine's processes)."""
-    import psutil
-
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "top" in cmd and "--for-controller" in cmd and name in cmd:
-            out.append(" ".join(cmd))
-    return out
 
 
 def test_once_json_merges_every_link_direction_from_its_sending_host(emu, line):
@@ -82,15 +62,17 @@ def test_once_json_merges_every_link_direction_from_its_sending_host(emu, line):
 def test_traffic_over_the_tunnel_shows_as_a_rate_on_the_cut_links_direction(emu, line):
     """iperf3 w0 -> w2 (h1 -> h2) for a while; meanwhile `top --once --json`: s0->s1, measured at s0 on
     h1, carries it (near its 1 Gbit/s), its reverse carries only the ACKs."""
-    server = subprocess.Popen([sys.executable, "-m", "testbed", "exec", "w2", "--name", line, "--", "timeout", "60",
-                               "iperf3", "-s", "-1"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port = 5201 + uuid.uuid4().int % 500
+    server = iperf3_server(line, "w2", port)
     client = None
     try:
-        time.sleep(2.0)
         client = subprocess.Popen([sys.executable, "-m", "testbed", "exec", "w0", "--name", line, "--", "iperf3",
-                                   "-c", "w2", "-t", "20", "-J"], cwd=REPO, stdout=subprocess.PIPE,
+                                   "-c", "w2", "-p", str(port), "-t", "20", "-J"], cwd=REPO, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
-        time.sleep(4.0)   # the flow is going
+        # the flow is going once iperf3's control and data connections are both up at the server
+        wait_for(lambda: client.poll() is not None or iperf3_connections(port) >= 2,
+                 timeout=60, what="iperf3's control and data connections from w0 to w2")
+        assert client.poll() is None, client.communicate()
         doc, _ = top_once(line, "--interval", "1")
         out, err = client.communicate(timeout=90)
     finally:
@@ -104,8 +86,13 @@ def test_traffic_over_the_tunnel_shows_as_a_rate_on_the_cut_links_direction(emu,
     l = {x["name"]: x for x in doc["links"]}
     s01, s10 = l["s0->s1"], l["s1->s0"]
     goodput = got["end"]["sum_received"]["bits_per_second"]
+    print(f"top's s0->s1: {s01['rate_bps'] / 1e6:.0f} Mbit/s over its second; iperf3's goodput "
+          f"{goodput / 1e6:.0f} Mbit/s over 20 s; ratio {s01['rate_bps'] / goodput:.3f}")
     assert s01["host"] == "h1" and s01["rate_bps"] > 100e6, s01
-    assert s01["rate_bps"] == pytest.approx(goodput, rel=0.3), (s01, goodput)   # one second of a steady flow
+    # top's one second of the flow against iperf3's 20 s average: 1.004-1.016 in 5 runs (2026-12-02,
+    # the 2-core machine, other sessions' tests beside; `pytest -s -k traffic` prints it), so 5% is
+    # 3x the widest seen; a rate read from the wrong direction or host would be the ACKs' (was 30%)
+    assert s01["rate_bps"] == pytest.approx(goodput, rel=0.05), (s01, goodput)
     assert s01["util"] == pytest.approx(s01["rate_bps"] / 1e9)
     assert s10["host"] == "h2" and s10["rate_bps"] < s01["rate_bps"] / 5, s10   # the ACKs
     # the same flow on the links inside each host: into s0 on h1, out of s1 to w2 on h2
@@ -115,7 +102,8 @@ def test_traffic_over_the_tunnel_shows_as_a_rate_on_the_cut_links_direction(emu,
 
 
 def test_live_view_shows_both_hosts_and_ctrl_c_stops_every_hosts_top(emu, line):
-    pexpect = pytest.importorskip("pexpect")
+    requires.need("pexpect")
+    import pexpect
     child = pexpect.spawn(sys.executable, ["-m", "testbed", "top", "--name", line, "--interval", "0.5"],
                           cwd=str(REPO), env={**os.environ, "COLUMNS": "140", "LINES": "40", "TERM": "xterm"},
                           dimensions=(40, 140), timeout=60, encoding="utf-8")

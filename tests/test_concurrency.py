@@ -58,6 +58,7 @@ def test_down_racing_link_changes_and_scenario_events(root, state_dir):
 
         t = threading.Thread(target=faults)
         t.start()
+        # the race itself, not a wait: `down` lands at a random moment among the faults
         threading.Event().wait(rng.uniform(0.0, 0.3))
         try:
             lifecycle.down(name)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
 from testbed import lifecycle
 from testbed.topology.loader import load_topology, load_topology_text
+from waiting import WaitTimeout, wait_for
 
 pytestmark = pytest.mark.root
 
@@ -125,6 +125,8 @@ def _rx_packets(st: dict, node: str, ifname: str) -> int:
 
 
 def _udp_flows(dst: str, flows: int = 32, packets: int = 20) -> str:
+    # paced (0.5 ms between datagrams: the sleep is the pacing, not a wait), so that every datagram
+    # can arrive and a loss means a dead path, not a full socket buffer
     return ("import socket, time\n"
             f"for p in range(21001, 21001 + {flows}):\n"
             "    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(('', p))\n"
@@ -143,18 +145,30 @@ def test_failover_agg_core_link_down(testbed):
     ips = worker_ips(st)
     victims = [link for link in st["links"] if link["tier"] == "agg-core" and link["endpoints"][0] == "agg0-0"]
     link = victims[0]
-    _set_link(st, "agg0-0", link["ifnames"][0], "down")
+    dead = link["ifnames"][0]
+    _set_link(st, "agg0-0", dead, "down")
     lifecycle.set_link_state(st["name"], link["index"], "down")
-    time.sleep(0.1)
-    r = run_in(st, "agg0-0", "ip", "route", "get", ips["w15"])
-    assert r.returncode == 0, r.stderr
+
+    def route_avoids_the_dead_port() -> str | None:
+        r = run_in(st, "agg0-0", "ip", "route", "get", ips["w15"])
+        return r.stdout if r.returncode == 0 and f" dev {dead} " not in f" {r.stdout} " else None
+
+    wait_for(route_avoids_the_dead_port, timeout=10, what=f"agg0-0's route to w15 to leave by a port other than {dead}")
     for src, dst in (("w0", "w15"), ("w1", "w8"), ("w2", "w5")):
         before = _rx_packets(st, dst, "eth0")
         r = run_in(st, src, sys.executable, "-S", "-c", _udp_flows(ips[dst]), timeout=120)
         assert r.returncode == 0, r.stderr
-        time.sleep(0.2)
-        got = _rx_packets(st, dst, "eth0") - before
-        assert got >= 32 * 20, f"{src}->{dst}: {got} of 640 packets arrived with {link['endpoints']} down"
+        seen = [0]
+
+        def all_arrived() -> bool:   # the sender has returned; the last packets are still on their way
+            seen[0] = _rx_packets(st, dst, "eth0") - before
+            return seen[0] >= 32 * 20
+
+        try:
+            wait_for(all_arrived, timeout=10, what=f"{src}->{dst}: 640 packets at {dst}")
+        except WaitTimeout:
+            raise AssertionError(f"{src}->{dst}: {seen[0]} of 640 packets arrived with {link['endpoints']} down") \
+                from None
     doc = lifecycle.status(st["name"])
     assert doc["links"][link["index"]]["state"] == "down"
     _set_link(st, "agg0-0", link["ifnames"][0], "up")

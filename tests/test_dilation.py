@@ -40,10 +40,12 @@ def test_undilate():
 
 # -- choosing the factor ------------------------------------------------------------------------------------
 
-from testbed.topology.dilation import Choice, choose, dilate_topology  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
+from testbed.topology.dilation import HOST_MARGIN, Choice, choose, dilate_topology  # noqa: E402
 from testbed.topology.loader import load_topology, load_topology_text  # noqa: E402
 from testbed.topology.plan import plan_network  # noqa: E402
-from testbed.topology.reference import MachineConstants  # noqa: E402
+from testbed.topology.reference import MachineConstants, goodput  # noqa: E402
 
 HOST_BOUND = MachineConstants(alpha_s=300e-6, beta_s_per_byte=1.2e-9)    # 6.7 Gbit/s per rank
 
@@ -54,18 +56,30 @@ def _ft():
 
 
 def test_auto_counts_ranks_per_core_and_the_traffic():
+    """On hosts like this machine (host_rate: this-machine) the model charges its host cost, so the
+    machine only has to supply it: 16 host-bound ranks keep 16 cores busy moving bytes, 8 per core,
+    as compute needs. On network-bound hosts (the default) that host work must stay HOST_MARGIN
+    times below the links' time: 16 ranks at the links' full rate, at this machine's cost per byte."""
     t, plan = _ft()
-    c = choose("auto", t, plan, n_gpus=0, n_cpus=2, constants=HOST_BOUND)
-    # 16 host-bound ranks keep 16 cores busy moving bytes: 8 per core, as compute needs
+    mine = replace(t, host_rate="this-machine")
+    c = choose("auto", mine, plan, n_gpus=0, n_cpus=2, constants=HOST_BOUND)
     assert c.factor == pytest.approx(8.0) and c.compute == 8.0 and c.network == pytest.approx(8.0, rel=0.02)
     assert c.setting == "auto" and not c.cap_cpu
     assert any("share 2 CPU core" in r for r in c.reasons) and any("network needs" in r for r in c.reasons)
+    c = choose("auto", t, plan, n_gpus=0, n_cpus=2, constants=HOST_BOUND)
+    link_rate = 10e9 / 8 * goodput(1500)               # bytes/s a rank's link carries
+    need = HOST_MARGIN * 16 * link_rate * HOST_BOUND.beta_s_per_byte / 2
+    assert c.network == pytest.approx(need, rel=0.01) and c.factor == pytest.approx(need, abs=0.1) and c.cap_cpu
+    assert any("network-bound hosts" in r for r in c.reasons)
+    faster = replace(t, host_rate=50e9)                 # declared hosts at 50 Gbit/s: still link-bound
+    assert choose("auto", faster, plan, 0, 2, constants=HOST_BOUND).network == pytest.approx(need, rel=0.01)
 
 
 def test_phantoms_compute_nothing_but_still_send():
     """up --real-ranks 1: compute counts one rank (2 cores: no sharing), the traffic all 16, so
     the factor is the network's and every worker's CPU is capped (compute slows by s too)."""
     t, plan = _ft()
+    t = replace(t, host_rate="this-machine")
     c = choose("auto", t, plan, n_gpus=0, n_cpus=2, constants=HOST_BOUND, real_ranks=1)
     assert c.compute == 1.0 and c.network == pytest.approx(8.0, rel=0.02) and c.factor == pytest.approx(8.0, rel=0.02)
     assert c.cap_cpu and any("phantoms" in r for r in c.reasons)
@@ -127,6 +141,20 @@ def test_cfs_period_keeps_the_quota_legal_and_short():
     assert quota >= 1_000 and quota / period == pytest.approx(0.05, rel=0.01)
 
 
+def test_cfs_period_stops_at_the_kernels_one_second():
+    """Below 0.001 core the quota cannot shrink and the period cannot grow (the kernel's limits):
+    the group gets 0.001 core, and dilation's reasons say so (a k=16 fat-tree at auto: s = 1447)."""
+    from testbed.runtime.cgroups import cfs
+    from testbed.topology import dilation
+
+    assert cfs(1 / 1446.7) == (1_000, 1_000_000)
+    assert cfs(0.001) == (1_000, 1_000_000)
+    assert cfs(0.002) == (1_000, 500_000)
+    choice = dilation._with_cap_reason(dilation.Choice(1446.7, "auto", 512.0, None, ("auto",)))
+    assert "slows by 1000, not 1446.7" in choice.reasons[-1] and "1.45x faster" in choice.reasons[-1]
+    assert "at the least" not in dilation._with_cap_reason(dilation.Choice(900.0, "auto", 512.0, None, ())).reasons[-1]
+
+
 def test_cfs_burst_only_where_the_period_is_stretched():
     """A quota under the kernel's 1 ms stretches the period to s ms; only there a group may carry one
     period's unused quota (cgroups.cfs_burst's docstring says why)."""
@@ -151,6 +179,7 @@ def _machines(t, split: int, cores: tuple[int, int], constants=(HOST_BOUND, HOST
 
 def test_two_hosts_sharing_one_machine_count_as_one_machine():
     t, plan = _ft()
+    t = replace(t, host_rate="this-machine")
     one = choose("auto", t, plan, n_gpus=0, n_cpus=2, constants=HOST_BOUND)
     both = choose_over_machines("auto", t, plan, _machines(t, 8, (2, 2), shared=True))
     assert both.factor == one.factor == pytest.approx(8.0) and both.compute == 8.0
@@ -159,12 +188,17 @@ def test_two_hosts_sharing_one_machine_count_as_one_machine():
 
 def test_two_machines_the_most_loaded_decides():
     t, plan = _ft()
+    t = replace(t, host_rate="this-machine")   # the old accounting: each machine's share of its host cost
     even = choose_over_machines("auto", t, plan, _machines(t, 8, (2, 2)))
     assert even.compute == 4.0 and even.factor == pytest.approx(4.0, rel=0.05)   # 8 ranks on 2 cores each
     uneven = choose_over_machines("auto", t, plan, _machines(t, 12, (2, 2)))
     assert uneven.compute == 6.0 and uneven.factor == pytest.approx(6.0, rel=0.05)
     big = choose_over_machines("auto", t, plan, _machines(t, 8, (64, 64)))
     assert big.factor == 1.0
+    # network-bound hosts (the default): each machine's ranks at the links' full rate, with the margin
+    nb = choose_over_machines("auto", replace(t, host_rate=None), plan, _machines(t, 12, (2, 2)))
+    link_rate = 10e9 / 8 * goodput(1500)
+    assert nb.network == pytest.approx(HOST_MARGIN * 12 * link_rate * HOST_BOUND.beta_s_per_byte / 2, rel=0.01)
 
 
 def test_an_uncalibrated_machine_is_named_and_only_its_compute_counts():

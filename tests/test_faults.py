@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from waiting import tcp_sockets, wait_for
+
 IS_ROOT = os.geteuid() == 0
 pytestmark = [pytest.mark.root, pytest.mark.skipif(not IS_ROOT, reason="needs root (namespaces, tc)")]
 
@@ -40,6 +42,7 @@ def baseline_problems(name):
     """How testbed `name` differs from its topology (empty: all links up at the topology's profiles,
     no partition, no node down, crashed or slowed, no time dilation)."""
     from testbed import store
+    from testbed import running
     from testbed.faults import control
 
     st = store.load(name)
@@ -51,8 +54,8 @@ def baseline_problems(name):
     for node, ns in sorted((faults.get("nodes") or {}).items()):
         if ns.get("state") not in (None, "up") or "cpus" in ns or ns.get("cgroup"):
             out.append(f"node {node}: {ns}")
-    if control.dilation_of(st) != 1.0:
-        out.append(f"time dilation {control.dilation_of(st)}")
+    if running.dilation_of(st) != 1.0:
+        out.append(f"time dilation {running.dilation_of(st)}")
     return out
 
 
@@ -135,8 +138,8 @@ def links_state(name):
     return {tuple(l["endpoints"]): l for l in control.link_show(name)}
 
 
-def cpu_limit(pid):
-    """CPUs the CFS quota of the cpu cgroup that process `pid` is in allows (None: no quota)."""
+def _cpu_group(pid) -> Path:
+    """The directory of the cpu cgroup that process `pid` is in."""
     from testbed.runtime import cgroups
 
     hier = cgroups.hierarchy()
@@ -144,18 +147,43 @@ def cpu_limit(pid):
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
         _, ctrls, rel = line.split(":", 2)
         if hier.version == 2 and ctrls == "":
-            text = (hier.mounts[""] / rel.lstrip("/") / "cpu.max").read_text().split()
-            return None if text[0] == "max" else int(text[0]) / int(text[1])
+            return hier.mounts[""] / rel.lstrip("/")
         if hier.version == 1 and "cpu" in ctrls.split(","):
-            group = hier.mounts["cpu"] / rel.lstrip("/")
-            quota = int((group / "cpu.cfs_quota_us").read_text())
-            return None if quota < 0 else quota / int((group / "cpu.cfs_period_us").read_text())
+            return hier.mounts["cpu"] / rel.lstrip("/")
     raise AssertionError(f"process {pid} is in no cpu cgroup")
+
+
+def cpu_limit(pid):
+    """CPUs the CFS quota of the cpu cgroup that process `pid` is in allows (None: no quota)."""
+    group = _cpu_group(pid)
+    if (group / "cpu.max").exists():
+        text = (group / "cpu.max").read_text().split()
+        return None if text[0] == "max" else int(text[0]) / int(text[1])
+    quota = int((group / "cpu.cfs_quota_us").read_text())
+    return None if quota < 0 else quota / int((group / "cpu.cfs_period_us").read_text())
+
+
+def nr_throttled(pid) -> int:
+    """CFS periods in which the cpu cgroup of process `pid` ran out of its quota, so far."""
+    for line in (_cpu_group(pid) / "cpu.stat").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "nr_throttled":
+            return int(value)
+    raise AssertionError(f"no nr_throttled in the cpu.stat of process {pid}'s group")
 
 
 # -- links --------------------------------------------------------------------------------------------------
 
 
+# Bands of the timed checks here, from 20 runs each on a 3-worker star (2026-12-02, the 2-core
+# machine with other engineers' jobs beside; `python tests/timing_bands.py`): link down 5.2-14.9 ms,
+# link up 9.6-58 ms, link set 5.8-14.7 ms (warm); iperf3 at the 200 Mbit/s profile: 0.953-0.958
+# of 200 Mbit/s (the goodput ratio 1448/1514 is 0.956). One measurement each, no second try.
+CONTROL_WITHIN_S = {"down": 0.050, "up": 0.100, "set": 0.050}   # >= 1.7x the slowest seen
+GOODPUT_RATIO = 1448 / 1514
+
+
+@pytest.mark.timing
 def test_link_down_stops_ping_and_up_restores(star):
     from testbed.faults import control
 
@@ -163,13 +191,15 @@ def test_link_down_stops_ping_and_up_restores(star):
     assert ping(name, topo, "w0", "w1")
     t0 = time.monotonic()
     assert control.link_down(name, "w1", "s0")
-    assert time.monotonic() - t0 < 0.1, "link down within 100 ms"
+    took = time.monotonic() - t0
+    assert took < CONTROL_WITHIN_S["down"], f"link down took {took * 1e3:.0f} ms"
     assert not ping(name, topo, "w0", "w1", count=3)
     assert ping(name, topo, "w0", "w2")
     assert links_state(name)[("w1", "s0")]["state"] == "down"
     t0 = time.monotonic()
     assert control.link_up(name, "w1", "s0") == []
-    assert time.monotonic() - t0 < 0.1
+    took = time.monotonic() - t0
+    assert took < CONTROL_WITHIN_S["up"], f"link up took {took * 1e3:.0f} ms"
     assert reachable_within(name, topo, "w0", "w1") is not None
     assert links_state(name)[("w1", "s0")]["state"] == "up"
 
@@ -240,7 +270,9 @@ def _iperf(name, topo, client, server, reverse=False, secs=2):
     srv = subprocess.Popen(["ip", "netns", "exec", f"tb-{name}-{server}", "iperf3", "-s", "-1", "-p", port],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        time.sleep(0.3)
+        wait_for(lambda: srv.poll() is not None or tcp_sockets(srv.pid, int(port), "LISTEN",
+                                                               netns=f"tb-{name}-{server}"), timeout=30,
+                 what=f"iperf3's server on {server} to listen")
         argv = ["ip", "netns", "exec", f"tb-{name}-{client}", "iperf3", "-c", addr(topo, server), "-p", port,
                 "-t", str(secs), "-O", "0.5", "-J"] + (["-R"] if reverse else [])
         r = subprocess.run(argv, capture_output=True, text=True, timeout=secs + 20)
@@ -253,17 +285,18 @@ def _iperf(name, topo, client, server, reverse=False, secs=2):
         srv.wait(5)
 
 
+@pytest.mark.timing
 def test_link_set_bandwidth_iperf(star):
     """200mbit -> 100mbit on w0's link in one direction, then 50mbit both, then reset.
 
     iperf3's goodput is a fixed fraction of the HTB rate (headers: ~94-96%), so each measurement is
-    compared, within 5%, with the baseline measured at the topology's rate scaled by the new rate.
+    compared, within 2%, with the baseline measured at the topology's rate scaled by the new rate.
     """
     from testbed.faults import control
 
     name, topo = star
     up0, down0 = _iperf(name, topo, "w0", "w1"), _iperf(name, topo, "w0", "w1", reverse=True)
-    assert up0 == pytest.approx(200e6, rel=0.10) and down0 == pytest.approx(200e6, rel=0.10)
+    assert up0 == pytest.approx(200e6 * GOODPUT_RATIO, rel=0.03) and down0 == pytest.approx(200e6 * GOODPUT_RATIO, rel=0.03)
     # one direction only: traffic from w0 to s0 (A->B with A = w0). The bound is on the change itself:
     # a first call in a process also pays one-time costs (a netlink socket per namespace, lazy
     # imports; 0.12-0.18 s on this machine on a slow day), so the code path is warmed first on
@@ -271,21 +304,34 @@ def test_link_set_bandwidth_iperf(star):
     control.link_set(name, "w1", "s0", {"bandwidth_bps": 200_000_000}, "A->B")
     t0 = time.monotonic()
     link = control.link_set(name, "w0", "s0", {"bandwidth_bps": 100_000_000}, "A->B")
-    assert time.monotonic() - t0 < 0.1
+    took = time.monotonic() - t0
+    assert took < CONTROL_WITHIN_S["set"], f"link set took {took * 1e3:.0f} ms"
     assert link["ab"]["bandwidth_bps"] == 100_000_000 and link["ba"]["bandwidth_bps"] == 200_000_000
-    assert _iperf(name, topo, "w0", "w1") == pytest.approx(up0 / 2, rel=0.05)
-    assert _iperf(name, topo, "w0", "w1", reverse=True) == pytest.approx(down0, rel=0.05)
+
+    def against(expected: float, reverse: bool = False) -> float:
+        """Goodput now over what the baseline scaled to the new rate predicts (printed: pytest -s)."""
+        got = _iperf(name, topo, "w0", "w1", reverse=reverse)
+        print(f"goodput {got / 1e6:.2f} Mbit/s, expected {expected / 1e6:.2f}: ratio {got / expected:.4f}")
+        return got / expected
+
+    # Within 2%: the six ratios below came out 0.9950-1.0084 in 5 runs (30 measurements, 2026-12-02,
+    # the 2-core machine with other sessions' tests beside; `pytest -s -k link_set_bandwidth_iperf`
+    # prints them), so 2% is 2.4x the widest seen; a rate left unchanged, or halved instead of
+    # quartered, is off by 50-100%. (Was 5%.)
+    assert against(up0 / 2) == pytest.approx(1, rel=0.02)
+    assert against(down0, reverse=True) == pytest.approx(1, rel=0.02)
     # both directions, named from the other end
     control.link_set(name, "s0", "w0", {"bandwidth_bps": 50_000_000})
-    assert _iperf(name, topo, "w0", "w1") == pytest.approx(up0 / 4, rel=0.05)
-    assert _iperf(name, topo, "w0", "w1", reverse=True) == pytest.approx(down0 / 4, rel=0.05)
+    assert against(up0 / 4) == pytest.approx(1, rel=0.02)
+    assert against(down0 / 4, reverse=True) == pytest.approx(1, rel=0.02)
     assert links_state(name)[("w0", "s0")]["changed"]
     control.link_reset(name, "w0", "s0")
     assert not links_state(name)[("w0", "s0")]["changed"]
-    assert _iperf(name, topo, "w0", "w1") == pytest.approx(up0, rel=0.05)
-    assert _iperf(name, topo, "w0", "w1", reverse=True) == pytest.approx(down0, rel=0.05)
+    assert against(up0) == pytest.approx(1, rel=0.02)
+    assert against(down0, reverse=True) == pytest.approx(1, rel=0.02)
 
 
+@pytest.mark.timing
 def test_link_set_honours_dilation(star):
     from testbed import store
     from testbed.faults import control
@@ -297,7 +343,8 @@ def test_link_set_honours_dilation(star):
     control.link_set(name, "w0", "s0", {"bandwidth_bps": 100_000_000})
     # the emulated link says 100mbit; the kernel runs it at 100mbit / 2
     assert links_state(name)[("w0", "s0")]["ab"]["bandwidth_bps"] == 100_000_000
-    assert _iperf(name, topo, "w0", "w1") == pytest.approx(50e6 * 0.95, rel=0.05)
+    # HTB at 50 Mbit/s: not measured on its own; at 100 Mbit/s-1 Gbit/s goodput is within 0.5% of the ratio
+    assert _iperf(name, topo, "w0", "w1") == pytest.approx(50e6 * GOODPUT_RATIO, rel=0.03)
     control.link_reset(name, "w0", "s0")
     assert not links_state(name)[("w0", "s0")]["changed"]
 
@@ -316,6 +363,7 @@ def test_partition_and_heal(star):
     assert not control.heal(name)
 
 
+@pytest.mark.timing
 def test_node_crash_and_slow(star):
     """crash kills what runs in the worker; slow caps its CPU (a busy loop gets ~cpus of a core);
     restore puts the topology's limit back."""
@@ -326,21 +374,30 @@ def test_node_crash_and_slow(star):
     busy = subprocess.Popen(["nsenter", f"--net=/run/netns/tb-{name}-w2", "--", "python3", "-c",
                              "while True: pass"], stdout=subprocess.DEVNULL)
     try:
-        time.sleep(0.5)
         import psutil
 
-        p = psutil.Process(busy.pid)
+        p = psutil.Process(busy.pid)   # (nsenter execs python3: the same process)
+        # the loop runs (a tenth of a second of CPU) before the first window opens
+        wait_for(lambda: sum(p.cpu_times()[:2]) > 0.1, timeout=30, what="the busy loop to run")
         c0 = p.cpu_times()
-        time.sleep(1.0)
+        time.sleep(1.0)   # the measured window: CPU seconds over 1 s of wall time
         fast = sum(p.cpu_times()[:2]) - sum(c0[:2])
         control.node_slow(name, "w2", 0.2)
         assert cpu_limit(busy.pid) == pytest.approx(0.2), "the busy loop is not under the slowed quota"
-        time.sleep(0.3)
+        # the quota bites: a period in which the loop used it up has passed (so the window below is
+        # all under the quota, not partly before it)
+        throttled = nr_throttled(busy.pid)
+        wait_for(lambda: nr_throttled(busy.pid) > throttled, timeout=10, what="the loop's group to be throttled")
         c1 = p.cpu_times()
-        time.sleep(1.5)
+        time.sleep(1.5)   # the measured window: CPU seconds over 1.5 s of wall time
         slow = (sum(p.cpu_times()[:2]) - sum(c1[:2])) / 1.5
-        assert slow < 0.26, (fast, slow)   # the quota is an upper bound, whatever else runs
-        assert fast > 2 * slow, (fast, slow)   # and it was the quota that slowed the loop down
+        print(f"busy loop: {fast:.3f} cores unslowed, {slow:.3f} under the 0.2 quota")
+        # 5 runs (2026-12-02, 2-core machine, other sessions' tests beside): unslowed 0.83-1.00 of a
+        # core, slowed 0.200-0.207. The quota is an upper bound whatever else runs: 0.26 leaves 0.05
+        # over the highest seen (a period's edge in the window); and the quota is what slowed the
+        # loop: the unslowed share was 4.1x the slowed at the least, asked here to be over 2x
+        assert slow < 0.26, (fast, slow)
+        assert fast > 2 * slow, (fast, slow)
         control.node_restore(name, "w2")
         # back to the topology's limit (star: cpus 1 per worker), and the state forgets the slow
         assert cpu_limit(busy.pid) == topo.nodes["w2"].cpus
@@ -403,3 +460,23 @@ def test_cli_link_commands(star):
     r = cli("node", "down", "zz", "--name", name)
     assert r.returncode == 2 and "no node 'zz'" in r.stderr
     assert all(l["state"] == "up" and not l["changed"] for l in links_state(name).values())
+
+
+def test_a_run_after_link_set_is_judged_at_the_rate_set(star):
+    """`testbed run` takes the testbed's topology as its links run now: the rate `link set`
+    recorded, not the file's (the verdict's model and the run's topology.json use it)."""
+    from testbed.faults import control
+    from testbed.jobs.run import cluster_from_state
+
+    name, _ = star
+
+    def rates() -> tuple[float, float]:
+        (lk,) = [lk for lk in cluster_from_state(name).topology.links if {lk.a, lk.b} == {"w0", "s0"}]
+        ab, ba = (lk.ab, lk.ba) if lk.a == "w0" else (lk.ba, lk.ab)
+        return ab.bandwidth_bps, ba.bandwidth_bps
+
+    before = rates()
+    control.link_set(name, "w0", "s0", {"bandwidth_bps": 100_000_000}, "A->B")
+    assert rates() == (100_000_000, before[1])
+    control.link_reset(name, "w0", "s0")
+    assert rates() == before

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from testbed.errors import TestbedError as TBError
 from testbed import paths, store
 from testbed.net import names, netns
 from testbed.topology.loader import load_topology, load_topology_text
+from waiting import need_py_spy, paused_at, wait_for
 
 pytestmark = pytest.mark.root
 
@@ -83,7 +83,9 @@ def test_ctrl_c_rolls_back(root, state_dir, tb_name):
                                                    "TESTBED_PAUSE_AT": "links:30"},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        _wait_for(lambda: len(ours(tb_name)) >= 36, 60)
+        # anywhere in the build: the fat-tree's 36 namespaces are made, its links are being made
+        wait_for(lambda: p.poll() is not None or len(ours(tb_name)) >= 36, timeout=60,
+                 what="the fat-tree's 36 namespaces")
         p.send_signal(signal.SIGINT)
         p.wait(60)
     finally:
@@ -100,8 +102,10 @@ def test_sigterm_rolls_back(root, state_dir, tb_name):
                                                    "TESTBED_PAUSE_AT": "configured:30"},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        _wait_for(lambda: len(ours(tb_name)) >= 36, 60)
-        time.sleep(0.5)
+        need_py_spy("the test waits for up's pause by reading its stack")
+        wait_for(lambda: p.poll() is not None or paused_at(p.pid, "configured"), timeout=60, interval=0.2,
+                 what="up to pause once the fabric is configured")
+        assert p.poll() is None, p.communicate()
         p.terminate()
         p.wait(60)
     finally:
@@ -112,14 +116,6 @@ def test_sigterm_rolls_back(root, state_dir, tb_name):
     assert_nothing_left(tb_name, state_dir)
 
 
-def _wait_for(cond, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting")
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("phase", ["switches", "configured"])
 def test_cleanup_after_kill_9(root, state_dir, tb_name, phase):
     p = subprocess.Popen([sys.executable, "-c", "from testbed.cli import main; main()", "up", "fat-tree",
@@ -127,8 +123,10 @@ def test_cleanup_after_kill_9(root, state_dir, tb_name, phase):
                                                    "TESTBED_PAUSE_AT": f"{phase}:30"},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        _wait_for(lambda: len(ours(tb_name)) >= 36, 60)
-        time.sleep(0.5 if phase == "switches" else 1.5)
+        need_py_spy("the test waits for up's pause by reading its stack")
+        wait_for(lambda: p.poll() is not None or paused_at(p.pid, phase), timeout=60, interval=0.2,
+                 what=f"up to pause after its phase {phase!r}")
+        assert p.poll() is None, p.communicate()
         p.kill()
         p.wait()
     finally:
@@ -177,6 +175,38 @@ def test_cleanup_leaves_healthy_testbeds_and_others_alone(testbed, state_dir, tb
     removed = lifecycle.cleanup()
     assert [n for n, _ in removed] == [tb_name]
     assert_nothing_left(tb_name, state_dir)
+
+
+def test_cleanup_survives_another_testbeds_down(root, tb_name):
+    """`cleanup` reads the owner label of every tb- namespace on the machine, other testbeds' too;
+    a `down` of one of those ends every process in its namespaces. A cleanup whose main thread sat
+    in such a namespace for the read was one of them: killed (an xdist worker "crashed" while a
+    test's teardown cleaned up beside another test's down). The read happens in a thread of its
+    own now, and the process counts as where its main thread is."""
+    from testbed.net.builder import kill_processes_in
+
+    ns = names.netns(tb_name, "w0")   # another testbed's, being taken down
+    netns.create(ns)
+    reader = subprocess.Popen([sys.executable, "-c", f"""
+import time
+from testbed import lifecycle
+end = time.monotonic() + 4
+while time.monotonic() < end:
+    lifecycle._read_owner({ns!r})
+print("read for 4 s", flush=True)
+"""], env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, stdout=subprocess.PIPE, text=True)
+    try:
+        # what down does to the namespace's processes, again and again (it reaps a child of ours it
+        # killed: Popen then says 0, so the reader's own last word is what counts)
+        while reader.poll() is None:
+            kill_processes_in([ns], timeout=0.2)
+        out = reader.stdout.read()
+        assert out == "read for 4 s\n", f"the label reader was killed by the down (said {out!r})"
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait()
+        netns.delete(ns)
 
 
 def test_second_up_same_name_refused(testbed, state_dir, tb_name):

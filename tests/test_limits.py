@@ -18,7 +18,7 @@ def test_what_a_k16_fat_tree_needs(monkeypatch):
     have = {"user/max_net_namespaces": 1000, "user/max_mnt_namespaces": 100000, "kernel/pid_max": 32768,
             "kernel/threads-max": 200000}
     monkeypatch.setattr(limits, "_sysctl", lambda p: have.get(p))
-    monkeypatch.setattr(limits, "_mem_available", lambda: 20 << 30)
+    monkeypatch.setattr(limits, "mem_available", lambda: 20 << 30)
     got = {c.name.split(" (")[0]: c for c in limits.check(nodes=1344, workers=1024)}
     assert not got["network namespaces"].ok and got["network namespaces"].need == 1344
     assert got["mount namespaces"].ok
@@ -31,7 +31,7 @@ def test_what_a_k16_fat_tree_needs(monkeypatch):
 
 def test_unreadable_limits_do_not_refuse(monkeypatch):
     monkeypatch.setattr(limits, "_sysctl", lambda p: None)
-    monkeypatch.setattr(limits, "_mem_available", lambda: None)
+    monkeypatch.setattr(limits, "mem_available", lambda: None)
     assert limits.refusals(limits.check(10, 4)) == []
 
 

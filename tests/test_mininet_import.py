@@ -6,7 +6,9 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("mininet.topo")
+import requires
+
+requires.need("mininet", module=True)
 
 from mininet.topo import LinearTopo, SingleSwitchTopo  # noqa: E402
 from mininet.topolib import TreeTopo  # noqa: E402

@@ -1,4 +1,4 @@
-"""The hosts file (testbed.topology.hosts) and placement (testbed.topology.placement): pure, no root.
+"""The hosts file (testbed.cluster.hosts) and placement (testbed.cluster.placement): pure, no root.
 
 - the schema: the example loads; every kind of mistake names the file, the field path and the value;
 - placement: capacity never exceeded, pins kept, every switch where most of its bandwidth is
@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 
 from testbed.errors import TopologyError
 from testbed.topology.generators import GENERATORS
-from testbed.topology.hosts import Hosts, hosts_from_data, load_hosts, load_hosts_text, parse_ssh
+from testbed.cluster.hosts import Hosts, hosts_from_data, load_hosts, load_hosts_text, parse_ssh
 from testbed.topology.model import Link, LinkProfile, Node, Topology
-from testbed.topology.placement import parse_pins, place
+from testbed.cluster.placement import parse_pins, place
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "hosts.yaml"
@@ -469,9 +469,9 @@ def test_deterministic_across_processes():
     code = textwrap.dedent("""
         import json
         from testbed.topology.generators import GENERATORS
-        from testbed.topology.hosts import hosts_from_data
+        from testbed.cluster.hosts import hosts_from_data
         from testbed.topology.model import Topology
-        from testbed.topology.placement import place
+        from testbed.cluster.placement import place
         nodes, links = GENERATORS["leaf-spine"].generate({"leaves": 5, "spines": 3, "hosts_per_leaf": 3}, {}, {})
         topo = Topology(name="ls", nodes=nodes, links=links).validate()
         hosts = hosts_from_data({"hosts": [{"name": f"h{i}", "ssh": f"h{i}", "underlay": f"10.9.0.{i + 1}",

@@ -7,29 +7,20 @@ creates (tbx-<hex>, tbprobe-<pid>) and removes.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
 
+import requires
 from testbed import procs
+from waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _wait_for(cond: Callable[[], object], timeout: float = 5.0) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v or time.monotonic() >= deadline:
-            return v
-        time.sleep(0.01)
 
 
 def _end(p: subprocess.Popen) -> None:
@@ -48,9 +39,7 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen]]:
         started.append(p)
         # Popen returns once exec has begun; the kernel sets up the new environment a moment
         # later (/proc/PID/environ reads empty until then)
-        deadline = time.monotonic() + 5
-        while not procs.environ(p.pid) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_for(lambda: procs.environ(p.pid), timeout=5, interval=0.005, what=f"the environment of {argv}")
         return p
 
     yield start
@@ -59,10 +48,9 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen]]:
 
 
 def _gone_pid() -> int:
-    """The PID of a child that has ended and been reaped."""
-    p = subprocess.Popen(["true"])
-    p.wait()
-    return p.pid
+    """A PID that no process has: pid_max, above every PID the kernel gives out (a child that has
+    just ended is no good: beside other tests its PID can be someone else's a moment later)."""
+    return int(Path("/proc/sys/kernel/pid_max").read_text())
 
 
 # -- pids, exists, ns_inode -------------------------------------------------------------------
@@ -163,8 +151,16 @@ def test_scans_survive_processes_that_vanish(spawn):
 
 def test_scans_skip_what_they_may_not_read(spawn):
     """An unprivileged scanner cannot read root's environments or namespaces: they are skipped."""
-    if os.geteuid() != 0 or not shutil.which("setpriv"):
-        pytest.skip("needs root and setpriv")
+    requires.need("root", ok=os.geteuid() == 0)
+    requires.need("setpriv")
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO)}
+    # an interpreter nobody may run (the venv's may live under root's 0700 home); that it starts at
+    # all is the machine's matter, what it then prints is the test
+    python = next((py for py in (sys.executable, "/usr/bin/python3") if os.path.exists(py) and subprocess.run(
+        [*nobody, py, "-c", "import testbed.procs"], cwd="/", capture_output=True, env=env, timeout=60).returncode == 0),
+        None)
+    requires.need("setpriv", ok=python is not None, why="no python here that uid 65534 can run and import testbed with")
     mark = uuid.uuid4().hex
     root_child = spawn(TBX_MARK=mark)
     code = ("from testbed import procs; import os; "
@@ -172,11 +168,8 @@ def test_scans_skip_what_they_may_not_read(spawn):
             f"{root_child.pid} in procs.pids_in_ns('net', [procs.ns_inode('self', 'net')]), "
             f"procs.environ({root_child.pid}), procs.ns_inode({root_child.pid}, 'net'), "
             f"{root_child.pid} in procs.pids())")
-    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                          sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=60,
-                         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO)})
-    if out.returncode != 0:
-        pytest.skip(f"cannot run python unprivileged here: {out.stderr.strip()[-200:]}")
+    out = subprocess.run([*nobody, python, "-c", code], cwd="/", capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, f"the unprivileged scan failed: {out.stderr.strip()[-2000:]}"
     assert out.stdout.split() == ["[]", "False", "None", "None", "True"]
 
 
@@ -200,7 +193,7 @@ def test_pids_in_netns(spawn, tbx_netns):
     target = os.stat(f"/run/netns/{tbx_netns}").st_ino
     inside = spawn(["ip", "netns", "exec", tbx_netns, "sleep", "60"])
     outside = spawn()
-    assert _wait_for(lambda: procs.ns_inode(inside.pid, "net") == target)
+    wait_for(lambda: procs.ns_inode(inside.pid, "net") == target, timeout=5, what="the child in the netns")
     assert procs.pids_in_ns("net", [target]) == {inside.pid: target}
     assert procs.pids_in_ns("net", []) == {}
     assert outside.pid not in procs.pids_in_ns("net", [target])
@@ -224,18 +217,19 @@ def _child_of(pid: int) -> int | None:
 
 
 def test_pids_in_pidns(root, spawn):
-    if not (shutil.which("unshare") and shutil.which("nsenter")):
-        pytest.skip("needs unshare and nsenter")
+    requires.need("unshare")
     # unshare forks the namespace's init (its child); --kill-child ends it when unshare ends
     holder = spawn(["unshare", "--pid", "--fork", "--kill-child", "sleep", "60"])
-    init = _wait_for(lambda: _child_of(holder.pid))
+    init = wait_for(lambda: _child_of(holder.pid), timeout=5, what="unshare's child (the pid namespace's init)")
     assert init
-    assert _wait_for(lambda: procs.ns_inode(init, "pid") not in (None, procs.ns_inode("self", "pid")))
+    wait_for(lambda: procs.ns_inode(init, "pid") not in (None, procs.ns_inode("self", "pid")), timeout=5,
+             what="the init in a pid namespace of its own")
     # nsenter forks a member that is no child of the init: only the namespace tells
     enter = spawn(["nsenter", "-t", str(init), "-p", "sleep", "60"])
-    member = _wait_for(lambda: _child_of(enter.pid))
+    member = wait_for(lambda: _child_of(enter.pid), timeout=5, what="nsenter's child")
     assert member
-    assert _wait_for(lambda: procs.ns_inode(member, "pid") == procs.ns_inode(init, "pid"))
+    wait_for(lambda: procs.ns_inode(member, "pid") == procs.ns_inode(init, "pid"), timeout=5,
+             what="nsenter's child in the init's pid namespace")
 
     found = procs.pids_in_pidns(init)
     assert found[0] == init and sorted(found) == sorted([init, member])
@@ -245,8 +239,8 @@ def test_pids_in_pidns(root, spawn):
     assert os.getpid() not in procs.pids_in_pidns(init)
 
     os.kill(init, signal.SIGKILL)            # a child of a child we started: ends the namespace
-    assert _wait_for(lambda: procs.pids_in_pidns(init) == [])
-    assert _wait_for(lambda: not procs.pids_in_pidns(member))
+    wait_for(lambda: procs.pids_in_pidns(init) == [], timeout=5, what="the pid namespace to empty")
+    wait_for(lambda: not procs.pids_in_pidns(member), timeout=5, what="no process left in the member's pid namespace")
     assert procs.pids_in_pidns(_gone_pid()) == []
 
 

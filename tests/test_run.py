@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import requires
+
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
 
@@ -94,9 +96,12 @@ def test_torchrun_rendezvous(leaf_spine, tmp_path):
     assert tagged == {"[w0:r0]", "[w0:r1]", "[w2:r2]", "[w2:r3]"}, lines[-20:]
 
 
+@pytest.mark.timing
 def test_failing_rank_stops_everyone_no_orphans(leaf_spine, tmp_path):
     from testbed.jobs.run import _tagged_pids, run
 
+    # (the sleeps are the job, not waits: rank 2 fails 0.5 s in, the others would go on for 120 s
+    # unless the run stops them)
     code = ("import os, sys, time\n"
             "if os.environ['RANK'] == '2':\n    time.sleep(0.5); sys.exit(7)\n"
             "time.sleep(120)\n")
@@ -105,9 +110,13 @@ def test_failing_rank_stops_everyone_no_orphans(leaf_spine, tmp_path):
     res = run(leaf_spine, [sys.executable, "-c", code], nproc_per_node=2, grace=grace, base_dir=tmp_path,
               echo=False)
     elapsed = time.monotonic() - t0
+    print(f"\nfailing rank: the run ended {elapsed:.2f} s after it started (load {os.getloadavg()[0]:.2f})")
     assert res.rc == 7
     assert res.summary["first_failure"]["rank"] == 2
-    assert elapsed < 0.5 + grace + 8, elapsed  # startup + failure + grace + TERM/KILL, far below 120 s
+    # startup + failure + grace + TERM/KILL, far below the 120 s the other ranks would sleep: measured
+    # 3.09-5.81 s in 5 runs (2026-12-02, load 4.5-5.7 on 2 cores; 5.81 the first, with cold imports), so
+    # startup and TERM took 0.6-3.3 s of the 8 s allowed
+    assert elapsed < 0.5 + grace + 8, elapsed
     assert _tagged_pids(res.summary["run_id"]) == []
     for r in res.summary["ranks"]:
         assert r["rc"] is not None
@@ -174,7 +183,6 @@ def test_unknown_worker_is_an_error(leaf_spine, tmp_path):
 
 # -- the Docker runtime ------------------------------------------------------------------------------------
 
-REQUIRE_DOCKER = os.environ.get("TESTBED_REQUIRE_DOCKER") == "1"
 
 
 def _docker_or_skip():
@@ -186,9 +194,7 @@ def _docker_or_skip():
     elif not dk.image_available(os.environ.get("TESTBED_WORKER_IMAGE") or dk.DEFAULT_IMAGE):
         why = "worker image not built (make image)"
     if why:
-        if REQUIRE_DOCKER:
-            pytest.fail(f"{why} (TESTBED_REQUIRE_DOCKER=1)")
-        pytest.skip(why)
+        requires.need("docker", ok=False, why=why)
 
 
 @pytest.mark.docker

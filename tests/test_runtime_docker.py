@@ -17,18 +17,18 @@ import time
 
 import pytest
 
+import requires
+from waiting import need_py_spy, paused_at, wait_for
+
 from testbed.net import netns
 from testbed.runtime import docker as dk
 from testbed.topology.model import Node
 
-REQUIRE = os.environ.get("TESTBED_REQUIRE_DOCKER") == "1"
 _counter = itertools.count()
 
 
 def _skip_or_fail(msg: str) -> None:
-    if REQUIRE:
-        pytest.fail(f"{msg} (TESTBED_REQUIRE_DOCKER=1)")
-    pytest.skip(msg)
+    requires.need("docker", ok=False, why=msg)   # a failure under TESTBED_REQUIRE_DOCKER=1 or TESTBED_REQUIRE=all
 
 
 # -- no daemon needed ------------------------------------------------------------------------------------------
@@ -143,6 +143,7 @@ def test_worker_isolation(rt, tmp_path):
     assert os.stat(f"/proc/{r0['pid']}/ns/net").st_ino == netns.inode(r0["netns"])
 
 
+@pytest.mark.timing   # a CPU share: measured alone, after the parallel part
 @pytest.mark.docker
 @pytest.mark.root
 def test_cpu_limit(rt):
@@ -156,11 +157,17 @@ def test_cpu_limit(rt):
         while time.time() - t0 < 3: pass
         print((time.process_time() - c0) / (time.time() - t0))
     """)
+    # 5 runs (2026-12-02, the 2-core machine, other sessions' tests beside; `pytest -s -k cpu_limit`):
+    # 0.487-0.500 cores at 0.5 cpu, 0.245-0.250 at 0.25. Above the quota only by a period's edge in
+    # the 3 s window; below it by what others' work takes (under 3% seen, 20% allowed). (Were 0.3-0.7
+    # and 0.1-0.4.)
     share = float(_run(rt, "w0", rec, ["python", "-c", burn]).stdout)
-    assert 0.3 < share < 0.7, share
+    print(f"a 0.5-cpu container's busy loop: {share:.3f} cores")
+    assert 0.4 < share < 0.55, share
     rt.set_limits("w0", rec, cpus=0.25)
     share = float(_run(rt, "w0", rec, ["python", "-c", burn]).stdout)
-    assert 0.1 < share < 0.4, share
+    print(f"at 0.25 cpu: {share:.3f} cores")
+    assert 0.2 < share < 0.3, share
 
 
 @pytest.mark.docker
@@ -201,8 +208,8 @@ def test_stop_kill_restart_keep_the_namespace(rt):
     ns_inode = netns.inode(rec["netns"])
     job = subprocess.Popen(rt.exec_argv("w0", rec, ["sleep", "300"]))
     try:
-        time.sleep(1.0)
-        assert len(rt.processes("w0", rec)) >= 2
+        # tini and its `sleep infinity` (the machine), and the job's sleep once `docker exec` runs it
+        wait_for(lambda: len(rt.processes("w0", rec)) >= 3, timeout=30, what="the job's sleep in w0")
         rt.stop("w0", rec)                      # frozen
         assert rt._get("w0", rec).status == "paused"
         rt.kill("w0", rec)                      # crashed: the workload dies, the init stays
@@ -333,10 +340,10 @@ def test_fat_tree_on_docker_all_pairs_then_kill_9_and_cleanup(daemon, tmp_path, 
                              env={**os.environ, "PYTHONPATH": repo, "TESTBED_PAUSE_AT": "configured:60"},
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            deadline = time.monotonic() + 120
-            while len(netns.list_names(f"tb-{name}-")) < 36 and time.monotonic() < deadline:
-                time.sleep(0.2)
-            time.sleep(1.0)
+            need_py_spy("the test waits for up's pause by reading its stack")
+            wait_for(lambda: p.poll() is not None or paused_at(p.pid, "configured"), timeout=120, interval=0.2,
+                     what="up to pause once the fabric is configured (its 16 containers made)")
+            assert p.poll() is None, f"up ended first: status {p.returncode}"
         finally:
             p.kill()
             p.wait()

@@ -17,10 +17,12 @@ from pathlib import Path
 
 import pytest
 
+import requires
+from waiting import wait_for
+
 pytestmark = pytest.mark.root
 
-if os.geteuid() != 0:
-    pytest.skip("needs root (namespaces, cgroups)", allow_module_level=True)
+requires.need("root", ok=os.geteuid() == 0, module=True)
 
 from testbed.net import netns as nsmod  # noqa: E402
 from testbed.runtime import cgroups, worker_init  # noqa: E402
@@ -29,8 +31,7 @@ from testbed.runtime.env import worker_env  # noqa: E402
 from testbed.runtime.netns import NetnsRuntime, pids_in_pidns  # noqa: E402
 from testbed.topology.model import Node  # noqa: E402
 
-if cgroups.hierarchy() is None:
-    pytest.skip("no cgroup filesystem", allow_module_level=True)
+requires.need("cgroups", ok=cgroups.hierarchy() is not None, module=True)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -175,32 +176,49 @@ def test_init_survives_the_starting_process(bed_factory, tmp_path):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=30).stdout
         bed.recs["solo"] = json.loads(out)
-        time.sleep(0.2)
-        assert bed.rt.pid("solo", bed.recs["solo"])
+        # the starter has exited (run returned): an exec that reaches the init shows it outlived it
         assert bed.run("solo", "hostname").stdout.strip() == "solo"
-        # an orphan is reaped by the worker's init (no zombie left behind)
-        bed.run("solo", "sh", "-c", "sleep 0.1 & exit 0")
-        time.sleep(0.5)
-        st = [Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
-              for p in pids_in_pidns(bed.recs["solo"]["pid"]) if os.path.exists(f"/proc/{p}/stat")]
-        assert "Z" not in st
+        assert bed.rt.pid("solo", bed.recs["solo"])
+        # an orphan is reaped by the worker's init (no zombie left behind): a background sleep whose
+        # shell has exited, killed from here, must go from the PID namespace entirely
+        import psutil
+
+        bed.run("solo", "sh", "-c", "sleep 300 </dev/null >/dev/null 2>&1 & exit 0")
+        init = bed.recs["solo"]["pid"]
+
+        def orphans() -> list[psutil.Process]:
+            return [psutil.Process(p) for p in pids_in_pidns(init) if psutil.Process(p).name() == "sleep"]
+
+        orphan = wait_for(orphans, timeout=10, what="the orphaned sleep in the worker", ignore=psutil.Error)
+        assert len(orphan) == 1, orphan
+        orphan[0].kill()
+        # is_running: the same process (PID and start time) is still in the table, a zombie included
+        wait_for(lambda: not orphan[0].is_running(), timeout=10,
+                 what="the worker's init to reap the killed orphan (no zombie)")
     finally:
         bed.down()
     assert bed.rt.pid("solo", bed.recs.get("solo", {})) is None
 
 
+@pytest.mark.timing
 def test_cpu_limit_holds(bed_factory):
     bed = bed_factory([W("c0", cpus=0.5)], link=False)
     rec = bed.recs["c0"]
     busy = subprocess.Popen(bed.rt.exec_argv("c0", rec, [sys.executable, "-c", "while True: pass"]))
     try:
-        time.sleep(0.5)
+        start = cgroups.cpu_usage_s(rec["cgroups"])
+        # the loop runs (a tenth of a second of CPU in the worker's group) before the window opens
+        wait_for(lambda: cgroups.cpu_usage_s(rec["cgroups"]) - start > 0.1, timeout=30, what="the busy loop to run")
         u0, t0 = cgroups.cpu_usage_s(rec["cgroups"]), time.monotonic()
-        time.sleep(2.0)
+        time.sleep(2.0)   # the measured window: the share is CPU time over these 2 s of wall time
         u1, t1 = cgroups.cpu_usage_s(rec["cgroups"]), time.monotonic()
         share = (u1 - u0) / (t1 - t0)
-        # at most half a core; the lower bound is loose: other work on a small machine competes
-        assert 0.1 <= share <= 0.6, f"a 0.5-cpu worker used {share:.2f} cores"
+        print(f"a 0.5-cpu worker's busy loop used {share:.3f} cores")
+        # 0.373-0.501 cores in 5 runs (2026-12-02, 2-core machine, other sessions' tests beside:
+        # `pytest -s -k cpu_limit_holds`). At most the quota (0.5) and a period's edge in the
+        # window: 0.6. The lower bound only says the loop ran under the limit (others' work takes
+        # its share of 2 cores): 0.25, two thirds of the lowest seen (was 0.1)
+        assert 0.25 <= share <= 0.6, f"a 0.5-cpu worker used {share:.2f} cores"
     finally:
         busy.kill()
         busy.wait()
@@ -236,7 +254,9 @@ def test_memory_hog_is_killed_alone(bed_factory):
 
 
 def test_attach_is_interactive_and_leaves_the_worker_running(bed_factory, tmp_path):
-    pexpect = pytest.importorskip("pexpect")
+    requires.need("pexpect")
+    import pexpect
+
     bed = bed_factory([W("a0"), W("a1")])
     code = (f"import json, os, sys; os.environ['TESTBED_STATE_DIR']={str(tmp_path / 'state')!r};"
             "from testbed.runtime.netns import NetnsRuntime;"
@@ -264,7 +284,7 @@ def test_remove_leaves_nothing(tmp_path, monkeypatch):
     rec = bed.recs["r0"]
     # a background job that would outlive a careless cleanup
     bg = subprocess.Popen(bed.rt.exec_argv("r0", rec, ["sleep", "300"]))
-    time.sleep(0.3)
+    wait_for(lambda: len(pids_in_pidns(rec["pid"])) >= 2, timeout=30, what="the background sleep in r0")
     inside = {p: _start(p) for r in bed.recs.values() for p in pids_in_pidns(r["pid"])}
     assert len(inside) >= 3     # two inits and the sleep
     bed.down()
@@ -281,11 +301,15 @@ def test_remove_leaves_nothing(tmp_path, monkeypatch):
     assert bed.name not in Path("/proc/self/mountinfo").read_text()
 
 
+@pytest.mark.timing
 def test_sixteen_workers_start_fast(bed_factory):
     t0 = time.monotonic()
     bed = bed_factory([W(f"n{i}", cpus=0.5) for i in range(16)], link=False)
     took = time.monotonic() - t0
-    assert took < 3.0, f"16 workers took {took:.2f} s"
+    print(f"16 workers up in {took:.2f} s")
+    # measured 0.13-0.14 s in 5 runs alone (2026-12-02, 2-core machine, others' jobs beside): 1 s
+    # is 7x that and still fails a start that lost its speed (one process per worker: ~0.5 s+)
+    assert took < 1.0, f"16 workers took {took:.2f} s"
     assert bed.run("n15", "hostname").stdout.strip() == "n15"
 
 
@@ -327,10 +351,11 @@ def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
 
 
 def test_cli_attach_logs_cp_ps(cli_bed, tmp_path):
-    pexpect = pytest.importorskip("pexpect")
+    requires.need("pexpect")
+    import pexpect
+
     name, st = cli_bed
-    if st["runtime"]["kind"] != "netns":
-        pytest.skip("lifecycle did not pick the netns runtime")
+    assert st["runtime"]["kind"] == "netns", st["runtime"]   # the default runtime
     # attach: a shell with a TTY inside w0; exiting it leaves w0 running
     child = pexpect.spawn(sys.executable, ["-m", "testbed", "attach", "w0", "--name", name], cwd=str(REPO),
                           env={**os.environ, "PYTHONPATH": str(REPO)}, encoding="utf-8", timeout=20)
@@ -376,11 +401,15 @@ def test_cli_attach_logs_cp_ps(cli_bed, tmp_path):
     bg = subprocess.Popen([sys.executable, "-m", "testbed", "exec", "--name", name, "w1", "--", "sleep", "30"],
                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        time.sleep(1.0)
         import json as _json
-        rows = _json.loads(_cli("ps", "--name", name, "--json").stdout)
+
+        def listed() -> list[dict] | None:
+            rows = _json.loads(_cli("ps", "--name", name, "--json").stdout)
+            return rows if any(r["node"] == "w1" and r["command"].startswith("sleep 30") for r in rows) else None
+
+        rows = wait_for(listed, timeout=60, interval=0.2,
+                        what="`testbed ps` to list the sleep that `testbed exec` started in w1")
         assert {r["node"] for r in rows} == {"w0", "w1"}
-        assert any(r["node"] == "w1" and r["command"].startswith("sleep 30") for r in rows)
         assert all(r["nspid"] == 1 for r in rows if r["command"].startswith("testbed-init"))
     finally:
         bg.kill()
@@ -720,8 +749,7 @@ def test_cli_state_hidden_from_jobs(cli_bed):
     from testbed import paths
 
     name, st = cli_bed
-    if st["runtime"]["kind"] != "netns":
-        pytest.skip("lifecycle did not pick the netns runtime")
+    assert st["runtime"]["kind"] == "netns", st["runtime"]   # the default runtime
     sfile = paths.state_file(name)
     assert sfile.exists()
     before = sfile.read_bytes()

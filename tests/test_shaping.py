@@ -16,17 +16,19 @@ import json
 import math
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import time
 
 import pytest
 
+import requires
+
 from testbed.errors import CapabilityError
 from testbed.net import capabilities as capmod
 from testbed.net import shaping
 from testbed.topology.model import LinkProfile
+from waiting import tcp_sockets, udp_sockets, wait_for
 
 IS_ROOT = os.geteuid() == 0
 root = pytest.mark.root
@@ -92,26 +94,24 @@ class Pair:
         srv = subprocess.Popen(["ip", "netns", "exec", self.b, "iperf3", "-s", "-1", "-B", B_IP, "-p", str(port)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.procs.append(srv)
-        out = None
-        for _ in range(50):
-            r = subprocess.run(["ip", "netns", "exec", self.a, "iperf3", "-c", B_IP, "-p", str(port), "-J",
-                                "-t", str(seconds), "-O", str(omit), "-P", str(streams)],
-                               capture_output=True, text=True, timeout=seconds + omit + 30)
-            if r.returncode == 0 and r.stdout.strip():
-                res = json.loads(r.stdout)
-                if "error" not in res:   # iperf3 -J exits 0 even when it could not connect
-                    out = res
-                    break
-            time.sleep(0.05)  # the server was not listening yet
+        wait_for(lambda: srv.poll() is not None or tcp_sockets(srv.pid, port, "LISTEN", netns=self.b), timeout=30,
+                 what="iperf3's server in B to listen")
+        # one measurement: a client that fails (or a server that did not start) fails the test
+        r = subprocess.run(["ip", "netns", "exec", self.a, "iperf3", "-c", B_IP, "-p", str(port), "-J",
+                            "-t", str(seconds), "-O", str(omit), "-P", str(streams)],
+                           capture_output=True, text=True, timeout=seconds + omit + 30)
+        out = json.loads(r.stdout) if r.stdout.strip() else {}
+        # (iperf3 -J exits 0 even when it could not connect: its JSON then says "error")
+        assert r.returncode == 0 and "error" not in out and "end" in out, \
+            f"iperf3 client failed (status {r.returncode}): {out.get('error')} {r.stderr.strip()[-500:]}"
         srv.wait(timeout=10)
-        assert out is not None, "iperf3 client failed"
         return float(out["end"]["sum_received"]["bits_per_second"])
 
 
 @pytest.fixture
 def pair(request):
-    if not shutil.which("iperf3") or not shutil.which("ping"):
-        pytest.skip("iperf3/ping not installed")
+    requires.need("iperf3")
+    requires.need("ping")
     p = Pair(str(abs(hash(request.node.name)) % 10000))
     try:
         yield p
@@ -183,34 +183,44 @@ def test_plan_queue_and_burst():
 
 
 def test_loss_program_shape():
-    code = shaping.loss_program(0.25)
+    from testbed.net.lossfilter import loss_program
+
+    code = loss_program(0.25)
     assert len(code) == 7 * 8
-    assert shaping.loss_program(1.0) != code
+    assert loss_program(1.0) != code
 
 
 # -- the kernel ------------------------------------------------------------------------
 
+# Bands of the kernel checks below, from 5 runs each on the 2-core machine (2026-12-02, other
+# engineers' jobs running beside; `python tests/timing_bands.py`), one measurement per test (no
+# second try): iperf3 goodput over rate x GOODPUT_RATIO 0.9968-0.9994 at 100 Mbit/s, 0.9956-0.9997
+# at 1 Gbit/s, 0.9721-0.9968 at 5 Gbit/s (the CPU starts to show), 0.9947-0.9996 at 500 Mbit/s over
+# 1 s; shaping.change of a rate 1.3-6.0 ms, of the layout (adding loss) 3.7-6.8 ms.
+HTB_TOLERANCE = {100 * 10**6: 0.02, 10**9: 0.02, 5 * 10**9: 0.05}   # each at least 1.8x the widest miss
+CHANGE_WITHIN_S = 0.030                                             # 4x the slowest change measured
+
+
+@pytest.mark.timing
 @root
 @pytest.mark.parametrize("rate", [100 * 10**6, 10**9, 5 * 10**9])
 def test_htb_rate(pair, rate):
-    if not caps().htb:
-        pytest.skip("no sch_htb")
+    assert caps().htb, "no sch_htb: every kernel this runs on has it (DESIGN.md)"
     shaping.apply(pair.ipr_a, "eth0", LinkProfile(bandwidth_bps=rate), caps())
     d = shaping.describe(pair.ipr_a, "eth0")
     assert [q["kind"] for q in d["qdiscs"] if q["parent"] == "root"] == ["htb"]
     expect = rate * GOODPUT_RATIO
     got = pair.iperf(seconds=2)
-    if abs(got - expect) > 0.05 * expect:  # a busy 2-core box can starve iperf3: one retry
-        got = pair.iperf(seconds=2)
-    assert abs(got - expect) <= 0.05 * expect, f"{got / 1e6:.1f} Mbit/s at HTB {rate / 1e6:g} (expected {expect / 1e6:.1f})"
+    tol = HTB_TOLERANCE[rate]
+    assert abs(got - expect) <= tol * expect, f"{got / 1e6:.1f} Mbit/s at HTB {rate / 1e6:g} (expected {expect / 1e6:.1f})"
 
 
+@pytest.mark.timing
 @root
 @pytest.mark.parametrize("loss", [0.01, 0.10])
 def test_loss(pair, loss):
     c = caps()
-    if not c.can_lose:
-        pytest.skip("neither netem nor cls_bpf")
+    assert c.can_lose, "neither netem nor cls_bpf: loss cannot be emulated on this kernel"
     shaping.apply(pair.ipr_a, "eth0", LinkProfile(loss=loss), c)
     pair.ping(3, 0.01)  # ARP
     n = 3000
@@ -219,27 +229,44 @@ def test_loss(pair, loss):
     assert binomial_ok(lost, sent, loss), f"lost {lost}/{sent} at loss {loss}"
 
 
+def _our_qdiscs(pair) -> dict[str, dict]:
+    """The HTB and netem qdiscs on A's eth0 by kind: handle, parent and counters."""
+    return {q["kind"]: q for q in shaping.describe(pair.ipr_a, "eth0")["qdiscs"] if q["kind"] in ("htb", "netem")}
+
+
+def _assert_changed_in_place(before: dict[str, dict], after: dict[str, dict]) -> None:
+    """The same qdiscs, their counters kept: changed, not deleted and added again (a reinstall starts
+    from zero and drops the packets the link holds)."""
+    assert after.keys() == before.keys(), f"{sorted(before)} became {sorted(after)}"
+    for kind, q in before.items():
+        assert (after[kind]["handle"], after[kind]["parent"]) == (q["handle"], q["parent"]), (kind, q, after[kind])
+        assert after[kind]["packets"] >= q["packets"] > 0, f"{kind}'s counters reset: {q} -> {after[kind]}"
+
+
+@pytest.mark.timing
 @root
 def test_change_in_place_and_clear(pair):
     c = caps()
     old = LinkProfile(bandwidth_bps=100 * 10**6)
     new = LinkProfile(bandwidth_bps=500 * 10**6)
     shaping.apply(pair.ipr_a, "eth0", old, c)
+    pair.ping(3, 0.01)   # packets through the old rate: counters that a reinstall would reset
+    before = _our_qdiscs(pair)
     t0 = time.perf_counter()
     shaping.change(pair.ipr_a, "eth0", old, new, c)
     took = time.perf_counter() - t0
-    assert took < 0.1, f"change took {took * 1e3:.1f} ms"
+    assert took < CHANGE_WITHIN_S, f"change took {took * 1e3:.1f} ms"
+    _assert_changed_in_place(before, _our_qdiscs(pair))
     rates = [cl.get("rate_bps") for cl in shaping.describe(pair.ipr_a, "eth0")["classes"]]
     assert 500 * 10**6 in rates
     got = pair.iperf(seconds=1)
-    if abs(got - 500e6 * GOODPUT_RATIO) > 0.05 * 500e6 * GOODPUT_RATIO:
-        got = pair.iperf(seconds=1)
-    assert abs(got - 500e6 * GOODPUT_RATIO) <= 0.05 * 500e6 * GOODPUT_RATIO
+    assert abs(got - 500e6 * GOODPUT_RATIO) <= 0.02 * 500e6 * GOODPUT_RATIO, f"{got / 1e6:.1f} Mbit/s"
     # a change of layout (adding loss) reinstalls, still fast
     lossy = new.with_changes(loss=0.5)
     t0 = time.perf_counter()
     shaping.change(pair.ipr_a, "eth0", new, lossy, c)
-    assert time.perf_counter() - t0 < 0.1
+    took = time.perf_counter() - t0
+    assert took < CHANGE_WITHIN_S, f"re-layout took {took * 1e3:.1f} ms"
     pair.ping(3, 0.01)
     rtts, sent = pair.ping(400, 0.001)
     assert binomial_ok(sent - len(rtts), sent, 0.5)
@@ -260,6 +287,7 @@ def test_queue_limit_without_netem(pair):
 
 # -- netem (a stock kernel; `make test-kernel` runs these in a VM) ------------------------
 
+@pytest.mark.timing
 @root
 @pytest.mark.netem
 @netem_only()
@@ -269,10 +297,16 @@ def test_netem_delay(pair, delay):
     shaping.apply(pair.ipr_a, "eth0", LinkProfile(delay_s=delay), caps())
     rtts, _ = pair.ping(20, 0.01)
     med = statistics.median(rtts)
-    # one direction delayed: RTT = delay + baseline; TCG VMs add ms of noise above
-    assert delay * 0.98 <= med <= delay * 1.1 + base + 0.012, f"median RTT {med * 1e3:.2f} ms at {delay * 1e3} ms"
+    # one direction delayed: RTT = delay + baseline. Below, netem never releases early (0.98: clock
+    # slack). Above: under TCG (make test-kernel, the only place CI has netem) timers fire 6-12 ms
+    # late on an idle host (docs/testing-kernel.md), so the median may be 12 ms over there and this
+    # band cannot tell 1 ms from 10 ms in the VM; on a kernel run natively, 5% + 1 ms. (Not yet
+    # measured natively with netem on this kind of machine: its kernel has no sch_netem.)
+    slack = 0.012 if os.environ.get("TESTBED_IN_KERNEL_VM") == "1" else 0.001
+    assert delay * 0.98 <= med <= delay * 1.05 + base + slack, f"median RTT {med * 1e3:.2f} ms at {delay * 1e3} ms"
 
 
+@pytest.mark.timing
 @root
 @pytest.mark.netem
 @netem_only()
@@ -291,11 +325,13 @@ def test_netem_jitter_keeps_order(pair):
 import socket, struct, sys, time
 role = sys.argv[1]
 if role == "rx":
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("10.77.0.2", 9999)); s.settimeout(2)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("10.77.0.2", 9999))
     seq = []
+    s.settimeout(60)   # the sender is yet to start: its Python takes seconds under TCG
     try:
         while True:
             seq.append(struct.unpack("!I", s.recv(64)[:4])[0])
+            s.settimeout(2)   # then: 2 s without a datagram ends the stream
     except socket.timeout:
         pass
     inv = sum(1 for a, b in zip(seq, seq[1:]) if b < a)
@@ -303,15 +339,16 @@ if role == "rx":
 else:
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     for i in range(2000):
-        s.sendto(struct.pack("!I", i), ("10.77.0.2", 9999)); time.sleep(0.0001)
+        s.sendto(struct.pack("!I", i), ("10.77.0.2", 9999)); time.sleep(0.0001)   # pacing, not a wait
 """
     import sys
     rx = subprocess.Popen(["ip", "netns", "exec", pair.b, sys.executable, "-c", script, "rx"],
                           stdout=subprocess.PIPE, text=True)
     pair.procs.append(rx)
-    time.sleep(0.3)
+    wait_for(lambda: rx.poll() is not None or udp_sockets(rx.pid, 9999, netns=pair.b), timeout=30,
+             what="the receiver's socket in B")
     subprocess.run(["ip", "netns", "exec", pair.a, sys.executable, "-c", script, "tx"], check=True, timeout=60)
-    out, _ = rx.communicate(timeout=30)
+    out, _ = rx.communicate(timeout=90)   # its 60 s wait for a first datagram, then 2 s
     got, inversions = map(int, out.split())
     assert got >= 1900 and inversions <= got // 100, f"received {got}, {inversions} reordered"
     rtts, _ = pair.ping(50, 0.01)
@@ -344,6 +381,7 @@ def test_netem_bdp_queue_limit(pair):
     assert leaf[0]["limit"] == 100 + shaping.in_flight_packets(prof)
 
 
+@pytest.mark.timing
 @root
 @pytest.mark.netem
 @netem_only()
@@ -359,22 +397,41 @@ def test_netem_htb_together(pair):
     assert abs(got - expect) <= 0.08 * expect, f"{got / 1e6:.1f} Mbit/s"
 
 
+@pytest.mark.timing
 @root
 @pytest.mark.netem
 @netem_only()
 def test_netem_runtime_change(pair):
+    """A running link's delay changed by shaping.change: in place (the same qdiscs, counters kept)
+    and in effect when the call returns (every ping sent afterwards is held the new delay).
+
+    Not bounded here: how long the call takes. It was (< 0.1 s), and that measured the Python work
+    of three netlink requests, not the kernel's change: 37-200 ms, median 69 ms, in 15 changes in
+    the stock-kernel VM (2026-12-02, `make test-kernel`, host load 4-5), of which the link dump that
+    finds eth0's index took 8-64 ms, the HTB class change (pyroute2 computes its two 256-entry rate
+    tables in Python) 20-103 ms, the netem change 8-48 ms, and the guest's user CPU time was the
+    wall time (system time 0-30 ms, at 10 ms ticks): an interpreter emulated by TCG, on a host
+    shared with other work. The same in-place path (the HTB class changed, nothing removed; without
+    the netem leaf this machine's kernel lacks) is timed where the time is the code's, on this
+    machine's own kernel, by test_change_in_place_and_clear (CHANGE_WITHIN_S)."""
     c = caps()
     old = LinkProfile(bandwidth_bps=10**9, delay_s=0.005)
     new = LinkProfile(bandwidth_bps=10**9, delay_s=0.030, loss=0.0)
     shaping.apply(pair.ipr_a, "eth0", old, c)
-    t0 = time.perf_counter()
+    pair.ping(3, 0.01)   # packets through the old shaping: counters that a reinstall would reset
+    before = _our_qdiscs(pair)
     shaping.change(pair.ipr_a, "eth0", old, new, c)
-    assert time.perf_counter() - t0 < 0.1
+    _assert_changed_in_place(before, _our_qdiscs(pair))
+    # netem holds each packet at least its delay (0.98: clock slack), so the smallest RTT, not the
+    # median, says that the first packet sent after the call already had the new delay
     rtts, _ = pair.ping(10, 0.01)
-    assert statistics.median(rtts) >= 0.030 * 0.98
-    # no bandwidth, root netem: change in place as well
+    assert rtts and min(rtts) >= 0.030 * 0.98, f"RTTs {[round(r * 1e3, 2) for r in rtts]} ms after 5 -> 30 ms"
+    # no bandwidth, root netem: change in place as well (jitter 2 ms: no packet held under 18 ms)
     a, b = LinkProfile(delay_s=0.002), LinkProfile(delay_s=0.020, jitter_s=0.002)
     shaping.apply(pair.ipr_a, "eth0", a, c)
+    pair.ping(3, 0.01)
+    before = _our_qdiscs(pair)
     shaping.change(pair.ipr_a, "eth0", a, b, c)
+    _assert_changed_in_place(before, _our_qdiscs(pair))
     rtts, _ = pair.ping(10, 0.01)
-    assert statistics.median(rtts) >= 0.018 * 0.98
+    assert rtts and min(rtts) >= 0.018 * 0.98, f"RTTs {[round(r * 1e3, 2) for r in rtts]} ms after 2 -> 20±2 ms"

@@ -7,15 +7,16 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
 
-# Rank 1 is stuck "loading data"; the others wait for it in all_reduce.
+# Rank 1 is stuck "loading data"; the others wait for it in all_reduce. (The sleep is the stall the
+# test reads the stacks of, not a wait: the run's 50 s timeout ends it.)
 STALL = ("import time, torch, torch.distributed as dist\n"
          "dist.init_process_group('gloo')\n"
          "def load_batch():\n"
@@ -73,16 +74,24 @@ def test_a_stalled_job_shows_who_waits_where(testbed, tmp_path):
     cl = cluster_from_state(st["name"])
     live: dict[str, str] = {}
 
-    def look(_rd) -> None:
+    def stacks() -> dict[str, str]:
+        r = subprocess.run([sys.executable, "-m", "testbed", "stacks", "--name", cl.name], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+        return {"out": r.stdout, "err": r.stderr, "rc": str(r.returncode)}
+
+    def look(_rd, _probe) -> None:
         def later() -> None:
-            time.sleep(10)
-            r = subprocess.run([sys.executable, "-m", "testbed", "stacks", "--name", cl.name], capture_output=True,
-                               text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
-            live["out"], live["err"], live["rc"] = r.stdout, r.stderr, str(r.returncode)
+            # until the three ranks wait in all_reduce: their start (torch, the rendezvous) took 5-15 s
+            # here, longer beside other tests; `testbed stacks` is what is tested, each look included
+            try:
+                live.update(wait_for(lambda: (lambda d: d if "3 ranks (0, 2-3) in all_reduce:" in d["out"] else None)(stacks()),
+                                     timeout=40, interval=1.0, what="three ranks in all_reduce in `testbed stacks`"))
+            except AssertionError as exc:
+                live["err"] = str(exc)
         threading.Thread(target=later, daemon=True).start()
 
     res = run(cl, [sys.executable, "-c", STALL], echo=False, base_dir=tmp_path, workdir=str(REPO), monitor=False,
-              timeout=25, on_start=look)
+              timeout=50, on_start=look)
     assert res.summary["status"] == "timeout"
     assert live.get("rc") == "0", live
     assert "3 ranks (0, 2-3) in all_reduce:" in live["out"], live["out"]

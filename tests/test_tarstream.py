@@ -209,13 +209,14 @@ def test_a_sparse_file_or_a_fifo_with_data_is_refused():
     assert b"z" * 10 not in out
 
 
-def test_setuid_bits_are_dropped_onto_this_machine_only():
-    raw = archive(member("tool", b"#!/bin/sh\n", mode=0o6755))
-    for plain, mode in ((False, 0o6755), (True, 0o755)):
-        _g, out, exc = gate(raw, plain_modes=plain)
-        assert exc is None
-        with tarfile.open(fileobj=io.BytesIO(bytes(out))) as tf:
-            assert tf.getmember("tool").mode == mode
+def test_setuid_bits_and_owners_are_dropped_wherever_it_lands():
+    ti, data = member("tool", b"#!/bin/sh\n", mode=0o6755)
+    ti.uid, ti.gid, ti.uname, ti.gname = 1234, 5678, "mallory", "wheel"
+    _g, out, exc = gate(archive((ti, data)))
+    assert exc is None
+    with tarfile.open(fileobj=io.BytesIO(bytes(out))) as tf:
+        m = tf.getmember("tool")
+        assert (m.mode, m.uid, m.gid, m.uname, m.gname) == (0o755, 0, 0, "", "")
 
 
 def test_a_refused_stream_is_never_ended_later():
@@ -232,3 +233,41 @@ def test_a_refused_stream_is_never_ended_later():
     del g, info
     gc.collect()
     assert bytes(out) == seen and not seen.endswith(b"\0" * 2 * BLOCK)
+
+
+# a control character (a newline, ESC, NUL, DEL) in a name or a link target: a tar listing or an
+# error message shows it to a terminal, and GNU tar and tarfile read some of them apart
+_GNU, _PAX = tarfile.GNU_FORMAT, tarfile.PAX_FORMAT
+_BAD_NAMES = [
+    ("name-newline", member("top/a\nb", b"boom"), "has a control character in its name", (_GNU, _PAX)),
+    ("name-osc", member("top/a\x1b]0;pwned\x07", b"boom"), "has a control character in its name", (_GNU, _PAX)),
+    ("name-del", member("top/del\x7f", b"boom"), "has a control character in its name", (_GNU, _PAX)),
+    ("hardlink-newline", member("top/h", type=tarfile.LNKTYPE, linkname="top/fine\n"),
+     "has a control character in its name", (_GNU, _PAX)),
+    ("hardlink-esc", member("top/h", type=tarfile.LNKTYPE, linkname="top/\x1b[2Jfine"),
+     "has a control character in its name", (_GNU, _PAX)),
+    ("symlink-newline", member("top/s", type=tarfile.SYMTYPE, linkname="fine\nx"), "control character in it",
+     (_GNU, _PAX)),
+    ("symlink-osc52", member("top/s", type=tarfile.SYMTYPE, linkname="\x1b]52;c;cm0gLXJmIH4K\x07"),
+     "control character in it", (_GNU, _PAX)),
+    # (a NUL ends a name in a header field: only a PAX record carries one; tarfile reads it whole,
+    # GNU tar up to the NUL: the two would read different names)
+    ("symlink-nul", member("top/s", type=tarfile.SYMTYPE, linkname="fine\x00/etc/shadow",
+                           pax_headers={"linkpath": "fine\x00/etc/shadow"}), "control character in it", (_PAX,)),
+    ("name-nul", member("top/n\x00ul", b"boom", pax_headers={"path": "top/n\x00ul"}),
+     "has a control character in its name", (_PAX,)),
+]
+
+
+@pytest.mark.parametrize("bad, why, fmt", [
+    pytest.param(bad, why, fmt, id=f"{name}-{'gnu' if fmt == _GNU else 'pax'}")
+    for name, bad, why, fmts in _BAD_NAMES for fmt in fmts])
+def test_a_control_character_in_a_name_or_a_link_target_is_refused(bad, why, fmt):
+    stream = archive(TOP, member("top/fine", b"f" * 50_000), bad, fmt=fmt)
+    with tarfile.open(fileobj=io.BytesIO(stream)) as tf:   # the archive carries the member as built
+        got = tf.getmembers()[-1]
+        assert (got.name, got.linkname) == (bad[0].name, bad[0].linkname)
+    g, out, exc = gate(stream)
+    assert isinstance(exc, Refused) and why in str(exc), exc
+    assert not g.complete and not out.endswith(b"\0" * 2 * BLOCK)
+    assert set(names_seen(out)) <= {"top", "top/fine"}

@@ -19,11 +19,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
+
+import requires
+from waiting import in_netns, tcp_sockets, wait_for
 
 from testbed.observe import top
 from testbed.observe.top import Direction, Model, Worker, compute, counter_delta, select
@@ -185,13 +187,33 @@ def test_json_fields_are_the_documented_ones():
     doc = compute(_model(), _reading(0.0), _reading(1.0))
     assert set(doc) == DOC_FIELDS
     assert set(doc["links"][0]) == LINK_FIELDS and set(doc["workers"][0]) == WORKER_FIELDS
-    text = top.__doc__
-    for f in DOC_FIELDS | LINK_FIELDS | WORKER_FIELDS | RUN_FIELDS:
-        assert re.search(rf"^\s+{re.escape(f)}\b", text, re.MULTILINE) or re.search(rf"\b{re.escape(f)}\b", text), f
+    # the docstring's field list, entry by entry (not any word of the prose): top level, then the
+    # fields of each list or object, each exactly the set the document has
+    fields = _documented_fields(top.__doc__)
+    assert fields == {"": DOC_FIELDS, "links": LINK_FIELDS, "workers": WORKER_FIELDS, "run": RUN_FIELDS}
     json.dumps(doc)
 
 
-# -- pure: a testbed over several hosts (testbed.observe.top_hosts) --------------------------------------------
+def _documented_fields(doc: str) -> dict[str, set[str]]:
+    """The field list of a module docstring: entries at indent 2 (the document's own fields) and
+    indent 4 (the fields of the entry above them), "a, b" naming two fields; description lines
+    are indented deeper. -> {"": top-level names, parent: its names}."""
+    out: dict[str, set[str]] = {}
+    parent = ""
+    for line in doc.splitlines():
+        m = re.match(r"^( {2}| {4})([a-z_][a-z_0-9.\[\]]*(?:, [a-z_][a-z_0-9]*)*)(?: {2,}|$)", line)
+        if not m:
+            continue
+        names = m.group(2).split(", ")
+        if len(m.group(1)) == 2:
+            parent = names[0]
+            out.setdefault("", set()).update(names)
+        else:
+            out.setdefault(parent, set()).update(names)
+    return {k: v for k, v in out.items() if v}
+
+
+# -- pure: a testbed over several hosts (testbed.cluster.top) --------------------------------------------------
 
 # w0 - s0 ==cut== s1 - w2: h1 holds w0 and s0, h2 holds s1 and w2; link 1 (s0-s1) is a VXLAN tunnel
 CUT_TOPO = {"nodes": [{"name": "w0", "kind": "worker"}, {"name": "s0", "kind": "switch"},
@@ -249,7 +271,7 @@ def _two_host_docs():
 
 
 def test_merge_takes_each_direction_of_a_cut_link_from_its_sending_host():
-    from testbed.observe.top_hosts import merge
+    from testbed.cluster.top import merge
 
     docs = _two_host_docs()
     # each host alone sees the tunnel's far direction only by its receiving port (rx), with no queue
@@ -281,7 +303,7 @@ def test_merge_takes_each_direction_of_a_cut_link_from_its_sending_host():
 
 
 def test_merge_of_a_failed_host_falls_back_to_the_receiving_end():
-    from testbed.observe.top_hosts import merge
+    from testbed.cluster.top import merge
 
     docs = _two_host_docs()
     doc = merge("tb", {"h1": None, "h2": docs["h2"]}, CUT_PLACEMENT, CUT_TOPO,
@@ -306,7 +328,7 @@ def test_merge_of_a_failed_host_falls_back_to_the_receiving_end():
 
 
 def test_merge_runs_adds_up_the_hosts_ranks():
-    from testbed.observe.top_hosts import merge_runs
+    from testbed.cluster.top import merge_runs
 
     r1 = {"run_id": "a1", "dir": "/srv/runs/x", "status": "running", "world_size": 4, "ranks": 2, "ranks_ended": 0,
           "step": 10, "step_min": 9, "last_step_s": 0.5, "last_step_max_s": 0.6, "last_step_age_s": 0.2}
@@ -324,16 +346,20 @@ def test_merged_fields_are_the_documented_ones_and_the_view_shows_hosts():
     from rich.console import Console
 
     from testbed.cli.top import render
-    from testbed.observe import top_hosts
+    from testbed.cluster import top as hosts_top
 
     docs = _two_host_docs()
-    doc = top_hosts.merge("tb", {"h1": docs["h1"], "h2": None}, CUT_PLACEMENT, CUT_TOPO,
+    doc = hosts_top.merge("tb", {"h1": docs["h1"], "h2": None}, CUT_PLACEMENT, CUT_TOPO,
                           {"h2": {"state": "failed", "why": "testbed 'tb' is not up"}})
     assert set(doc) == DOC_FIELDS | {"hosts"}
     assert set(doc["links"][0]) == LINK_FIELDS | {"host", "to_host"}
     assert set(doc["workers"][0]) == WORKER_FIELDS | {"host"}
-    for f in ("hosts", "host", "to_host", "state", "why"):
-        assert re.search(rf"\b{f}\b", top_hosts.__doc__), f
+    # what the merge adds is listed field by field in hosts_top's docstring, and each host's entry
+    # has the keys it names
+    assert _documented_fields(hosts_top.__doc__) == {
+        "": {"hosts", "links[].host", "links[].to_host", "workers[].host", "run.hosts"}}
+    assert set(doc["hosts"]["h1"]) == set(doc["hosts"]["h2"]) == {"state", "why", "t"}
+    assert 'host -> {"state", "why", "t"}' in hosts_top.__doc__
     json.dumps(doc)
     con = Console(width=160, file=io.StringIO(), record=True)
     con.print(render(doc, "util", None))
@@ -352,7 +378,7 @@ def test_merged_fields_are_the_documented_ones_and_the_view_shows_hosts():
 
 
 def test_gather_keeps_each_hosts_latest_document_and_why_one_failed():
-    from testbed.observe.top_hosts import Gather
+    from testbed.cluster.top import Gather
 
     now = [0.0]
     g = Gather(["h1", "h2", "h3"], clock=lambda: now[0])
@@ -383,7 +409,7 @@ def test_hosts_top_samples_and_shows_an_unreachable_host(monkeypatch):
     every interval until stopped; h2 cannot be reached (known only when the stream returns)."""
     import threading
 
-    from testbed.observe import top_hosts
+    from testbed.cluster import top as hosts_top
 
     docs = _two_host_docs()
     calls = []
@@ -392,12 +418,12 @@ def test_hosts_top_samples_and_shows_an_unreachable_host(monkeypatch):
         calls.append((name, argv))
         lost = OSError("host h2 unreachable: connection refused")
         on_end("h2", lost)   # as controller.stream_on_every_host says it: as soon as h2's command ends
-        while not stop.wait(0.05):
+        while not stop.wait(0.05):   # the fake's pace: h1 says a line every 0.05 s until stopped
             on_line("h1", json.dumps(docs["h1"]))
         return {"h1": type("R", (), {"rc": 0, "stderr": "", "stdout": ""})(), "h2": lost}
 
     record = {"placement": CUT_PLACEMENT, "topology": CUT_TOPO, "hosts": {"h1": {}, "h2": {}}}
-    t = top_hosts.HostsTop("tb", 0.05, record=record, stream=stream, first_wait=0.3)
+    t = hosts_top.HostsTop("tb", 0.05, record=record, stream=stream, first_wait=0.3)
     try:
         doc = t.sample()
         assert doc["hosts"]["h1"]["state"] == "ok" and doc["hosts"]["h2"]["state"] == "failed"
@@ -409,7 +435,7 @@ def test_hosts_top_samples_and_shows_an_unreachable_host(monkeypatch):
     doc = t.settle(doc)
     assert doc["hosts"]["h2"] == {"state": "failed", "why": "host h2 unreachable: connection refused", "t": None}
     assert calls == [("tb", ["top", "--name", "tb", "--json", "--interval", "0.05", "--for-controller"])]
-    with pytest.raises(top_hosts.HostsTopEnded, match="h2: host h2 unreachable"):
+    with pytest.raises(hosts_top.HostsTopEnded, match="h2: host h2 unreachable"):
         t.sample()
 
 
@@ -527,6 +553,19 @@ def _addr(name, w):
     raise AssertionError(f"no address for {w}")
 
 
+def _tx_bytes(pid: int, ifname: str) -> int:
+    """Bytes sent on `ifname` of the network namespace process `pid` is in (0 once it is gone)."""
+    try:
+        rows = Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]
+    except OSError:
+        return 0
+    for row in rows:
+        dev, _, data = row.partition(":")
+        if dev.strip() == ifname:
+            return int(data.split()[8])
+    return 0
+
+
 class Flows:
     """iperf3 flows client -> server between workers, each to a server of its own (ports unique)."""
 
@@ -534,17 +573,28 @@ class Flows:
         self.procs: list[subprocess.Popen] = []
         self.clients: list[subprocess.Popen] = []
         base = 5201 + uuid.uuid4().int % 500
+        self.servers: list[tuple[subprocess.Popen, int]] = []
         for i, (client, server) in enumerate(pairs):
-            port = str(base + i)
-            self.procs.append(subprocess.Popen(["ip", "netns", "exec", f"tb-{name}-{server}", "iperf3", "-s", "-1",
-                                                "-p", port], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        time.sleep(0.3)
+            port = base + i
+            srv = subprocess.Popen(["ip", "netns", "exec", f"tb-{name}-{server}", "iperf3", "-s", "-1",
+                                    "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.procs.append(srv)
+            self.servers.append((srv, port))
+        # `ip netns exec` execs iperf3: the PID's namespace holds the listening socket (was: 0.3 s)
+        wait_for(lambda: all(tcp_sockets(srv.pid, port, "LISTEN", netns=f"tb-{name}-{server}")
+                             for (srv, port), (_c, server) in zip(self.servers, pairs)), timeout=30,
+                 what="every iperf3 server to listen")
         for i, (client, server) in enumerate(pairs):
             c = subprocess.Popen(["ip", "netns", "exec", f"tb-{name}-{client}", "iperf3", "-c", _addr(name, server),
                                   "-p", str(base + i), "-t", str(secs), "-J"], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
             self.clients.append(c)
             self.procs.append(c)
+
+    def flowing(self) -> None:
+        """Returns once every flow's control and data connections are up at its server."""
+        wait_for(lambda: all(tcp_sockets(srv.pid, port, "ESTABLISHED") >= 2 for srv, port in self.servers),
+                 timeout=30, what="every iperf3 flow to connect")
 
     def results(self) -> list[float]:
         """Goodput (bit/s) each flow's receiver saw."""
@@ -568,15 +618,16 @@ def _once(name: str, *extra: str, cwd: Path | None = None) -> dict:
     return json.loads(r.stdout)
 
 
+@pytest.mark.timing
 @pytest.mark.root
 @pytest.mark.skipif(not IS_ROOT, reason="needs root (namespaces, tc)")
 def test_once_json_sees_the_flows(testbed):
     """Two flows into w1 through a 100 Mbit/s star: s0->w1 is the bottleneck (full, with a queue),
-    its rate is what the two receivers got (within 10%: iperf3 counts payload, top frames)."""
+    its rate is what the two receivers got (within 3%: see the measurements below)."""
     name = _star(testbed)
     flows = Flows(name, [("w0", "w1"), ("w2", "w1")], secs=5)
     try:
-        time.sleep(1.5)
+        flows.flowing()   # then top's own interval (1 s) samples flows already going (was: 1.5 s)
         doc = _once(name)
         goodputs = flows.results()
     finally:
@@ -585,17 +636,28 @@ def test_once_json_sees_the_flows(testbed):
     links = {l["name"]: l for l in doc["links"]}
     assert len(links) == 6 and all(set(l) == LINK_FIELDS for l in doc["links"])
     bottleneck = links["s0->w1"]
-    assert bottleneck["rate_bps"] == pytest.approx(sum(goodputs), rel=0.10), (goodputs, bottleneck)
+    into = links["w0->s0"]["rate_bps"] + links["w2->s0"]["rate_bps"]
+    print(f"s0->w1 {bottleneck['rate_bps'] / 1e6:.2f} Mbit/s (util {bottleneck['util']:.3f}) against the "
+          f"receivers' {sum(goodputs) / 1e6:.2f}: ratio {bottleneck['rate_bps'] / sum(goodputs):.4f}; into s0 "
+          f"over out of it {into / bottleneck['rate_bps']:.4f}; read {doc['read_s']:.3f} s, interval "
+          f"{doc['interval_s']:.3f} s")
+    # 5 runs (2026-12-02, 2-core machine, other sessions' tests beside; `pytest -s -k once_json`
+    # prints them): s0->w1 over the receivers' goodput 0.9975-1.0023, util 0.958-0.963, what went
+    # into s0 over what left it 0.9885-0.9994, read 0.008-0.029 s, interval 1.001-1.005 s. The bands:
+    # 3% (over 10x the widest deviation; a rate read from the wrong counter or period is off by far
+    # more), util 0.85-1.1 around the 0.956 of payload in a full link, the read well under a
+    # sample's interval, the interval within 0.1 s of the 1 s asked for (was 0.3; the rates 10%)
+    assert bottleneck["rate_bps"] == pytest.approx(sum(goodputs), rel=0.03), (goodputs, bottleneck)
     assert 0.85 <= bottleneck["util"] <= 1.1, bottleneck
     assert bottleneck["backlog_bytes"] > 0 or bottleneck["drops"] > 0, bottleneck
     assert bottleneck["overlimits"] > 0
-    into = links["w0->s0"]["rate_bps"] + links["w2->s0"]["rate_bps"]
-    assert into == pytest.approx(bottleneck["rate_bps"], rel=0.10)
+    assert into == pytest.approx(bottleneck["rate_bps"], rel=0.03)
     assert links["s0->w0"]["util"] < 0.1 and links["w1->s0"]["util"] < 0.1      # acks only
     assert doc["run"] is None
-    assert doc["read_s"] < 0.5 and doc["interval_s"] == pytest.approx(1.0, abs=0.3)
+    assert doc["read_s"] < 0.5 and doc["interval_s"] == pytest.approx(1.0, abs=0.1)
 
 
+@pytest.mark.timing
 @pytest.mark.root
 @pytest.mark.skipif(not IS_ROOT, reason="needs root (namespaces, tc)")
 def test_dilation_shows_emulated_rates(testbed):
@@ -603,19 +665,25 @@ def test_dilation_shows_emulated_rates(testbed):
     name = _star(testbed, dilation=2)
     flows = Flows(name, [("w0", "w1")], secs=4)
     try:
-        time.sleep(1.5)
+        flows.flowing()   # then top's own interval (1 s) samples flows already going (was: 1.5 s)
         doc = _once(name)
         (goodput,) = flows.results()
     finally:
         flows.close()
     assert doc["time"] == "emulated" and doc["dilation"] == 2.0
     l = {l["name"]: l for l in doc["links"]}["w0->s0"]
-    assert goodput == pytest.approx(50e6 * 0.95, rel=0.10)
-    assert l["wire_rate_bps"] == pytest.approx(goodput, rel=0.10)
+    print(f"at s=2: goodput {goodput / 1e6:.2f} Mbit/s ({goodput / (50e6 * 0.95):.4f} of 0.95 x 50), wire rate "
+          f"{l['wire_rate_bps'] / 1e6:.2f} ({l['wire_rate_bps'] / goodput:.4f} of the goodput), util {l['util']:.3f}")
+    # 5 runs (2026-12-02, as above): goodput 1.0089-1.0093 of 0.95 x 50 Mbit/s (the payload share of
+    # a full link is 1448/1514 = 0.956), the wire rate 0.9945-0.9999 of the goodput: within 3%
+    # (was 10%); an undilated link would give twice the goodput
+    assert goodput == pytest.approx(50e6 * 0.95, rel=0.03)
+    assert l["wire_rate_bps"] == pytest.approx(goodput, rel=0.03)
     assert l["rate_bps"] == pytest.approx(2 * l["wire_rate_bps"])
     assert l["bandwidth_bps"] == 100e6 and 0.85 <= l["util"] <= 1.1, l
 
 
+@pytest.mark.timing
 @pytest.mark.root
 @pytest.mark.skipif(not IS_ROOT, reason="needs root (namespaces, tc)")
 def test_down_link_busy_worker_and_run(testbed, tmp_path):
@@ -637,7 +705,13 @@ def test_down_link_busy_worker_and_run(testbed, tmp_path):
                                                       "import time\nt=time.time()\nwhile time.time()-t<4: pass"])
     busy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        time.sleep(0.5)
+        import psutil
+
+        def loop_runs() -> bool:   # the python under the exec wrapper has burnt a tenth of a second
+            kids = psutil.Process(busy.pid).children(recursive=True) + [psutil.Process(busy.pid)]
+            return any(k.name().startswith("python") and sum(k.cpu_times()[:2]) > 0.1 for k in kids)
+
+        wait_for(loop_runs, timeout=30, what="w2's busy loop to run", ignore=psutil.NoSuchProcess)
         doc = _once(name, cwd=tmp_path)
         view = _cli("top", "--name", name, "--once", "--sort", "drops", cwd=tmp_path)
     finally:
@@ -649,6 +723,9 @@ def test_down_link_busy_worker_and_run(testbed, tmp_path):
         assert links[n]["state"] == "down" and links[n]["down_by"] == ["link"], links[n]
     assert all(l["state"] == "up" for k, l in links.items() if k not in ("w0->s0", "s0->w0"))
     workers = {w["name"]: w for w in doc["workers"]}
+    print(f"top's cpu: busy w2 {workers['w2']['cpu']:.3f}, idle w0 {workers['w0']['cpu']:.3f}")
+    # 5 runs (2026-12-02, as above): the busy loop 0.83-0.97 of a core, the idle worker 0.000; the
+    # bands only tell busy from idle with others' work on 2 cores beside
     assert workers["w2"]["cpu"] > 0.3 and workers["w0"]["cpu"] < 0.2, workers
     assert all(w["memory_bytes"] and w["memory_bytes"] > 0 for w in workers.values())
     run = doc["run"]
@@ -665,7 +742,9 @@ def test_down_link_busy_worker_and_run(testbed, tmp_path):
 @pytest.mark.root
 @pytest.mark.skipif(not IS_ROOT, reason="needs root (namespaces, tc)")
 def test_live_view_exits_cleanly_on_ctrl_c(testbed):
-    pexpect = pytest.importorskip("pexpect")
+    requires.need("pexpect")
+    import pexpect
+
     name = _star(testbed)
     child = pexpect.spawn(sys.executable, ["-m", "testbed", "top", "--name", name, "--interval", "0.3"],
                           cwd=str(REPO), env={**os.environ, "COLUMNS": "120", "LINES": "40", "TERM": "xterm"},
@@ -704,15 +783,18 @@ def test_lossy_link_shows_drops(testbed):
               "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); b = bytes(1400); t = time.monotonic()\n"
               "while time.monotonic() - t < 60:\n"
               "    for _ in range(18): s.sendto(b, (%r, 9))\n"
-              "    time.sleep(0.01)\n" % _addr(name, "w1"))
+              "    time.sleep(0.01)\n" % _addr(name, "w1"))   # (the sleep paces the flow: not a wait)
     client = subprocess.Popen(["ip", "netns", "exec", f"tb-{name}-w0", sys.executable, "-c", sender],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        time.sleep(1.0)
-        for _ in range(3):   # a reading that began before the flow did (the kernel VM is slow) is no reading
-            doc = _once(name)
-            if {l["name"]: l for l in doc["links"]}["w0->s0"]["rate_bps"] > 5e6 or client.poll() is not None:
-                break
+        # one reading, once the flow runs: a megabyte (about half a second of it) has left w0's eth0
+        # (a reading that began before the flow did is no reading; the kernel VM starts python slowly)
+        wait_for(lambda: client.poll() is not None or in_netns(client.pid, f"tb-{name}-w0"), timeout=30,
+                 what="the sender in w0")
+        sent0 = _tx_bytes(client.pid, "eth0")
+        wait_for(lambda: client.poll() is not None or _tx_bytes(client.pid, "eth0") - sent0 > 1e6, timeout=60,
+                 what="the UDP flow to leave w0")
+        doc = _once(name)
     finally:
         if client.poll() is None:
             client.kill()

@@ -13,13 +13,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
+import requires
+from waiting import wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -237,21 +238,13 @@ def udp_ports(name: str) -> str:
     return in_ns(name, read)
 
 
-def wait_for(check: Callable[[], bool], timeout: float = 5.0) -> bool:
-    """The kernel frees a deleted namespace (and its devices) asynchronously."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
-
-
 @pytest.fixture
 def hosts(root) -> Iterator[Hosts]:
     """hA, hB joined by a veth underlay; nA, nB empty; all four deleted afterwards (`root` skips
-    the test without root and namespaces)."""
+    the test without root and namespaces; each end's underlay filter needs nft)."""
     from pyroute2 import IPRoute
+
+    requires.need("nft")
 
     base = f"tbtun{uuid.uuid4().hex[:6]}"
     h = Hosts(hA=f"{base}hA", hB=f"{base}hB", nA=f"{base}nA", nB=f"{base}nB", testbed=base)
@@ -314,8 +307,9 @@ def test_tunnel_carries_traffic_over_the_hosts_underlay(hosts):
     assert big.returncode == 0, big.stdout + big.stderr
 
     # deleting the node's namespace takes the end with it: the host's VNI is free again
-    netns.delete(hosts.nA)
-    assert wait_for(lambda: VXLAN_PORT_HEX not in udp_ports(hosts.hA))
+    netns.delete(hosts.nA)   # (the kernel frees a deleted namespace, and its devices, asynchronously)
+    wait_for(lambda: VXLAN_PORT_HEX not in udp_ports(hosts.hA), timeout=30,
+             what=f"the VXLAN socket (port {tunnels.VXLAN_PORT}) gone from {hosts.hA} with the node's namespace")
     again = hosts.namespace("n2")
     in_ns(hosts.hA, lambda: tunnels.create(a, again))
     assert "eth3" in links_of(again)
@@ -324,8 +318,9 @@ def test_tunnel_carries_traffic_over_the_hosts_underlay(hosts):
 @pytest.mark.root
 def test_deleting_the_host_namespace_takes_its_ends(hosts):
     make_pair(hosts)
-    netns.delete(hosts.hA)
-    assert wait_for(lambda: "eth3" not in links_of(hosts.nA))
+    netns.delete(hosts.hA)   # (freed asynchronously, as above)
+    wait_for(lambda: "eth3" not in links_of(hosts.nA), timeout=30,
+             what=f"{hosts.nA}'s tunnel end eth3 gone with the host's namespace")
     assert "eth3" in links_of(hosts.nB)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import typer
 
 from testbed.cli.common import console, err_console, require_root
+from testbed.terminal import inert, plain
 
 HOST_TIMEOUT_S = 300.0
 
@@ -51,7 +52,7 @@ def _clean_hosts() -> bool:
 
     hosts, bad = _hosts_to_clean()
     for line in bad:
-        err_console.print(f"[yellow]{line}[/]", highlight=False)
+        err_console.print(f"[yellow]{plain(line)}[/]", highlight=False)
     if not hosts:
         return not bad
     results: dict[tuple[Any, ...], Any] = {}
@@ -73,18 +74,22 @@ def _clean_hosts() -> bool:
         th.join()
     ok = not bad
     for key, (h, _doc, names) in hosts.items():
-        r = results.get(key)
-        label = f"{h.name} ({', '.join(names)})"
-        if isinstance(r, Exception) or r is None or r.rc != 0:
-            ok = False
-            why = str(r) if not hasattr(r, "rc") else \
-                (r.stderr.strip() or r.stdout.strip() or f"exit status {r.rc}").removeprefix("error: ")
-            err_console.print(f"[red]host {label}:[/] {why}", highlight=False)
-            continue
-        lines = [ln for ln in r.stdout.strip().splitlines() if ln.strip()] or ["nothing to clean up"]
-        for ln in lines:
-            console.print(f"host {label}: {ln}", highlight=False, markup=False)
+        ok = _print_host(f"{h.name} ({', '.join(names)})", results.get(key)) and ok
     return ok
+
+
+def _print_host(label: str, r: Any) -> bool:
+    """What one host's cleanup said (False: it failed), shown as written: a host's words are never
+    markup or escape sequences (testbed.terminal)."""
+    if isinstance(r, Exception) or r is None or r.rc != 0:
+        why = str(r) if not hasattr(r, "rc") else \
+            (r.stderr.strip() or r.stdout.strip() or f"exit status {r.rc}").removeprefix("error: ")
+        err_console.print(f"[red]host {plain(label)}:[/] {plain(why)}", highlight=False)
+        return False
+    lines = [ln for ln in r.stdout.strip().splitlines() if ln.strip()] or ["nothing to clean up"]
+    for ln in lines:
+        console.print(f"host {inert(label)}: {inert(ln)}", highlight=False, markup=False)
+    return True
 
 
 def cleanup_cmd() -> None:

@@ -10,6 +10,9 @@ from typing import Any, NoReturn
 import typer
 from rich.console import Console
 
+from testbed import lifeline as stdin_lifeline
+from testbed.terminal import plain
+
 from testbed.errors import StateError, TestbedError
 
 console = Console()
@@ -17,60 +20,18 @@ err_console = Console(stderr=True, soft_wrap=True)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    err_console.print(f"[bold red]error:[/] {plain(message)}", highlight=False)
     raise typer.Exit(code)
 
 
-LIFELINE_ENV = "TESTBED_LIFELINE"
-lifeline = False   # this process was started by a controller with its stdin as the lifeline
-_LIFELINE_EARLY_MAX = 16 << 20   # input kept until a sink is set (more is dropped: nobody asked for it)
-_lifeline_lock = None            # a threading.Lock once the lifeline is watched
-_lifeline_sink = None
-_lifeline_early = bytearray()
-
-
-def on_lifeline_input(sink) -> None:
-    """sink(bytes) gets what the controller sends on the lifeline besides its end, in order, from
-    the lifeline's thread (it must return quickly); what came before this call first. Phantom
-    ranks across hosts use it (testbed.jobs.relay): the real rank's announcements from another
-    host. Without a lifeline, nothing ever comes."""
-    global _lifeline_sink
-    if _lifeline_lock is None:
-        return
-    with _lifeline_lock:
-        _lifeline_sink = sink
-        if _lifeline_early:
-            sink(bytes(_lifeline_early))
-            _lifeline_early.clear()
+LIFELINE_ENV = stdin_lifeline.ENV
+lifeline = False   # this process was started by a controller with its stdin as the lifeline (verbs read it here)
+on_lifeline_input = stdin_lifeline.on_input   # (the lifeline itself is a leaf: layers below the CLI read it too)
 
 
 def _watch_lifeline() -> None:
-    """TESTBED_LIFELINE=stdin (a controller over SSH sets it): stdin is the controller's lifeline, not
-    input. Its end (the controller passed a Ctrl-C on, or died and its SSH session closed) interrupts
-    this process as a Ctrl-C on a terminal would. Without a terminal nothing else would: an SSH
-    session that goes away sends no signal to a command run without a tty."""
-    global lifeline, _lifeline_lock
-    if os.environ.pop(LIFELINE_ENV, None) != "stdin":   # (popped: ranks and commands do not inherit it)
-        return
-    lifeline = True
-    import signal
-    import threading
-
-    _lifeline_lock = threading.Lock()
-
-    def watch() -> None:
-        try:
-            while data := os.read(0, 1 << 16):
-                with _lifeline_lock:
-                    if _lifeline_sink is not None:
-                        _lifeline_sink(data)
-                    elif len(_lifeline_early) + len(data) <= _LIFELINE_EARLY_MAX:
-                        _lifeline_early.extend(data)
-        except OSError:
-            pass
-        os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=watch, name="lifeline", daemon=True).start()
+    global lifeline
+    lifeline = stdin_lifeline.watch()
 
 
 def run_app(app: typer.Typer) -> None:
@@ -80,14 +41,14 @@ def run_app(app: typer.Typer) -> None:
         _watch_lifeline()   # (inside: a lifeline cut while this process starts is an interrupt too)
         # standalone mode: click prints usage errors and exits with their status itself.
         command.main(prog_name="testbed", standalone_mode=True)
-    except TestbedError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+    except TestbedError as exc:   # (its text may hold a path, a host's words: never markup)
+        err_console.print(f"[bold red]error:[/] {plain(str(exc))}", highlight=False)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
     except OSError as exc:  # a path the user gave that cannot be read or written, a missing tool
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {plain(str(exc))}", highlight=False)
         sys.exit(1)
 
 
@@ -140,9 +101,9 @@ def forward_to_hosts(name: str, *, every: bool = True) -> None:
         if isinstance(r, Exception) or r.rc != 0:
             bad += 1
             why = str(r) if isinstance(r, Exception) else (r.stderr.strip() or f"exit status {r.rc}")
-            err_console.print(f"[red]{host}:[/] {why}", highlight=False)
+            err_console.print(f"[red]{plain(host)}:[/] {plain(why)}", highlight=False)
         elif text:
-            console.print(text if not every else f"[bold]{host}:[/] {text}", highlight=False)
+            console.print(plain(text) if not every else f"[bold]{plain(host)}:[/] {plain(text)}", highlight=False)
     if bad:
         raise typer.Exit(1)
 

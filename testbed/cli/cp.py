@@ -20,8 +20,10 @@ the end of the archive is an error. It is unpacked into a hidden directory
 next to its place (`.tbcp-*`) and moved there once whole, so an interrupted
 copy never leaves something that looks complete; a directory copied into one
 that exists is merged file by file after that, which a failure (a full disk)
-can leave half done. Onto this machine, the files are the caller's (tar's
---no-same-owner), without setuid or setgid bits.
+can leave half done. Wherever it lands, the files carry no owner of the
+stream's (root's, or the caller's: tar's --no-same-owner) and no setuid or setgid
+bits. A copy between a node and this machine, or two nodes of one host, takes the
+same way: the source is read as a tar stream and passes the same gate.
 
 Copying goes through the node's runtime (`exec` of cat/tar inside it), so it
 sees what the node sees: its private /tmp, its /etc/hosts; with the netns
@@ -41,9 +43,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import selectors
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,11 +53,13 @@ from typing import IO, Any, Optional
 
 import typer
 
+from testbed import terminal
 from testbed.cli.common import NameOption, require_root, resolve_name
 from testbed.errors import TestbedError
 from testbed.tarstream import Gate, Refused
 
-_STAT = 'if [ -d "$1" ]; then echo d; elif [ -e "$1" ]; then echo f; else echo -; fi'
+STDERR_MAX = 64 << 10   # of what a side's command said: its start
+OUTPUT_MAX = 4 << 20    # what a node's look or step prints, on each stream (a few lines): past it, it is ended
 # the kind of each argument, one letter a line; then whether the first is a symbolic link (L or -), and
 # where it leads (readlink -f)
 _KINDS = ('for p; do if [ -d "$p" ]; then echo d; elif [ -e "$p" ]; then echo f; else echo -; fi; done; '
@@ -119,71 +123,45 @@ class Copier:
         rt, rec, _ = self._target(self.st, side.node)
         return rt.exec_argv(side.node, rec, argv)
 
-    def kind(self, side: Side, path: str | None = None) -> str:
-        """'d' directory, 'f' other existing file, '-' missing."""
-        p = path or side.path
-        if side.node is None:
-            return "d" if os.path.isdir(p) else "f" if os.path.lexists(p) else "-"
-        r = subprocess.run(self.argv(side, ["/bin/sh", "-c", _STAT, "sh", p]), capture_output=True, text=True)
-        if r.returncode != 0:
-            raise TestbedError(f"cannot look at {side.node}:{p}: {r.stderr.strip() or 'exit status ' + str(r.returncode)}")
-        return (r.stdout.strip() or "-")[:1]
-
     def kinds(self, side: Side, *paths: str) -> tuple[list[str], bool, str]:
         """The kind of each path (as kind()) in one look; whether the first is a symbolic link, and
         its real path ('' when it has none)."""
         if side.node is None:
             ks = ["d" if os.path.isdir(p) else "f" if os.path.exists(p) else "-" for p in paths]
             return ks, os.path.islink(paths[0]), os.path.realpath(paths[0])
-        r = subprocess.run(self.argv(side, ["/bin/sh", "-c", _KINDS, "sh", *paths]), capture_output=True)
+        what = f"cannot look at {where(side)}"
+        r = _bounded(self.argv(side, ["/bin/sh", "-c", _KINDS, "sh", *paths]), what)
         out = r.stdout.decode(errors="surrogateescape").split("\n")
         if r.returncode != 0 or len(out) < len(paths) + 2:
-            why = r.stderr.decode(errors="replace").strip() or f"exit status {r.returncode}"
-            raise TestbedError(f"cannot look at {where(side)}: {why}")
+            raise TestbedError(f"{what}: {_said(r)}")
         real = "\n".join(out[len(paths) + 1:]).removesuffix("\n")
         return [(k or "-")[:1] for k in out[:len(paths)]], out[len(paths)] == "L", real
 
     def copy(self, src: Side, dst: Side) -> None:
-        sk = self.kind(src)
-        if sk == "-":
-            raise TestbedError(f"{where(src)}: no such file or directory")
-        dk = self.kind(dst)
-        base = os.path.basename(src.path.rstrip("/")) or "root"
-        if sk == "d":
-            if dk == "f":
-                raise TestbedError(f"cannot copy directory {where(src)} onto file {where(dst)}")
-            if dk == "d":
-                reader = ["tar", "-C", os.path.dirname(src.path.rstrip("/")) or "/", "-cf", "-", base]
-                writer = ["tar", "-C", dst.path, "-xf", "-"]
-            else:
-                parent = os.path.dirname(dst.path.rstrip("/")) or "."
-                if self.kind(dst, parent) != "d":
-                    raise TestbedError(f"{where(Side(dst.node, parent))}: no such directory")
-                reader = ["tar", "-C", src.path, "-cf", "-", "."]
-                writer = ["/bin/sh", "-c", 'mkdir -p "$1" && exec tar -C "$1" -xf -', "sh", dst.path]
-        else:
-            if dk == "d":
-                target = os.path.join(dst.path, base)
-            elif dst.path.endswith("/"):
-                raise TestbedError(f"{where(dst)}: no such directory")
-            else:
-                target = dst.path
-            reader = ["cat", src.path]
-            writer = ["/bin/sh", "-c", 'exec cat > "$1"', "sh", target]
-        self._pipe(self.argv(src, reader), self.argv(dst, writer), where(src), where(dst))
-
-    @staticmethod
-    def _pipe(reader: list[str], writer: list[str], s: str, d: str) -> None:
-        r = subprocess.Popen(reader, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        w = subprocess.Popen(writer, stdin=r.stdout, stderr=subprocess.PIPE)
+        """src to dst on this host (a node and this machine, or two nodes): src read as a tar stream
+        and put at dst by receive(), so what lands passes the same gate as a stream from elsewhere
+        (no devices, no set-id bits, no owners, nothing out of place)."""
+        argv = self.reader(src)
+        what = f"reading {where(src)} failed"
+        r = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert r.stdout is not None
-        r.stdout.close()
-        werr = w.communicate()[1]
-        rerr = r.communicate()[1]
-        if r.returncode != 0:
-            raise TestbedError(f"reading {s} failed: {rerr.decode(errors='replace').strip() or r.returncode}")
-        if w.returncode != 0:
-            raise TestbedError(f"writing {d} failed: {werr.decode(errors='replace').strip() or w.returncode}")
+        err = _Stderr(r)
+        failed: BaseException | None = None
+        try:
+            self.receive(dst, r.stdout, f"the copy of {where(src)}")
+        except (TestbedError, OSError) as exc:
+            failed = exc
+        finally:
+            r.stdout.close()
+            if failed is not None and r.poll() is None:
+                r.kill()
+            rc = r.wait()
+        why = err.said(what)
+        # the reading side's failure first: the writing side's is then its consequence
+        if rc != 0 and not (failed is not None and rc < 0 and not err.over):
+            raise TestbedError(f"{what}: {why or f'exit status {rc}'}")
+        if failed is not None:
+            raise failed
 
     # -- the `-` sides: a tar stream with one top entry
 
@@ -210,17 +188,16 @@ class Copier:
     def send(self, src: Side, out_fd: int) -> None:
         """`testbed cp NODE:PATH -`: src as a tar stream on out_fd."""
         argv = self.reader(src)
-        r = subprocess.run(argv, stdout=out_fd, stderr=subprocess.PIPE)
+        r = _bounded(argv, f"reading {where(src)} failed", stdout=out_fd)
         if r.returncode != 0:
-            raise TestbedError(f"reading {where(src)} failed: "
-                               f"{r.stderr.decode(errors='replace').strip() or 'exit status ' + str(r.returncode)}")
+            raise TestbedError(f"reading {where(src)} failed: {_said(r)}")
 
     def receive(self, dst: Side, stream: IO[bytes], what: str = "the tar stream on stdin") -> None:
         """`testbed cp - NODE:DST`: the stream's one top entry put at dst (cp's rules), checked as it
         comes (testbed.tarstream: what tar unpacks is the checked members, written anew), unpacked
         next to its place and moved there once whole (a file, or a directory that DST becomes), or
         merged into a directory that exists."""
-        gate = Gate(stream, what, plain_modes=dst.node is None)
+        gate = Gate(stream, what)
         top, top_dir = gate.first()
         path = dst.path
         parent = os.path.dirname(path.rstrip("/")) or ("/" if path.startswith("/") else ".")
@@ -243,42 +220,113 @@ class Copier:
             raise TestbedError(f"cannot copy file {top!r} onto directory {where(dst, target)}")
         tmp = os.path.join(os.path.dirname(target) or ".", f".tbcp-{secrets.token_hex(6)}")
         done = False
-        with tempfile.TemporaryFile() as err:
-            unpack = ["/bin/sh", "-c", _UNPACK, "sh", tmp, *(_HERE_OPTIONS if dst.node is None else [])]
-            w = subprocess.Popen(self.argv(dst, unpack), stdin=subprocess.PIPE,
-                                 stdout=subprocess.DEVNULL, stderr=err, bufsize=0)
-            assert w.stdin is not None
+        unpack = ["/bin/sh", "-c", _UNPACK, "sh", tmp, *(_HERE_OPTIONS if dst.node is None else [])]
+        w = subprocess.Popen(self.argv(dst, unpack), stdin=subprocess.PIPE,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, bufsize=0)
+        assert w.stdin is not None
+        err = _Stderr(w)
+        try:
             try:
-                try:
-                    gate.pump(_write_all(w.stdin.fileno()))
-                except BrokenPipeError:
-                    pass   # tar stopped reading: its status and stderr say why
-                finally:
-                    try:
-                        w.stdin.close()
-                    except BrokenPipeError:
-                        pass
-                rc = w.wait()
-                err.seek(0)
-                why = err.read().decode(errors="replace").strip()
-                if rc != 0 or not gate.complete:
-                    raise TestbedError(f"writing {where(dst, target)} failed: {why or f'tar exit status {rc}'}")
-                place = _MERGE if tk == "d" else _PLACE
-                r = subprocess.run(self.argv(dst, ["/bin/sh", "-c", place, "sh", tmp, top, target]),
-                                   capture_output=True)
-                if r.returncode != 0:
-                    raise TestbedError(f"writing {where(dst, target)} failed: "
-                                       f"{r.stderr.decode(errors='replace').strip() or f'exit status {r.returncode}'}")
-                done = True
+                gate.pump(_write_all(w.stdin.fileno()))
+            except BrokenPipeError:
+                pass   # tar stopped reading: its status and stderr say why
             finally:
-                if not done:
-                    if w.poll() is None:
-                        try:
-                            w.wait(5)
-                        except subprocess.TimeoutExpired:
-                            w.kill()
-                            w.wait()
-                    subprocess.run(self.argv(dst, ["rm", "-rf", "--", tmp]), capture_output=True)
+                try:
+                    w.stdin.close()
+                except BrokenPipeError:
+                    pass
+            rc = w.wait()
+            why = err.said(f"writing {where(dst, target)} failed")
+            if rc != 0 or not gate.complete:
+                raise TestbedError(f"writing {where(dst, target)} failed: {why or f'tar exit status {rc}'}")
+            place = _MERGE if tk == "d" else _PLACE
+            r = _bounded(self.argv(dst, ["/bin/sh", "-c", place, "sh", tmp, top, target]),
+                         f"writing {where(dst, target)} failed")
+            if r.returncode != 0:
+                raise TestbedError(f"writing {where(dst, target)} failed: {_said(r)}")
+            done = True
+        finally:
+            if not done:
+                if w.poll() is None:
+                    try:
+                        w.wait(5)
+                    except subprocess.TimeoutExpired:
+                        w.kill()
+                        w.wait()
+                try:
+                    _bounded(self.argv(dst, ["rm", "-rf", "--", tmp]), f"removing {where(dst, tmp)}")
+                except TestbedError:
+                    pass
+
+
+def _bounded(argv: list[str], what: str, stdout: int = subprocess.PIPE) -> subprocess.CompletedProcess:
+    """argv run to its end, what it prints kept: a node's command is not trusted to print little, so
+    more than OUTPUT_MAX on stdout or stderr ends it and is an error (`what`, then the limit)."""
+    p = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.PIPE)
+    kept = {f: bytearray() for f in (p.stdout, p.stderr) if f is not None}
+    over = None
+    try:
+        with selectors.DefaultSelector() as sel:
+            for f in kept:
+                sel.register(f, selectors.EVENT_READ)
+            while sel.get_map() and over is None:
+                for key, _ in sel.select():
+                    data = os.read(key.fd, 1 << 16)
+                    if not data:
+                        sel.unregister(key.fileobj)
+                    elif len(kept[key.fileobj]) + len(data) > OUTPUT_MAX:
+                        over = "stdout" if key.fileobj is p.stdout else "stderr"
+                        break
+                    else:
+                        kept[key.fileobj] += data
+    finally:
+        if p.poll() is None and over is not None:
+            p.kill()
+        for f in kept:
+            f.close()
+        rc = p.wait()
+    if over is not None:
+        raise TestbedError(f"{what}: its command printed more than {OUTPUT_MAX >> 20} MiB on {over} "
+                           "(the most testbed reads of a node's command): ended")
+    return subprocess.CompletedProcess(argv, rc, bytes(kept.get(p.stdout, b"")), bytes(kept[p.stderr]))
+
+
+class _Stderr:
+    """A running command's stderr, read on a thread as it comes (a pipe left unread would stall it):
+    its first OUTPUT_MAX bytes are kept; a command that prints more is ended, never written to disk
+    or kept whole (a node's command is not trusted to print little)."""
+
+    def __init__(self, p: subprocess.Popen) -> None:
+        assert p.stderr is not None
+        self.p, self.kept, self.over = p, bytearray(), False
+        self._thread = threading.Thread(target=self._drain, daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        assert self.p.stderr is not None
+        try:
+            while data := os.read(self.p.stderr.fileno(), 1 << 16):
+                if len(self.kept) + len(data) > OUTPUT_MAX:
+                    self.over = True
+                    self.p.kill()
+                    return
+                self.kept += data
+        finally:
+            self.p.stderr.close()
+
+    def said(self, what: str) -> str:
+        """Once the command ended: what it said (its start, without escape sequences). TestbedError
+        (`what`, then the limit) when it printed past the bound and was ended for it."""
+        self._thread.join()
+        if self.over:
+            raise TestbedError(f"{what}: its command printed more than {OUTPUT_MAX >> 20} MiB on stderr "
+                               "(the most testbed reads of a node's command): ended")
+        return terminal.inert(bytes(self.kept[:STDERR_MAX]).decode(errors="replace").strip())
+
+
+def _said(r: subprocess.CompletedProcess) -> str:
+    """What a failed command said on stderr (its start, without escape sequences), or its status."""
+    return terminal.inert(r.stderr[:STDERR_MAX].decode(errors="replace").strip()) or f"exit status {r.returncode}"
 
 
 def _stdin() -> IO[bytes]:
@@ -400,8 +448,8 @@ def _across_hosts(tb: str, src: str, dst: str) -> None:
     if s is not None and d is not None and s.node and d.node \
             and doc["placement"][s.node] == doc["placement"][d.node]:
         r = controller.run_on_node_host(tb, s.node, ["cp", src, dst, "--name", tb])
-        sys.stdout.write(r.stdout)
-        sys.stderr.write(r.stderr)
+        sys.stdout.write(terminal.inert(r.stdout))   # the host's words: no escape sequence passes
+        sys.stderr.write(terminal.inert(r.stderr))
         if r.rc != 0:
             raise typer.Exit(r.rc if r.rc > 0 else 1)
         return
@@ -416,15 +464,15 @@ def _across_hosts(tb: str, src: str, dst: str) -> None:
     out = _stdout() if d is None else -1   # (refused before anything starts when it is a terminal)
     remote: _Remote | None = None
     tar: subprocess.Popen | None = None
-    tar_err = None
+    tar_err: _Stderr | None = None
     try:
         # the reading side: a stream to read
         if s is None:
             stream, what = _stdin(), "the tar stream on stdin"
         elif s.node is None:
             argv = here.reader(s)
-            tar_err = tempfile.TemporaryFile()
-            tar = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=tar_err)
+            tar = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            tar_err = _Stderr(tar)
             stream, what = tar.stdout, f"the copy of {src}"
         else:
             ctl, host = open_for(s.node)
@@ -459,8 +507,7 @@ def _across_hosts(tb: str, src: str, dst: str) -> None:
             assert tar.stdout is not None and tar_err is not None
             tar.stdout.close()
             rc = tar.wait()
-            tar_err.seek(0)
-            why = tar_err.read().decode(errors="replace").strip()
+            why = tar_err.said(f"reading {src} failed")
             first = None if rc == 0 or failed is not None and rc < 0 else \
                 _Failed(f"reading {src} failed: {why or f'tar exit status {rc}'}")
         else:
@@ -480,8 +527,6 @@ def _across_hosts(tb: str, src: str, dst: str) -> None:
         if tar is not None and tar.poll() is None:
             tar.kill()
             tar.wait()
-        if tar_err is not None:
-            tar_err.close()
 
 
 def register(app: typer.Typer) -> None:

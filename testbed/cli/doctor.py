@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from testbed.cli.common import console
@@ -26,10 +27,19 @@ def _findings(scale: str, cached: bool) -> tuple[Any, Any, list[Any]]:
     return probe(measure_floor=True, refresh=not cached), topo, checked
 
 
+def _underlay_filter() -> dict[str, Any]:
+    """Whether this host can filter its tunnel ends' underlay (nft in the host's namespace): every
+    host a cut link joins needs it, and `up --hosts` refuses a host without it before building."""
+    from testbed.net import underlay_filter
+
+    why = underlay_filter.usable()
+    return {"ok": why is None, "why": why}
+
+
 def report(scale: str = "", cached: bool = True) -> dict[str, Any]:
     """`doctor --json`'s document (also what `part up --check` answers for a controller)."""
     caps, topo, checked = _findings(scale, cached)
-    return {**caps.to_json(), "limits": {
+    return {**caps.to_json(), "underlay_filter": _underlay_filter(), "limits": {
         "for": scale, "nodes": len(topo.nodes) if topo else None,
         "checks": [{"name": c.name, "have": c.have, "need": c.need, "ok": c.ok, "blocks_up": c.hard,
                     "fix": c.fix} for c in checked]}}
@@ -56,6 +66,10 @@ def register(app: typer.Typer) -> None:
         table.add_column("what it enables / what to install")
         for name, found, what in caps.rows():
             table.add_row(name, "[green]yes[/]" if found else "[red]no[/]", what)
+        uf = _underlay_filter()
+        table.add_row("nft (underlay filter)", "[green]yes[/]" if uf["ok"] else "[red]no[/]",
+                      escape("multi-host (up --hosts): a VXLAN end takes frames from its peer host only; needed "
+                             "on every host a cut link joins" + ("" if uf["ok"] else f". {uf['why']}")))
         console.print(table)
         if caps.netem:
             console.print("delay/jitter/loss: sch_netem")

@@ -14,61 +14,15 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
 import typer
 
 from testbed.cli.common import NameOption, console, err_console, resolve_name
+from testbed.terminal import inert, plain
+from testbed.observe.answers import merge, parse_answers, why  # noqa: F401 (merge, parse_answers: tests too)
 
 HEADER = "TIME          {host:<{w}}  KIND      WHAT"
-
-
-def merge(by_host: Mapping[str, Iterable[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Every host's events as one list in time order, each a copy with its `host`. Equal times keep
-    the hosts' order as given, and each host's events keep their own order (a stable merge)."""
-    keyed = []
-    for i, (host, recs) in enumerate(by_host.items()):
-        for j, rec in enumerate(recs):
-            keyed.append((rec["t"], i, j, {**rec, "host": host}))
-    keyed.sort(key=lambda k: k[:3])
-    return [k[3] for k in keyed]
-
-
-def why(res: Any) -> str:
-    """One line: why a host's `testbed events` failed (its exception, or its last line of stderr)."""
-    if isinstance(res, BaseException):
-        return str(res) or type(res).__name__
-    lines = [ln.strip() for ln in (res.stderr or res.stdout or "").splitlines() if ln.strip()]
-    return lines[-1].removeprefix("error: ") if lines else f"exit status {res.rc}"
-
-
-def parse_answers(results: Mapping[str, Any]) -> tuple[dict[str, list[dict[str, Any]]], dict[str, str], dict[str, str]]:
-    """Every host's answer to `events --json` (a RemoteResult or the exception): (host -> its events,
-    host -> why it failed, host -> what it said on stderr although it did not fail)."""
-    from testbed import events
-
-    got: dict[str, list[dict[str, Any]]] = {}
-    failed: dict[str, str] = {}
-    said: dict[str, str] = {}
-    for host, r in results.items():
-        if isinstance(r, BaseException) or r is None or r.rc != 0:
-            failed[host] = "no answer" if r is None else why(r)
-            continue
-        recs, bad = [], 0
-        for line in r.stdout.splitlines():
-            rec = events.parse(line.encode())
-            if rec is not None:
-                recs.append(rec)
-            elif line.strip():
-                bad += 1
-        got[host] = recs
-        notes = [ln.strip() for ln in (r.stderr or "").splitlines() if ln.strip()]
-        if bad:
-            notes.append(f"{bad} line(s) of its output are not events and were skipped")
-        if notes:
-            said[host] = "; ".join(notes)
-    return got, failed, said
 
 
 def _hosts_argv(tb: str, kind: str | None, follow: bool) -> list[str]:
@@ -88,7 +42,7 @@ def _print(rec: dict[str, Any], as_json: bool, width: int) -> None:
     if as_json:
         print(json.dumps(rec), flush=True)
     else:
-        console.print(events.describe(rec, host_width=width), highlight=False, markup=False, soft_wrap=True)
+        console.print(inert(events.describe(rec, host_width=width)), highlight=False, markup=False, soft_wrap=True)
 
 
 def _across_hosts(tb: str, kind: str | None, as_json: bool) -> bool:
@@ -99,14 +53,14 @@ def _across_hosts(tb: str, kind: str | None, as_json: bool) -> bool:
     results = controller.run_on_every_host(tb, _hosts_argv(tb, kind, False), timeout=120)
     got, failed, said = parse_answers({h: results.get(h) for h in hosts})
     for host, text in said.items():
-        err_console.print(f"{host}: {text}", highlight=False, markup=False)
+        err_console.print(f"{inert(host)}: {inert(text)}", highlight=False, markup=False)
     width = max(4, *(len(h) for h in hosts)) if hosts else 4
     if not as_json:
         console.print(HEADER.format(host="HOST", w=width), style="bold", highlight=False)
     for rec in merge(got):
         _print(rec, as_json, width)
     for host, text in failed.items():
-        err_console.print(f"[red]{host}:[/] {text}", highlight=False)
+        err_console.print(f"[red]{plain(host)}:[/] {plain(text)}", highlight=False)
     return bool(failed)
 
 
@@ -139,9 +93,10 @@ def _follow_across_hosts(tb: str, kind: str | None, as_json: bool) -> bool:
         with lock:
             if not ok:
                 failed.add(host)
-                err_console.print(f"[red]{host}:[/] {why(res) if res is not None else 'no answer'}", highlight=False)
+                err_console.print(f"[red]{plain(host)}:[/] {plain(why(res)) if res is not None else 'no answer'}",
+                                  highlight=False)
             elif res.rc == 0 and res.stderr.strip():
-                err_console.print(f"{host}: {'; '.join(res.stderr.strip().splitlines())}", highlight=False,
+                err_console.print(inert(f"{host}: {'; '.join(res.stderr.strip().splitlines())}"), highlight=False,
                                   markup=False)
 
     def progress(msg: str) -> None:   # (only said on a Ctrl-C: the hosts are being told)
@@ -196,7 +151,7 @@ def events_cmd(name: Optional[str] = NameOption,
             if as_json:
                 print(json.dumps(rec), flush=True)
             else:
-                console.print(events.describe(rec), highlight=False, soft_wrap=True)
+                console.print(inert(events.describe(rec)), highlight=False, markup=False, soft_wrap=True)
     except KeyboardInterrupt:
         pass
     if skipped[0]:

@@ -2,7 +2,7 @@
 running testbed (testbed.observe.graph serves it).
 
 A testbed over several hosts: the controller serves the same page, its documents from the hosts
-(testbed.observe.graph_hosts): every host's `top --json` merged, their link records and events
+(testbed.cluster.graph): every host's `top --json` merged, their link records and events
 asked every few seconds; each node's host on the page, a host that fails named in its banner;
 the page's actions sent to every host, as `testbed link` and `testbed node` do."""
 
@@ -28,6 +28,8 @@ def graph_cmd(
                                                             "(default: ./runs; across hosts: a directory on "
                                                             "the hosts)."),
     interval: float = typer.Option(1.0, "--interval", "-i", min=0.2, help="Seconds between samples."),
+    plain_http: bool = typer.Option(False, "--plain-http", help="Allow a --bind that is not loopback: the token "
+                                                                "then crosses that network unencrypted."),
 ) -> None:
     """Serve a live web page of a testbed: link utilisation, what is down, step times, events.
 
@@ -43,6 +45,7 @@ def graph_cmd(
     link records and events; each node's host shown, a host that fails named on the page; the
     page's actions go to every host. Ctrl-C stops every host's top."""
     from testbed.observe.graph import DOWN_GRACE_S, check_bind, serve
+    from testbed.cluster.graph import open_source
 
     bind = check_bind(bind)
     require_root("testbed graph")
@@ -60,8 +63,8 @@ def graph_cmd(
         console.print(line, highlight=False, soft_wrap=True)
 
     try:
-        why = serve(name, bind=bind, port=port, allow_control=allow_control, runs_dir=runs, interval=interval,
-                    log=log, ready=ready)
+        why = serve(name, bind=bind, port=port, allow_control=allow_control, runs_dir=runs, interval=interval, plain_http=plain_http,
+                    log=log, ready=ready, open_source=open_source)
     except KeyboardInterrupt:
         err_console.print("testbed graph: stopped")
         return

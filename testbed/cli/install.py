@@ -54,7 +54,7 @@ def install_cmd(
     from rich.text import Text
 
     from testbed.cluster import install
-    from testbed.topology.hosts import load_hosts
+    from testbed.cluster.hosts import load_hosts
 
     t0 = time.monotonic()
     try:

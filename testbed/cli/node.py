@@ -15,6 +15,7 @@ from typing import Any, Optional
 import typer
 
 from testbed.cli.common import NameOption, console, err_console, require_root, resolve_name
+from testbed.terminal import plain
 
 
 def _check(name: str, node: str, verb: str) -> str:
@@ -52,18 +53,19 @@ def _across_hosts(name: str, node: str, verb: str, extra: list[str] | None = Non
     if failed:
         for h, r in results.items():
             if h in failed:
-                err_console.print(f"[red]{h}:[/] {why(r)}", highlight=False)
+                err_console.print(f"[red]{plain(h)}:[/] {plain(why(r))}", highlight=False)
             else:
-                err_console.print(f"{h}: {r.stdout.strip()}", highlight=False)
+                err_console.print(f"{plain(h)}: {plain(r.stdout.strip())}", highlight=False)
         raise typer.Exit(1)
-    said = results[home].stdout.strip() if home in results else f"{node}: {verb}"
-    others = ", ".join(h for h in results if h != home)
+    # what hosts said is shown as written: never markup, never escape sequences (testbed.terminal)
+    said = plain(results[home].stdout.strip() if home in results else f"{node}: {verb}")
+    others = plain(", ".join(h for h in results if h != home))
     if not others:
-        console.print(f"{said} (on {home})", highlight=False)
+        console.print(f"{said} (on {plain(home)})", highlight=False)
     elif verb in ("down", "up"):
-        console.print(f"{said} (on {home}; {others}: its link ends and the routes there too)", highlight=False)
+        console.print(f"{said} (on {plain(home)}; {others}: its link ends and the routes there too)", highlight=False)
     else:
-        console.print(f"{said} (on {home}; recorded on {others} too)", highlight=False)
+        console.print(f"{said} (on {plain(home)}; recorded on {others} too)", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

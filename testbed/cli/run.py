@@ -7,6 +7,7 @@ from typing import List, Optional
 import typer
 
 from testbed.cli.common import NameOption, console, resolve_name
+from testbed.terminal import inert, plain
 
 
 def _run_over_hosts(name: str, cmd: List[str], workers: str, nproc_per_node: int, port: Optional[int],
@@ -27,28 +28,48 @@ def _run_over_hosts(name: str, cmd: List[str], workers: str, nproc_per_node: int
     if replay and (real is not None or record_ops):
         fail("--replay plays a recorded run to phantoms only: no --real, no --record-ops", 2)
     chosen = None if workers == "all" else [w.strip() for w in workers.split(",") if w.strip()]
-    def show(host: str, line: str) -> None:   # the ranks' lines as they come ("[w2:r2] ..." say whose)
-        if line.startswith("[testbed]"):
-            line = f"[testbed {host}]{line[len('[testbed]'):]}"
-        console.print(line, highlight=False, markup=False, soft_wrap=True)
-
     if (real is not None or record_ops) and no_probe:
         fail("--real and --record-ops need the probe (it announces and records the collectives): drop --no-probe", 2)
     result = controller.run_job(name, cmd, workers=chosen, nproc_per_node=nproc_per_node, port=port,
                                 timeout=timeout, env=env, probe=not no_probe, real_clock=real_clock, grace=grace,
-                                progress=lambda m: err_console.print(m, highlight=False), on_output=show,
+                                progress=lambda m: err_console.print(inert(m), highlight=False, markup=False),
+                                on_output=_show_line,
                                 real=None if real is None else [w.strip() for w in real.split(",") if w.strip()],
                                 record_ops=record_ops, replay=replay)
     from testbed.report import report as make_report
 
     text, a, _plots = make_report(result["run_dir"], plots=False)
-    console.print(text, highlight=False, markup=False)
-    for host, why in result.get("problems", {}).items():
-        err_console.print(f"[red]{host}:[/] {why}", highlight=False)
+    console.print(inert(text), highlight=False, markup=False)
+    _say_ranks(result["run_dir"])
+    for host, why in result.get("problems", {}).items():   # (a host's words in them: never markup)
+        err_console.print(f"[red]{plain(host)}:[/] {plain(why)}", highlight=False)
     rd = result["run_dir"]
-    console.print(f"run directory: {rd}  (testbed report {rd})", highlight=False)
+    console.print(f"run directory: {rd}  (testbed report {rd})", highlight=False, markup=False)
     if result["rc"] != 0:
         raise typer.Exit(result["rc"] if 0 < result["rc"] < 256 else 1)
+
+
+def _say_ranks(run_dir, summary: Optional[dict] = None) -> None:
+    """With phantoms: which ranks were real and which phantoms ("ranks: 1 real (0 on w0), 3 phantoms
+    (1-3)"), from the run's summary (read from run_dir when not given: the controller's merge)."""
+    from pathlib import Path
+
+    from testbed.jobs import rundir
+    from testbed.jobs.run import ranks_line
+
+    if summary is None:   # (a run directory ranks could write into: read bounded, never a FIFO or a link)
+        summary = rundir.read_json(Path(run_dir) / "summary.json")
+    line = ranks_line(summary) if isinstance(summary, dict) else None
+    if line:
+        console.print(inert(line), highlight=False, markup=False, soft_wrap=True)
+
+
+def _show_line(host: str, line: str) -> None:
+    """A rank's line from a host, as it comes ("[w2:r2] ..." says whose): shown as written, never as
+    markup or escape sequences (testbed.terminal); the host's own lines say which host."""
+    if line.startswith("[testbed]"):
+        line = f"[testbed {host}]{line[len('[testbed]'):]}"
+    console.print(inert(line), highlight=False, markup=False, soft_wrap=True)
 
 
 def _host_part_hooks(mirror_relay: bool) -> dict:
@@ -74,7 +95,7 @@ def _host_part_hooks(mirror_relay: bool) -> dict:
     return hooks
 
 
-def _tell_start(run_dir) -> None:
+def _tell_start(run_dir, _probe_dir) -> None:
     """--this-host-only: the controller learns where this host's run lives as it starts."""
     import json
 
@@ -109,6 +130,16 @@ def register(app: typer.Typer) -> None:
         replay: Optional[str] = typer.Option(None, "--replay", help="Replay a recorded run (its directory or "
                                              "ops-N.jsonl) with every rank a phantom: the job's traffic without "
                                              "the job, e.g. on another topology or under a scenario"),
+        group: List[str] = typer.Option([], "--group", "-g", help='A group: "NAME=WORKERS CMD..." (WORKERS a comma '
+                                        "list), a torch world of its own (its MASTER_ADDR/PORT, RANK, WORLD_SIZE); "
+                                        "repeat for more groups. CMD then goes inside the quotes, not after --"),
+        service: List[str] = typer.Option([], "--service", help='A service beside the groups: "NAME=WORKERS CMD..." '
+                                          "(a lighthouse); stopped once every group is done"),
+        restarts: int = typer.Option(0, "--restarts", help="A --group that fails is started again (all its ranks, "
+                                     "once its workers are up) up to N times"),
+        job: Optional[str] = typer.Option(None, "--job", help="A job file (YAML: groups:, services:, env:) "
+                                          "instead of --group/--service; a YAML file given as the command is one "
+                                          "too. See docs/fault-tolerance.md"),
         this_host_only: bool = typer.Option(False, "--this-host-only", hidden=True,
                                             help="(the controller's) one host's ranks of a run over several hosts; "
                                                  "prints the run directory as JSON, no report"),
@@ -117,6 +148,11 @@ def register(app: typer.Typer) -> None:
                                                "announcements go out on stdout, or come in on the lifeline"),
     ) -> None:
         """Start CMD on every selected worker the torchrun way; logs and probe data go to runs/<time>-<testbed>/.
+
+        Or different commands on different workers: a torchft lighthouse on w0 and
+        replica groups on the others, each group its own torch world (--group,
+        --service, --job FILE; see docs/fault-tolerance.md). {addr:NAME} in a command
+        or an --env value is NAME's address on the emulated network.
 
         At the end the run is judged against the reference model and what was sampled while it ran
         (CPUs, queues, delay lines): faithful, not faithful (with the reasons in numbers and what to
@@ -135,7 +171,23 @@ def register(app: typer.Typer) -> None:
         target = resolve_name(name, clusters=True)
         from testbed import store
         from testbed.cluster import controller
+        from testbed.jobs import groups as groups_mod
 
+        the_job = None
+        if job is not None and (group or service):
+            raise RunError("give either --job FILE or --group/--service, not both")
+        if job is not None:
+            the_job = groups_mod.load(job)
+        elif group or service:
+            the_job = groups_mod.from_cli(group, service, restarts=restarts, nproc_per_node=nproc_per_node)
+        elif restarts:
+            raise RunError("--restarts is for groups (--group or --job): a plain run is one torch world; use "
+                           "torchrun's --max-restarts for it")
+        if the_job is not None or groups_mod.is_job_file(cmd or []):
+            if cmd and the_job is not None:
+                raise RunError("with --group/--service/--job the commands are the groups': nothing after --")
+            if controller.exists(target) and not store.exists(target):
+                raise RunError(f"testbed {target} spans several hosts: groups run on a testbed of one host only")
         if controller.exists(target) and not store.exists(target):
             _run_over_hosts(target, cmd or [], workers, nproc_per_node, port, timeout, extra, real, record_ops,
                             replay, no_probe, real_clock, grace)
@@ -150,7 +202,7 @@ def register(app: typer.Typer) -> None:
                      emulated_clock=not real_clock,
                      real=[w.strip() for w in real.split(",") if w.strip()] if real is not None else None,
                      record_ops=record_ops, replay=replay, this_host_only=this_host_only,
-                     on_start=_tell_start if this_host_only else None, **hooks)
+                     on_start=_tell_start if this_host_only else None, job=the_job, **hooks)
         if this_host_only:
             import json
 
@@ -158,15 +210,27 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(result.rc)
         from testbed.report import report as make_report
 
-        text, a, plots = make_report(result.run_dir, plots=report)
+        text, a, plots = make_report(result.run_dir, plots=report,
+                                     recheck=lambda m: err_console.print(m, highlight=False, markup=False))
         from testbed.report import tell_verdict
 
         tell_verdict(cluster.name, result.run_dir, a["verdict"])
         if report:
             console.print(text, highlight=False, markup=False)
             for p in plots:
-                console.print(f"plot: {p}", highlight=False)
+                console.print(f"plot: {p}", highlight=False, markup=False)
         else:
             console.print("\n".join(a["verdict"].lines()), highlight=False, markup=False)
-        console.print(f"run directory: {result.run_dir}  (testbed report {result.run_dir})", highlight=False)
+        if result.summary.get("groups") and not report:   # (the report has them) its groups' steps and quorum
+            from testbed.report import quorum
+
+            ft = quorum.section(result.run_dir)
+            if ft:
+                console.print(ft, highlight=False, markup=False)
+            png = quorum.plot(result.run_dir)
+            if png:
+                console.print(f"plot: {png}", highlight=False, markup=False)
+        _say_ranks(result.run_dir, result.summary)
+        console.print(f"run directory: {result.run_dir}  (testbed report {result.run_dir})", highlight=False,
+                      markup=False)
         raise typer.Exit(result.rc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Optional
 
 import typer
@@ -26,7 +27,8 @@ def _fmt_t(seconds):
 def status_cmd(
     name_arg: Optional[str] = typer.Argument(None, metavar="[NAME]", help="The testbed (default: the only one up)."),
     name: Optional[str] = typer.Option(None, "--name", "-n", help="The testbed (same as NAME)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the status document as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print the status document as JSON (indented on a "
+                                 "terminal, one line into a pipe or file)."),
 ) -> None:
     """Show a running testbed: nodes with addresses, links with their shaping and state."""
     from testbed import lifecycle
@@ -42,7 +44,7 @@ def status_cmd(
         return
     doc = lifecycle.status(target)
     if as_json:
-        print(json.dumps(doc, indent=1))
+        _print_json(doc)
         return
     console.print(f"[bold]{doc['name']}[/]: {doc['status']} ({doc['topology']}, runtime {doc['runtime']}, "
                   f"since {doc['created']})")
@@ -75,10 +77,16 @@ def status_cmd(
         console.print(f"[yellow]{node}:[/] {rec}")
 
 
+def _print_json(doc: dict) -> None:
+    """Indented for a reader; one line for a program: json encodes with an indent in Python, not in
+    its C encoder (k=16: 0.11 s against 0.04 s, of a 0.5 s budget)."""
+    print(json.dumps(doc, indent=1 if sys.stdout.isatty() else None))
+
+
 def _cluster_status(doc: dict, as_json: bool) -> None:
     """A testbed over several hosts: each host's part (nodes, missing pieces) or why it is lost."""
     if as_json:
-        print(json.dumps(doc, indent=1))
+        _print_json(doc)
         return
     console.print(f"[bold]{doc['name']}[/]: {doc['status']} on {len(doc['hosts'])} hosts, "
                   f"{len(doc['cut_links'])} link(s) between hosts (VXLAN)")

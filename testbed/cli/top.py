@@ -2,7 +2,7 @@
 a live view of a running testbed's links, workers and job (testbed.observe.top samples them).
 
 A testbed over several hosts: every host runs `top --json` on its own part at once, and the
-controller merges their latest documents into one of the same shape (testbed.observe.top_hosts),
+controller merges their latest documents into one of the same shape (testbed.cluster.top),
 with each worker's and link direction's host; a host that fails or does not answer is shown as
 such. Ctrl-C stops every host's top."""
 
@@ -99,7 +99,7 @@ def render(doc: dict[str, Any], sort: str, tier: str | None, height: int | None 
     rows = select(doc["links"], sort, tier)
     workers = sorted(doc["workers"], key=lambda w: -1.0 if w["cpu"] is None else w["cpu"], reverse=True)
     l_rows, w_rows = len(rows), len(workers)
-    spread = "hosts" in doc          # a testbed over several hosts (testbed.observe.top_hosts)
+    spread = "hosts" in doc          # a testbed over several hosts (testbed.cluster.top)
     troubles = host_lines(doc) if spread else []
     if height is not None:
         room = max(6, height - 12 - len(troubles))   # header, run line, two tables' titles, headers and rules
@@ -187,7 +187,7 @@ def top_cmd(
     `testbed status` and `testbed report` show them). Counters are read through one netlink
     socket per namespace; `--once --json` prints one sample for scripts (fields: pydoc
     testbed.observe.top). A testbed over several hosts: every host's top at once, merged into one
-    view (fields: pydoc testbed.observe.top_hosts)."""
+    view (fields: pydoc testbed.cluster.top)."""
     if not for_controller:
         _top(name, sort, tier, once, as_json, interval, runs)
         return
@@ -264,15 +264,15 @@ def _across_hosts(name: str, sort: Optional[str], tier: Optional[str], once: boo
 
     from testbed.cli.common import err_console
     from testbed.cluster import controller
-    from testbed.observe import top_hosts
+    from testbed.cluster import top as hosts_top
 
     record = controller.load(name)
     tiers = tuple(dict.fromkeys(l.get("tier") or "" for l in (record.get("topology") or {}).get("links") or []))
     if tier is not None and tier not in tiers:
         fail(f"--tier {tier!r}: testbed {name} has tiers {', '.join(tiers)}", 2)
     live = not (as_json or once)
-    top = top_hosts.HostsTop(name, interval, os.path.abspath(runs) if runs else None, record=record,
-                             first_wait=top_hosts.LIVE_FIRST_WAIT_S if live else top_hosts.FIRST_WAIT_S)
+    top = hosts_top.HostsTop(name, interval, os.path.abspath(runs) if runs else None, record=record,
+                             first_wait=hosts_top.LIVE_FIRST_WAIT_S if live else hosts_top.FIRST_WAIT_S)
     said: dict[str, str] = {}
 
     def tell(doc: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ testbed.topology.mininet_import.
 
 With ``--hosts HOSTS.yaml`` (and ``--pin NODE=HOST``) it also shows where each
 node would run across those hosts and which links would be cut
-(testbed.topology.placement; docs/multi-host.md), still building nothing.
+(testbed.cluster.placement; docs/multi-host.md), still building nothing.
 """
 
 from __future__ import annotations
@@ -242,8 +242,8 @@ def describe_placement(hosts, placement, baseline_bps: int | None) -> None:
 def placement_of(topo, hosts_file: Path, pin: list[str]):
     """(hosts, placement, round-robin's cut bandwidth or None) for `topo` on the hosts of `hosts_file`."""
     from testbed.errors import TopologyError
-    from testbed.topology.hosts import load_hosts
-    from testbed.topology.placement import parse_pins, place
+    from testbed.cluster.hosts import load_hosts
+    from testbed.cluster.placement import parse_pins, place
 
     hosts = load_hosts(hosts_file)
     placement = place(topo, hosts, parse_pins(pin))

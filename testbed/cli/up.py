@@ -15,12 +15,9 @@ class _DelayedProgress:
     """A rich progress bar that appears only once the work has taken more than `after` seconds."""
 
     def __init__(self, after: float = 1.0):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
         self.after = after
         self.t0 = time.monotonic()
-        self.progress = Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), console=err_console, transient=True)
+        self.progress: Any = None   # (rich's progress is imported only for a build that takes that long)
         self.tasks: dict[str, Any] = {}
         self.started = False
 
@@ -28,6 +25,10 @@ class _DelayedProgress:
         if not self.started:
             if time.monotonic() - self.t0 < self.after:
                 return
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.progress = Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), console=err_console, transient=True)
             self.progress.start()
             self.started = True
         task = self.tasks.get(phase)
@@ -138,8 +139,9 @@ def up_cmd(
         None, "--time-dilation",
         help="Slow links by a factor s (bandwidth/s, delay*s) to keep time-shared compute in proportion. "
              "'auto' (the default unless the topology says otherwise): the smallest s at which the run is "
-             "network-bound, from ranks per core (or GPU) and this machine's calibrated forwarding cost; "
-             "a number; or 'none' for real time."),
+             "network-bound, from ranks per core (or GPU) and this machine's calibrated cost per byte against "
+             "the hosts the topology declares (host_rate: network-bound by default); a number; or 'none' "
+             "for real time."),
     ranks: Optional[int] = typer.Option(None, "--ranks", min=1,
                                         help="How many ranks your jobs will run, for `auto` (default: one per "
                                              "worker); a run with another count is judged against it."),
@@ -198,8 +200,8 @@ def up_cmd(
 def _up_over_hosts(topo: Any, name: Optional[str], hosts_file: str, pins: list[str], time_dilation: Optional[str],
                    runtime: Optional[str], net_admin: bool, known_hosts: Optional[str], trust_new: bool) -> None:
     from testbed.cluster import controller
-    from testbed.topology.hosts import load_hosts
-    from testbed.topology.placement import parse_pins
+    from testbed.cluster.hosts import load_hosts
+    from testbed.cluster.placement import parse_pins
 
     hosts = load_hosts(hosts_file)
     t0 = time.perf_counter()

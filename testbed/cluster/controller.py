@@ -1,7 +1,7 @@
 """One testbed over several hosts: the controller's side (`testbed up TOPOLOGY --hosts HOSTS.yaml`).
 
 `up`: one SSH session per host carries it all (`testbed part up --check`, started
-while the nodes are placed by testbed.topology.placement): the host answers the
+while the nodes are placed by testbed.cluster.placement): the host answers the
 checks (reachable, root, the same testbed version, `doctor`) and measures the
 underlay toward the other hosts (MTU, one-way latency; a cut link the underlay
 cannot carry is refused before anything is built); the controller chooses one
@@ -45,7 +45,7 @@ from testbed import paths
 from testbed.errors import StateError, TestbedError
 
 if TYPE_CHECKING:   # (the CLI imports this module for exists() and list_names(): it stays light)
-    from testbed.topology.hosts import Host, Hosts
+    from testbed.cluster.hosts import Host, Hosts
     from testbed.topology.model import Topology
 
 UP_TIMEOUT_S = 1800.0
@@ -53,6 +53,10 @@ DOWN_TIMEOUT_S = 600.0
 PROBE_COUNT = 10
 CHECK_TIMEOUT_S = 120.0   # how long `up` waits for a host's answers to the checks
 HANDSHAKE_HEAD_START_S = 0.5   # placement waits this long at most for the hosts' SSH handshakes
+# What of a host's stdout may wait for its newline (remote.lines: a longer line is passed on cut,
+# which its JSON reader then refuses), per kind of line; what a host sends is hostile input
+PART_LINE_MAX = 4 << 20   # `part up --check`: its answers, then what it built (k=32 fat-tree on one host: 160 kB)
+DOC_LINE_MAX = 16 << 20   # streams of documents, one a line (top --json: 313 B per link direction; k=16: ~2 MB)
 
 
 class ClusterError(TestbedError):
@@ -83,7 +87,7 @@ def _save(name: str, doc: dict[str, Any]) -> None:
 def load(name: str) -> dict[str, Any]:
     """The controller's record of testbed `name`, checked: its hosts file is parsed again, the
     placement names only those hosts."""
-    from testbed.topology.hosts import load_hosts_text
+    from testbed.cluster.hosts import load_hosts_text
 
     paths.check_root()   # refuses a state root that is not root's alone, before anything is trusted
     p = state_path(name)
@@ -257,19 +261,6 @@ def _parallel(ctls: dict[str, Any], names: Sequence[str], fn: Callable[..., Any]
     return {n: results.get(n) for n in names}
 
 
-class _Lines:
-    """Bytes as they arrive (SshHost.run's on_stdout) -> fn(line) for each whole line (no newline)."""
-
-    def __init__(self, fn: Callable[[str], None]):
-        self.fn, self._buf = fn, bytearray()
-
-    def __call__(self, data: bytes) -> None:
-        self._buf += data
-        while (i := self._buf.find(b"\n")) >= 0:
-            line, self._buf = bytes(self._buf[:i]), self._buf[i + 1:]
-            self.fn(line.decode(errors="replace"))
-
-
 def _why(res: Any) -> str:
     """One line of why a host's command failed."""
     from testbed.cluster.remote import RemoteResult
@@ -373,6 +364,8 @@ class _PartSession:
             self._finished.set()
 
     def _run(self) -> None:
+        from testbed.cluster.remote import lines
+
         try:
             try:   # the handshake first (an SshHost), for up() to know when it is over
                 if hasattr(self.ctl, "connect"):
@@ -380,7 +373,7 @@ class _PartSession:
             finally:
                 self.connected.set()
             self.result = self.ctl.run(self.argv, stdin=self._pipe.reader, timeout=UP_TIMEOUT_S,
-                                       on_stdout=_Lines(self._heard))
+                                       on_stdout=lines(self._heard, PART_LINE_MAX))
         except Exception as exc:  # noqa: BLE001 - the host's outcome, judged by up()
             self.result = exc
         finally:
@@ -516,6 +509,30 @@ def _judge_hosts(sessions: dict[str, _PartSession], by_name: dict[str, Host]) ->
     return reports, answered
 
 
+def _filter_problems(answers: dict[str, Any], placement: Any) -> list[str]:
+    """Hosts a cut link joins that cannot filter their tunnel ends' underlay (no nft: their
+    doctor's underlay_filter), each named with how to install it. A host without answers is
+    already named by its check report; one whose doctor predates underlay_filter (the same version
+    built earlier) is not judged here: making its tunnel end still refuses without nft."""
+    from testbed.net.underlay_filter import INSTALL_HINT
+
+    problems = []
+    for h in sorted({h for c in placement.cut_links for h in (c.host_a, c.host_b)}):
+        doc = (answers.get(h) or {}).get("doctor")
+        if not isinstance(doc, dict) or "underlay_filter" not in doc:
+            continue   # (no answers: its report says why; a testbed from before this check: the tunnel end refuses)
+        uf = doc.get("underlay_filter")
+        if isinstance(uf, dict) and uf.get("ok") is True:
+            continue
+        said = uf.get("why") if isinstance(uf, dict) and isinstance(uf.get("why"), str) else None
+        said = "".join(ch if ch.isprintable() else "?" for ch in said[:300]) if said else \
+            "its doctor did not say whether nft works there"   # (a host's words: shown inert)
+        problems.append(f"{h}: a cut link joins it, and its tunnel ends take frames from their peer only "
+                        f"through nft (the underlay filter): {said}"
+                        + ("" if INSTALL_HINT in said else f"; {INSTALL_HINT} on {h}"))
+    return problems
+
+
 def _probe_words(host: Host, hosts: Hosts) -> list[str]:
     """`--probe ADDR` for every other host's underlay: measured by every host before placement
     decides which pairs a cut link joins (a few ms per peer, at once)."""
@@ -537,8 +554,8 @@ def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str,
     """Build testbed `name` over the hosts; all or nothing. Returns the controller's record."""
     from testbed import store
     from testbed.cluster import part as parts_mod
-    from testbed.net import names
-    from testbed.topology.placement import place
+    from testbed import names
+    from testbed.cluster.placement import place
     from testbed.topology.plan import plan_network
 
     t0 = time.monotonic()
@@ -591,6 +608,7 @@ def up(topo: Topology, hosts: Hosts, name: str | None = None, *, pins: dict[str,
         asks = _probe_asks(placement, hosts)
         reports, answers = _judge_hosts(sessions, by_name)
         problems = [f"{r.name}: {p}" for r in reports.values() for p in r.problems]
+        problems += _filter_problems(answers, placement)   # (before anything is built or recorded)
         if problems:
             raise ClusterError("hosts not ready:\n  " + "\n  ".join(problems))
         t = lap("check hosts", t)
@@ -799,6 +817,8 @@ def stream_on_every_host(name: str, argv: Sequence[str], on_line: Callable[[str,
     unreachable host is known at once, not when the others end). Returns host -> the same.
     lifelines: host -> Lifeline, for every host of the testbed: what the caller writes on one
     reaches that host's testbed (cli.common.on_lifeline_input); closing it is a Ctrl-C there."""
+    from testbed.cluster.remote import lines
+
     doc = load(name)
     by_name = {h.name: h for h in doc["_hosts"]}
     names = [h for h in doc.get("hosts", {}) if h in by_name]
@@ -807,7 +827,7 @@ def stream_on_every_host(name: str, argv: Sequence[str], on_line: Callable[[str,
     def one(c: Any, stdin: Any) -> Any:
         try:
             res = c.run([*LIFELINE_ARGV, *by_name[c.name].testbed_argv, *argv], stdin=stdin, timeout=timeout,
-                        on_stdout=_Lines(lambda line: on_line(c.name, line)))
+                        on_stdout=lines(lambda line: on_line(c.name, line), DOC_LINE_MAX))
         except Exception as exc:
             if on_end is not None:
                 on_end(c.name, exc)
@@ -885,16 +905,14 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
     stdout and go on to every other host's lifeline (testbed.jobs.relay). record_ops: the host of
     rank 0 records. replay: the trace is checked here and copied to every host, which plays it to
     its own phantoms (each on its own clock, from its start)."""
-    import base64
     import contextlib
-    import io
     import random
     import re
     import shlex
     import shutil
-    import tarfile
 
-    from testbed.jobs import rundir
+    from testbed.cluster.remote import lines
+    from testbed.jobs import relay, rundir
     from testbed.jobs.relay import PREFIX
     from testbed.topology.model import Topology
 
@@ -937,7 +955,10 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
         argv += ["--no-probe"] if not probe else []
         argv += ["--real-clock"] if real_clock else []
         argv += ["--real", ",".join(real), "--mirror-relay"] if real is not None else []
-        argv += ["--record-ops"] if record_ops and real is None and ctl.name == master_host else []
+        if record_ops and real is None:
+            argv += ["--record-ops"] if ctl.name == master_host else []
+            # the probe's latency burst runs on every rank or none: a recording host skips it, so all do
+            argv += ["--env", "TESTBED_LATENCY_BURST=0"]
         if trace is not None:
             shipped[ctl.name] = _ship_trace(ctl, trace)
             argv += ["--replay", shipped[ctl.name][1]]
@@ -961,7 +982,7 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
 
         try:
             res = ctl.run(["sh", "-c", script], stdin=stdin, timeout=None if timeout is None else timeout + 600,
-                          on_stdout=_Lines(line))
+                          on_stdout=lines(line, len(PREFIX) + relay.LINE_MAX))   # (ranks' lines: cut there)
         except Exception:
             _halt_others(ctl.name, "could not run its ranks")
             raise
@@ -982,11 +1003,6 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
     if stop is not None:
         threading.Thread(target=lambda: (stop.wait(), halt.set()), name="run-stop", daemon=True).start()
 
-    def fetch(ctl: Any, remote_dir: str) -> bytes:
-        # bash's pipefail: a tar that failed must not look like an empty archive
-        r = ctl.run(["bash", "-o", "pipefail", "-c",
-                     f"tar -C {shlex.quote(remote_dir)} --dereference -cf - . | base64 -w0"], timeout=600, check=True)
-        return base64.b64decode(r.stdout)
 
     problems: dict[str, str] = {}
     rcs: dict[str, int] = {}
@@ -1008,16 +1024,13 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
                 continue
             part_dir = rd / "parts" / h
             try:
-                blob = fetch(ctls[h], remote_dir)
-                part_dir.mkdir(parents=True)
-                with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-                    # what a host sends is not trusted: the data filter refuses links out, absolute
-                    # paths, devices and set-id bits
-                    tar.extractall(part_dir, filter="data")
-                (part_dir / "remote.txt").write_text(f"{h}:{remote_dir}\n")
+                fetch_run_dir(ctls[h], h, remote_dir, part_dir)
+                # (written as every file of the run directory: through no link a local job planted)
+                rundir.write_bytes(part_dir / "remote.txt", f"{h}:{remote_dir}\n".encode())
                 boot = ctls[h].run(["cat", "/proc/sys/kernel/random/boot_id"], timeout=60)
                 bid = boot.stdout.strip()
-                (part_dir / "boot_id").write_text(bid if boot.rc == 0 and re.fullmatch(r"[0-9a-f-]{36}", bid) else h)
+                rundir.write_bytes(part_dir / "boot_id",
+                                   (bid if boot.rc == 0 and re.fullmatch(r"[0-9a-f-]{36}", bid) else h).encode())
             except Exception as exc:  # noqa: BLE001 - reported with the host: the others still merge
                 problems[h] = f"its run directory {remote_dir} could not be fetched: {exc}"
                 shutil.rmtree(part_dir, ignore_errors=True)
@@ -1038,6 +1051,102 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
     rc = next((v for v in rcs.values() if v not in (0, 130, 143)), next((v for v in rcs.values() if v), 0))
     rc = rc or (1 if problems else 0)
     return {"run_dir": rd, "rc": rc, "hosts": hosts, "problems": problems}
+
+
+FETCH_MAX_BYTES = 8 << 30   # a host's run directory: its probe files are at most 512 MiB each
+FETCH_FILE_MAX_BYTES = 512 << 20   # one file of it copied into the merged run directory
+
+
+def fetch_run_dir(ctl: Any, host: str, remote_dir: str, part_dir: Path) -> None:
+    """A host's run directory into part_dir (which must not exist), streamed (never whole in memory)
+    through the tar gate (testbed.tarstream): files and directories only, no link of the host's
+    followed there (no --dereference) or made here, at most FETCH_MAX_BYTES. Unpacked into a hidden
+    directory beside part_dir, renamed into place once whole; a refusal leaves nothing. part_dir's
+    parent (in the run directory, which a local job can reach) is opened without following a link,
+    and everything in it is done relative to that descriptor (testbed.safeio)."""
+    import secrets
+    import shutil
+    import subprocess
+    import tempfile
+
+    from testbed import safeio
+    from testbed.tarstream import Gate
+
+    what = f"the run directory {remote_dir} of host {host}"
+    r, w = os.pipe()
+    box: dict[str, Any] = {"broken": False}
+
+    def put(data: bytes) -> None:
+        if box["broken"]:
+            return   # (the reading side gave up: the rest is dropped, not held)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(w, view):]
+        except OSError:   # (EPIPE: the read end was closed)
+            box["broken"] = True
+
+    def send() -> None:
+        try:   # `.` named `run`: the one top entry the gate asks for
+            box["res"] = ctl.run(["tar", "-C", remote_dir, "-cf", "-", "--transform=s|^\\.|run|S", "."],
+                                 on_stdout=put, timeout=600)
+        except BaseException as exc:  # noqa: BLE001 - reported below, with the host
+            box["err"] = exc
+        finally:
+            os.close(w)
+
+    try:
+        base, rel = safeio.path_beneath_runs(part_dir.parent)
+        base.mkdir(parents=True, exist_ok=True)   # (the operator's: trusted; what is below it is not)
+        pfd = safeio.open_dir_beneath(base, rel, create=True)
+    except BaseException:
+        os.close(r)
+        os.close(w)
+        raise
+    tmp, tfd = f".fetch-{secrets.token_hex(6)}", -1
+    th = threading.Thread(target=send, name=f"fetch-{host}", daemon=True)
+    stream = os.fdopen(r, "rb")
+    th.start()
+    try:
+        gate = Gate(stream, what, max_bytes=FETCH_MAX_BYTES, files_only=True)
+        _top, is_dir = gate.first()
+        if not is_dir:
+            raise TestbedError(f"{what}: not a directory")
+        os.mkdir(tmp, 0o700, dir_fd=pfd)
+        tfd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+        with tempfile.TemporaryFile() as err:
+            # tar unpacks into the directory made above, named by its descriptor (not a path a job can swap)
+            tar = subprocess.Popen(["tar", "-C", f"/proc/self/fd/{tfd}", "-xf", "-", "--no-same-owner"],
+                                   stdin=subprocess.PIPE, stderr=err, pass_fds=(tfd,))
+            assert tar.stdin is not None
+            try:
+                fd = tar.stdin.fileno()
+
+                def out(data: bytes) -> None:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                gate.pump(out)
+            finally:
+                tar.stdin.close()
+                rc = tar.wait()
+            err.seek(0)
+            why = err.read(4096).decode(errors="replace").strip()
+        th.join(30)
+        res = box.get("res")
+        if box.get("err") is not None or res is None or res.rc != 0:
+            raise TestbedError(f"{what}: {box.get('err') or (res.stderr.strip()[-300:] if res else 'no answer')}")
+        if rc != 0:
+            raise TestbedError(f"{what}: unpacking failed: {why or f'tar exit status {rc}'}")
+        os.rename("run", part_dir.name, src_dir_fd=tfd, dst_dir_fd=pfd)
+    finally:
+        box["broken"] = True
+        stream.close()   # (a write blocked on the pipe fails now)
+        th.join(5)
+        if tfd >= 0:
+            os.close(tfd)
+        shutil.rmtree(tmp, ignore_errors=True, dir_fd=pfd)
+        os.close(pfd)
 
 
 class _Forward:
@@ -1138,7 +1247,8 @@ def _merge_phantoms(by_host: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "real_workers": [str(w) for w in items(first, "real_workers")],
         "real_ranks": sorted(ints("real_ranks") - phantom), "phantom_ranks": sorted(phantom),
         "ops_mirrored": [x for ph in by_host.values() for x in items(ph, "ops_mirrored")],
-        "errors": [f"{h}: {e}" for h, ph in by_host.items() for e in items(ph, "errors")],
+        "errors": [f"{h}: {e}" for h, ph in by_host.items() for e in items(ph, "errors")]
+        + [f"{h}: relay: {str(ph['relay_gave_up'])[:300]}" for h, ph in by_host.items() if ph.get("relay_gave_up")],
         "warnings": sorted({str(w) for ph in by_host.values() for w in items(ph, "warnings")})[:20],
         "announce_late_p50_s": max(p50s.values()) if p50s else None,
         "announce_late_max_s": max(maxes) if maxes else None,
@@ -1161,18 +1271,21 @@ def _started_line(text: str) -> str | None:
 def _merge_parts(rd: Path, hosts: Sequence[str], master_host: str, doc: dict[str, Any],
                  problems: dict[str, str]) -> None:
     """One run directory out of every host's: what `testbed report` reads."""
-    import shutil
-
+    from testbed import safeio
     from testbed.jobs import counters, rundir
     from testbed.topology.model import Topology
 
     parts = [(h, rd / "parts" / h) for h in hosts if (rd / "parts" / h / "summary.json").is_file()]
+    # every write into rd goes through rundir (no link a local job planted there is followed); a
+    # name the first host has is its
     for sub in ("probe", "logs"):
-        (rd / sub).mkdir(exist_ok=True)
+        os.close(safeio.open_dir_beneath(*safeio.path_beneath_runs(rd / sub), create=True))
+        copied: set[str] = set()
         for _h, p in parts:
             for f in sorted((p / sub).glob("*")):
-                if f.is_file() and not (rd / sub / f.name).exists():
-                    shutil.copyfile(f, rd / sub / f.name)
+                if f.name not in copied and f.is_file() and not f.is_symlink():
+                    rundir.copy_file(f, rd / sub / f.name, FETCH_FILE_MAX_BYTES)
+                    copied.add(f.name)
     summaries = {h: json.loads((p / "summary.json").read_text()) for h, p in parts}
     topo = Topology.from_json(doc["topology"])
     merged_counters = {}
@@ -1193,13 +1306,13 @@ def _merge_parts(rd: Path, hosts: Sequence[str], master_host: str, doc: dict[str
         if not src.is_file():
             src = next((p / f for _h, p in parts if (p / f).is_file()), None)
         if src is not None and src.is_file():
-            shutil.copyfile(src, rd / f)
+            rundir.copy_file(src, rd / f)
     events = []
     for _h, p in parts:
         if (p / "testbed-events.jsonl").is_file():
             events += [ln for ln in (p / "testbed-events.jsonl").read_text().splitlines() if ln.strip()]
     if events:
-        (rd / "testbed-events.jsonl").write_text("\n".join(events) + "\n")
+        rundir.write_bytes(rd / "testbed-events.jsonl", ("\n".join(events) + "\n").encode())
     base = dict(summaries.get(master_host) or next(iter(summaries.values()), {}))
     ranks = [dict(r, host=h) for h, sm in summaries.items() for r in sm.get("ranks") or []]
     ranks.sort(key=lambda r: (r.get("rank") is None, r.get("rank") or 0))

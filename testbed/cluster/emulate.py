@@ -96,6 +96,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from testbed import procs
+from testbed.cluster import hostside
 from testbed.errors import CapabilityError, StateError, TestbedError
 
 __all__ = ["Emulated", "EmulatedHost", "create", "destroy", "emulated", "load", "main", "start_sshd", "stop_sshd"]
@@ -115,7 +117,7 @@ _UNSAFE = set(" \t\n\"'%\\#")   # characters a path must not have in an sshd_con
 SUDO_MODES = ("nopasswd", "none")
 LOGIN_UIDS = range(50000, 60000)   # the login user's uid (= gid): the first free on this machine
 LOGIN_HOMES = "/run/home"          # in each host: its DIR/hN/home, where the login user's home is
-_USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+_USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}\Z")
 HOST_DOCKER_SOCKET = "/run/docker.sock"   # in each host: the Docker SDK's default, /var/run/docker.sock
 
 _CHILDREN: dict[int, subprocess.Popen] = {}   # processes this process started: reaped when they end
@@ -218,8 +220,8 @@ class Emulated:
     # -- use
 
     def load_hosts(self) -> Any:
-        """DIR/hosts.yaml, validated (testbed.topology.hosts.Hosts)."""
-        from testbed.topology.hosts import load_hosts
+        """DIR/hosts.yaml, validated (testbed.cluster.hosts.Hosts)."""
+        from testbed.cluster.hosts import load_hosts
 
         return load_hosts(self.hosts_file)
 
@@ -372,20 +374,12 @@ def _reap(pid: int, wait_s: float = 0.0) -> bool:
         try:
             done, _ = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:   # not our child: whoever is its parent reaps it
-            return not Path(f"/proc/{pid}").exists() or _zombie(pid)
+            return procs.start_ticks(pid) is None   # gone, or a zombie
         if done:
             return True
         if time.monotonic() >= end:
             return False
         time.sleep(0.02)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def _signal(pids: list[int], sig: int) -> None:
@@ -453,40 +447,8 @@ def _keygen(path: Path, comment: str) -> None:
     _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)], "ssh-keygen")
 
 
-_HOLDER_SCRIPT = r"""
-set -e
-# every mount below is made in the host's private mount namespace: this machine never sees it, and
-# it vanishes with the host
-# the Docker daemon's socket (TB_DOCKER) may live under /run, which is covered next: first bound on
-# a file under DIR (TB_DOCKER_STAGE), from where it goes to the host's own /run
-if [ -n "$TB_DOCKER" ]; then mount --bind "$TB_DOCKER" "$TB_DOCKER_STAGE"; fi
-# the machine's mounts under /run (its /run/netns and namespace files) must not show through the
-# host's own /run: detached here, deepest first
-for m in $(awk '$5 ~ "^/run/" {print $5}' /proc/self/mountinfo | sort -r); do umount -l "$m" 2>/dev/null || true; done
-mount -t tmpfs -o mode=0755,nosuid,nodev tbh-run /run
-mkdir -p /run/netns /run/testbed /run/lock
-mkdir -m 0755 /run/sshd
-chmod 1777 /run/lock
-if [ -n "$TB_DOCKER" ]; then
-  : > "$TB_DOCKER_AT"
-  mount --bind "$TB_DOCKER_STAGE" "$TB_DOCKER_AT"
-  umount "$TB_DOCKER_STAGE"
-fi
-# the login user (TB_ETC): the host's own copies of the user and group files, which add it, of
-# /etc/hosts (which names the host: sudo looks its name up) and of /etc/sudoers.d (its rule); its
-# home (under DIR/hN/home, which it cannot reach: DIR is root's) at /run/home
-if [ -n "$TB_ETC" ]; then
-  for f in passwd group shadow hosts; do mount --bind "$TB_ETC/$f" "/etc/$f"; done
-  if [ -d "$TB_ETC/sudoers.d" ]; then mount --bind "$TB_ETC/sudoers.d" /etc/sudoers.d; fi
-  mkdir -m 0755 "$TB_HOMES"
-  mount --bind "$TB_HOME" "$TB_HOMES"
-fi
-printf '%s\n' "$TB_MARK" > /run/.testbed-emulated-host
-printf '%s\n' "$TB_HOST" > /proc/sys/kernel/hostname
-ip link set dev lo up
-echo ready
-exec sleep infinity </dev/null >/dev/null 2>&1
-"""
+# The holder's program (what it is given, what it does): testbed/cluster/hostside/emulated_holder.sh.
+_HOLDER_SCRIPT = hostside.text("emulated_holder.sh")
 
 
 def _start_holder(emu: Emulated, h: EmulatedHost) -> None:
@@ -614,14 +576,14 @@ def _make_login(emu: Emulated, h: EmulatedHost) -> None:
 
 def _sshd_alive(emu: Emulated, h: EmulatedHost) -> bool:
     pid = h.sshd_pid
-    return (pid is not None and _exe(pid) == SSHD and not _zombie(pid)
+    return (pid is not None and _exe(pid) == SSHD and procs.start_ticks(pid) is not None
             and (_marker_of(pid) or "").split()[:2] == [emu.token, h.name])
 
 
 def _wait_listening(address: str, pid: int, log: Path, name: str, timeout: float = READY_TIMEOUT_S) -> None:
     end = time.monotonic() + timeout
     while True:
-        if _zombie(pid) or not Path(f"/proc/{pid}").exists():
+        if procs.start_ticks(pid) is None:   # gone, or a zombie
             _reap(pid)
             raise TestbedError(f"emulated host {name}: sshd exited at start: {_log_tail(log)}")
         try:
@@ -858,7 +820,7 @@ def _write_hosts_file(emu: Emulated) -> None:
 
     import yaml
 
-    from testbed.topology.hosts import Host
+    from testbed.cluster.hosts import Host
 
     doc = {"description": f"{len(emu.hosts)} emulated hosts on this machine ({PREFIX}{emu.id}; "
                           f"python -m testbed.cluster.emulate down --dir {emu.dir})",
@@ -881,7 +843,7 @@ def _kill_ours(emu: Emulated, problems: list[str], timeout: float = 10.0) -> Non
     end = time.monotonic() + timeout
     inodes = _our_netns_inodes(emu)
     while True:
-        pids = [p for p in _our_pids(emu.token, netns_inodes=inodes) if not _zombie(p)]
+        pids = [p for p in _our_pids(emu.token, netns_inodes=inodes) if procs.start_ticks(p) is not None]
         if not pids:
             break
         if time.monotonic() >= end:

@@ -14,8 +14,17 @@ it at `up`). This module puts it there from the controller alone; the hosts need
    $XDG_CACHE_HOME/testbed, else ~/.cache/testbed) as wheelhouse/VERSION-KEY/wheels.tar, KEY
    a digest of the sources, the constraints, the Python tag and the machine: an edited clone or
    a changed environment gets a new wheelhouse; the three newest are kept. pip's own cache goes
-   there too (CACHE/pip): nothing else on the controller is written. Not under the state root
-   (/run/testbed): that is a tmpfs, RAM, emptied at each boot, and holds live testbeds only.
+   there too (CACHE/pip). Not under the state root (/run/testbed): that is a tmpfs, RAM, emptied
+   at each boot, and holds live testbeds only.
+   **The sha256 of wheels.tar** is taken as this process writes it and recorded outside the cache,
+   in a ledger whose path is checked private all the way up (ledger_root(): root's
+   /var/lib/testbed/wheelhouses, else ~/.local/state/testbed/wheelhouses; TESTBED_WHEELHOUSE_LEDGER):
+   whoever can rewrite the cache (its wheels.tar and its manifest alike) cannot also rewrite the
+   digest that vouches for them. A cached wheels.tar whose digest the ledger does not hold for its
+   build is never used: refused when the ledger holds another digest for it (it changed after the
+   build), built anew when it holds none. The host is given the digest and the size with the
+   install command and checks the stream against them before unpacking anything (so a wheels.tar
+   changed between that check and the copy is refused there).
 2. **Every selected host at once** (remote.run_parallel), each over its own SSH session, as
    root (sudo -n for a non-root login), touching nothing outside PREFIX:
    a. probe its Python (PYTHON -I -B -c ...: version, machine, venv and ensurepip, what PREFIX
@@ -25,8 +34,10 @@ it at `up`). This module puts it there from the controller alone; the hosts need
    b. PREFIX/VERSION complete (its marker file, and its `testbed version --json` says VERSION):
       nothing to do unless force ("already installed");
    c. else one remote shell, under a lock on PREFIX/.install.lock (flock: hosts that share a
-      filesystem install one after the other, and the later one finds it done), unpacks the
-      wheelhouse, streamed as one tar from the file here, into PREFIX/.wheels-RANDOM, makes
+      filesystem install one after the other, and the later one finds it done), receives the
+      wheelhouse, streamed as one tar from the file here, into PREFIX/.wheels-RANDOM, checks its
+      size and sha256 against the recorded ones (exit status 4 and nothing unpacked if they
+      differ), unpacks it there, makes
       the venv PREFIX/VERSION, ``pip install --no-index --find-links`` testbed==VERSION into it
       (pip's configuration and PIP_* ignored), writes the marker, and points PREFIX/bin/testbed
       at ../VERSION/bin/testbed (a symlink made under a temporary name and renamed over the old
@@ -39,12 +50,16 @@ it at `up`). This module puts it there from the controller alone; the hosts need
 Older versions in PREFIX are kept (PREFIX/0.0.9/...); PREFIX/bin/testbed is this controller's.
 The job's own packages (torch, ...) are not shipped: install them into PREFIX/VERSION.
 
+What runs on a host (the probe, the install script, its receiving and finishing steps) is a file of
+testbed/cluster/hostside, sent as the text of the command: the host may have no testbed yet.
+
 In code: prepare() -> Build (cheap: sources, constraints, key), wheelhouse(build, progress)
 -> Wheelhouse (built or found in the cache), install(hosts, ...) -> [HostOutcome].
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -66,14 +81,21 @@ from pathlib import Path
 from typing import Any
 
 from testbed import __version__
+from testbed.cluster import hostside
+from testbed.cluster.hostside import install_receive
 from testbed.errors import TestbedError
+from testbed.safeio import Unsafe, read_regular
 
 __all__ = ["Build", "HostOutcome", "InstallRefused", "MIN_PYTHON", "Wheelhouse", "WheelhouseError",
-           "cache_root", "check_prefix", "check_python", "hosts_file_line", "install", "prepare", "wheelhouse"]
+           "cache_root", "check_prefix", "check_python", "hosts_file_line", "install", "ledger_root", "prepare",
+           "wheelhouse"]
 
 MIN_PYTHON = (3, 11, 4)   # pyproject's requires-python: tarfile's extraction filters
 MARKER = ".testbed-install.json"   # in PREFIX/VERSION, written once pip has installed everything
 KEEP_WHEELHOUSES = 3
+KEEP_LEDGER = 64          # digests kept in the ledger (each a small file; the newest)
+MANIFEST_MAX = 1 << 20    # what is read of a cached manifest.json (ours: a few KiB)
+RECEIVE_REFUSED = install_receive.REFUSED   # install.sh's exit status when the stream is not the recorded one
 PROBE_TIMEOUT_S = 60.0
 VERSION_TIMEOUT_S = 120.0
 INSTALL_TIMEOUT_S = 1800.0   # the transfer, a wait for another host's install into a shared PREFIX, pip
@@ -159,6 +181,68 @@ def _private_dir(path: Path) -> Path:
                              f"(mode {stat.S_IMODE(st.st_mode):o}): what it holds is installed as root on the "
                              "hosts; fix it or point TESTBED_CACHE_DIR elsewhere")
     return path
+
+
+def ledger_root() -> Path:
+    """Where install records the sha256 of every wheelhouse it builds: outside the cache, so that what
+    can rewrite the cache cannot rewrite the digests. TESTBED_WHEELHOUSE_LEDGER, else root's
+    /var/lib/testbed/wheelhouses, else $XDG_STATE_HOME/testbed/wheelhouses (~/.local/state/...)."""
+    if os.environ.get("TESTBED_WHEELHOUSE_LEDGER"):
+        return Path(os.environ["TESTBED_WHEELHOUSE_LEDGER"])
+    if os.geteuid() == 0:
+        return Path("/var/lib/testbed/wheelhouses")
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "testbed" / "wheelhouses"
+
+
+def _ledger() -> Path:
+    """The ledger directory, made 0700 if missing; refused unless it and every directory above it
+    are root's or ours and nobody else may write in them (a sticky one, like /tmp, aside)."""
+    path = Path(os.path.abspath(ledger_root()))
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    me = os.geteuid()
+    here = path
+    while True:
+        st = os.lstat(here)
+        others_write = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (here != path and st.st_mode & stat.S_ISVTX)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid not in (0, me) or others_write \
+                or (here == path and st.st_uid != me):
+            raise InstallRefused(
+                f"the wheelhouse ledger {path} is not private: {here} is "
+                + ("a symbolic link" if stat.S_ISLNK(st.st_mode) else
+                   f"owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}")
+                + ". It holds the digests that vouch for what is installed as root on the hosts; fix it or "
+                  "point TESTBED_WHEELHOUSE_LEDGER at a directory only you can change")
+        if here.parent == here:
+            return path
+        here = here.parent
+
+
+def _ledger_entry(build: Build, digest: str) -> str:
+    return f"{build.name}.{digest}"
+
+
+def _recorded(build: Build) -> set[str]:
+    """The digests of wheels.tar recorded for this build (one per build of it: pip's wheels are not
+    byte for byte the same twice)."""
+    prefix = f"{build.name}."
+    return {name[len(prefix):] for name in os.listdir(_ledger()) if name.startswith(prefix)}
+
+
+def _record(build: Build, digest: str, size: int) -> None:
+    ledger = _ledger()
+    final = ledger / _ledger_entry(build, digest)
+    tmp = ledger / f".{final.name}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps({"key": build.key, "tar_sha256": digest, "tar_bytes": size,
+                             "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+    os.replace(tmp, final)
+    entries = sorted((p for p in ledger.iterdir() if not p.name.startswith(".")),
+                     key=lambda p: p.lstat().st_mtime, reverse=True)
+    for old in entries[KEEP_LEDGER:]:
+        with contextlib.suppress(OSError):
+            old.unlink()
 
 
 def _source_tree() -> Path:
@@ -257,37 +341,68 @@ class Wheelhouse:
     size: int          # bytes of the wheels
     seconds: float     # how long building took (0 when it came from the cache)
     cached: bool
+    sha256: str        # of wheels.tar, as recorded in the ledger when it was built
+    tar_bytes: int     # its size
 
     def describe(self) -> str:
         return f"{len(self.wheels)} wheels, {self.size / 1e6:.1f} MB"
 
 
 def _load_cached(build: Build, entry: Path) -> tuple[Wheelhouse | None, str]:
-    """The wheelhouse kept in `entry`, or None and why not."""
+    """The wheelhouse kept in `entry`, or None and why not. WheelhouseError when its wheels.tar is
+    not one this controller built for it (the ledger holds other digests for this build)."""
+    tar = entry / "wheels.tar"
     try:
-        manifest = json.loads((entry / "manifest.json").read_text())
-        tar = entry / "wheels.tar"
+        manifest = json.loads(read_regular(entry / "manifest.json", MANIFEST_MAX))   # (bounded: ours is KiB)
         if manifest.get("key") != build.key:
             return None, "it was built from other sources or versions"
-        if tar.stat().st_size != manifest.get("tar_bytes") or _sha256(tar) != manifest.get("tar_sha256"):
-            return None, "its wheels.tar is not the one it was built with"   # (what it holds is installed as root)
-        return Wheelhouse(build, entry, tar, tuple(manifest["wheels"]), int(manifest["size"]), 0.0, True), ""
+        digest, size = _sha256(tar)
+        wheels, wheels_size = tuple(str(w) for w in manifest["wheels"]), int(manifest["size"])
     except FileNotFoundError:
         return None, "none is kept"
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, Unsafe) as exc:
         return None, f"its manifest is unreadable ({exc})"
+    known = _recorded(build)
+    if digest not in known:
+        if not known:
+            return None, f"no digest of it was recorded when it was built (in {ledger_root()})"
+        # the manifest beside it says nothing: whoever rewrote the tar could rewrite it too
+        raise WheelhouseError(f"the wheelhouse in {entry} changed after it was built: its wheels.tar ({size} "
+                              f"bytes) has sha256 {digest}, and the ledger {ledger_root()} holds "
+                              f"{', '.join(sorted(known))} for it. What it holds would be installed as root on "
+                              f"the hosts: not used. Find out what wrote there, then remove {entry} to build it "
+                              "anew")
+    return Wheelhouse(build, entry, tar, wheels, wheels_size, 0.0, True, digest, size), ""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def _sha256(path: Path) -> tuple[str, int]:
+    """(sha256, size) of what `path` holds now, read once."""
+    h, n = hashlib.sha256(), 0
     with path.open("rb") as fh:
         while chunk := fh.read(1 << 20):
             h.update(chunk)
-    return h.hexdigest()
+            n += len(chunk)
+    return h.hexdigest(), n
 
 
-def _tar_of(wheels_dir: Path, tar_path: Path) -> list[str]:
-    """wheels_dir's wheels in one uncompressed tar (wheels are zip files already), owned by root."""
+class _Hashing:
+    """A file object that hashes what is written through it (tarfile writes sequentially)."""
+
+    def __init__(self, fh: Any):
+        self.fh, self.h, self.n = fh, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.h.update(data)
+        self.n += len(data)
+        return self.fh.write(data)
+
+    def tell(self) -> int:
+        return self.n
+
+
+def _tar_of(wheels_dir: Path, tar_path: Path) -> tuple[list[str], str, int]:
+    """wheels_dir's wheels in one uncompressed tar (wheels are zip files already), owned by root;
+    (names, sha256, size) of what was written, hashed on its way to the file (not read back)."""
     names = sorted(p.name for p in wheels_dir.iterdir() if p.name.endswith(".whl") and p.is_file())
 
     def owned(info: tarfile.TarInfo) -> tarfile.TarInfo:
@@ -296,10 +411,13 @@ def _tar_of(wheels_dir: Path, tar_path: Path) -> list[str]:
         info.mode = 0o644
         return info
 
-    with tarfile.open(tar_path, "w", format=tarfile.PAX_FORMAT) as tf:
-        for name in names:
-            tf.add(wheels_dir / name, arcname=name, recursive=False, filter=owned)
-    return names
+    fd = os.open(tar_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        out = _Hashing(fh)
+        with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tf:   # type: ignore[call-overload]
+            for name in names:
+                tf.add(wheels_dir / name, arcname=name, recursive=False, filter=owned)
+    return names, out.h.hexdigest(), out.n
 
 
 def _prune(root: Path, keep: Path) -> None:
@@ -350,134 +468,49 @@ def wheelhouse(build: Build, progress: Progress = lambda m: None, *, rebuild: bo
             raise WheelhouseError(f"building the wheelhouse failed (`{shlex.join(argv[1:4])} ...` exited with "
                                   f"status {r.returncode}; it needs the package index this machine's pip "
                                   "uses); last lines:\n" + "\n".join(f"  {ln}" for ln in lines))
-        tar = scratch / "wheels.tar"
-        names = _tar_of(wheels, tar)
-        if not any(n.startswith(f"testbed-{build.version}-") for n in names):
-            raise WheelhouseError(f"pip wheel made no wheel of testbed {build.version} (made: {', '.join(names)})")
-        size = sum((wheels / n).stat().st_size for n in names)
-        seconds = time.monotonic() - t0
-        final = scratch / "entry"
-        final.mkdir()
-        tar.rename(final / "wheels.tar")
-        (final / "manifest.json").write_text(json.dumps({
-            "key": build.key, "version": build.version, "wheels": names, "size": size,
-            "tar_bytes": (final / "wheels.tar").stat().st_size, "tar_sha256": _sha256(final / "wheels.tar"),
-            "built_s": round(seconds, 3),
-            "python": f"{build.python[0]}.{build.python[1]}", "machine": build.machine,
-            "constraints": build.constraints.splitlines()}, indent=1))
-        if entry.exists():   # a concurrent build, or rebuild: replaced whole
-            shutil.rmtree(entry, ignore_errors=True)
-        try:
-            final.rename(entry)
-        except OSError:      # another build put its own there first: the same key, the same wheels
-            pass
+        _keep(build, root, scratch, wheels, time.monotonic() - t0)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     _prune(root, entry)
     found, why = _load_cached(build, entry)
     if found is None:
         raise WheelhouseError(f"the wheelhouse in {entry} is unusable right after building it: {why}")
-    return Wheelhouse(build, entry, found.tar, found.wheels, found.size, seconds, False)
+    return Wheelhouse(build, entry, found.tar, found.wheels, found.size, time.monotonic() - t0, False,
+                      found.sha256, found.tar_bytes)
+
+
+def _keep(build: Build, root: Path, scratch: Path, wheels: Path, seconds: float) -> None:
+    """The wheels pip made in `wheels` as the cache's entry of `build` (root/NAME): one tar, its
+    digest recorded in the ledger as it is written, a manifest (what is in it, for people: it vouches
+    for nothing), renamed into place whole."""
+    entry = root / build.name
+    final = scratch / "entry"
+    final.mkdir()
+    names, digest, tar_bytes = _tar_of(wheels, final / "wheels.tar")
+    if not any(n.startswith(f"testbed-{build.version}-") for n in names):
+        raise WheelhouseError(f"pip wheel made no wheel of testbed {build.version} (made: {', '.join(names)})")
+    _record(build, digest, tar_bytes)
+    size = sum((wheels / n).stat().st_size for n in names)
+    (final / "manifest.json").write_text(json.dumps({
+        "key": build.key, "version": build.version, "wheels": names, "size": size, "tar_bytes": tar_bytes,
+        "built_s": round(seconds, 3), "python": f"{build.python[0]}.{build.python[1]}", "machine": build.machine,
+        "constraints": build.constraints.splitlines()}, indent=1))
+    if entry.exists():   # a concurrent build, or rebuild: replaced whole
+        shutil.rmtree(entry, ignore_errors=True)
+    try:
+        final.rename(entry)
+    except OSError:      # another build put its own there first (its digest recorded too)
+        pass
 
 
 # -- the hosts ------------------------------------------------------------------------------------
 
-# argv: PREFIX VERSION MARKER. One JSON line: what install needs to know before it does anything.
-_PROBE = r"""
-import json, os, platform, sys
-from importlib.util import find_spec
-prefix, version, marker = sys.argv[1:4]
-venv = os.path.join(prefix, version)
-try:
-    with open(os.path.join(venv, marker)) as f:
-        done = json.load(f)
-except (OSError, ValueError):
-    done = None
-link = os.path.join(prefix, "bin", "testbed")
-print(json.dumps({"version_info": list(sys.version_info[:3]), "machine": platform.machine(),
-                  "executable": sys.executable, "venv": find_spec("venv") is not None,
-                  "ensurepip": find_spec("ensurepip") is not None, "marker": done,
-                  "testbed": os.access(os.path.join(venv, "bin", "testbed"), os.X_OK),
-                  "link": os.readlink(link) if os.path.islink(link) else None}))
-"""
-
-# argv: PREFIX VERSION [MARKER MARKER_TEXT]. Writes the marker (atomically), then points
-# PREFIX/bin/testbed at ../VERSION/bin/testbed: a symlink under a temporary name, renamed over.
-_FINISH = r"""
-import os, sys
-prefix, version = sys.argv[1:3]
-if len(sys.argv) > 3:
-    marker = os.path.join(prefix, version, sys.argv[3])
-    with open(marker + ".tmp", "w") as f:
-        f.write(sys.argv[4])
-    os.replace(marker + ".tmp", marker)
-bindir = os.path.join(prefix, "bin")
-os.makedirs(bindir, mode=0o755, exist_ok=True)
-tmp = os.path.join(bindir, ".testbed.%d" % os.getpid())
-os.symlink(os.path.join("..", version, "bin", "testbed"), tmp)
-os.replace(tmp, os.path.join(bindir, "testbed"))
-"""
-
-# argv: PREFIX VERSION PYTHON WHEELS_DIR FORCE MARKER MARKER_TEXT RUN_ID FINISH. stdin: the wheelhouse tar.
-# Prints "@step NAME" lines on stdout as it goes; pip's output goes to stderr.
-_INSTALL = r"""
-set -eu
-prefix=$1 version=$2 python=$3 wheels=$4 force=$5 marker_name=$6 marker_text=$7 run=$8 finish=$9
-venv=$prefix/$version
-marker=$venv/$marker_name
-made=0
-old=
-step() { printf '@step %s\n' "$*"; }
-cleanup() {
-    rc=$?
-    rm -rf -- "$wheels"
-    if [ "$rc" != 0 ] && [ "$made" = 1 ]; then
-        rm -rf -- "$venv"                                  # half made by this install
-        if [ -n "$old" ]; then mv -T -- "$old" "$venv"; fi  # what was there comes back
-    fi
-    exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 143' HUP INT TERM
-umask 022
-command -v flock >/dev/null || { echo "flock (util-linux) is not installed on this host" >&2; exit 1; }
-mkdir -p -- "$prefix"
-exec 9>>"$prefix/.install.lock"
-flock -n 9 || { step waiting; flock 9; }
-# a host sharing this filesystem may have installed it while this one waited
-if [ -f "$marker" ] && [ -x "$venv/bin/testbed" ] && { [ "$force" = 0 ] || grep -q "\"run\": \"$run\"" "$marker"; }; then
-    step already "$(cat -- "$marker")"
-    "$venv/bin/python" -I -c "$finish" "$prefix" "$version"
-    cat >/dev/null
-    exit 0
-fi
-if [ -e "$venv" ] && [ ! -f "$marker" ] && [ "$force" = 0 ]; then
-    step unmarked
-    echo "$venv exists but holds no $marker_name: testbed install did not make it, or did not finish it;" \
-         "remove it, or give --force to replace it" >&2
-    exit 3
-fi
-step receive
-mkdir -p -- "$wheels"
-tar -C "$wheels" -xf -
-step venv
-if [ -e "$venv" ]; then   # (--force, or a repair): kept aside until the new one works
-    old=$prefix/.old-$version-$run
-    rm -rf -- "$old"
-    mv -T -- "$venv" "$old"
-fi
-made=1
-"$python" -I -m venv "$venv"
-step pip
-# the wheelhouse only: no configuration file (PIP_CONFIG_FILE=/dev/null), no PIP_* variable (--isolated)
-env PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -I -m pip --isolated install --no-index --find-links "$wheels" \
-    --no-cache-dir --disable-pip-version-check --no-input "testbed==$version" >&2
-step finish
-"$venv/bin/python" -I -c "$finish" "$prefix" "$version" "$marker_name" "$marker_text"
-made=0
-if [ -n "$old" ]; then rm -rf -- "$old"; fi
-step done
-"""
+# The programs install runs on a host, each a file of testbed/cluster/hostside (see there what it is
+# given and answers). They go as the text of the command: the host may have no testbed yet.
+_PROBE = hostside.text("install_probe.py")       # PYTHON -I -B -c _PROBE PREFIX VERSION MARKER
+_FINISH = hostside.text("install_finish.py")     # VENV_PYTHON -I -c _FINISH PREFIX VERSION [MARKER TEXT]
+_RECEIVE = hostside.text("install_receive.py")   # run by _INSTALL: the wheelhouse, checked
+_INSTALL = hostside.text("install.sh")           # sh -c _INSTALL sh PREFIX VERSION ... (see _install_on)
 
 
 @dataclass
@@ -565,6 +598,15 @@ def _probe(h: _Host, prefix: str, version: str, python: str, build: Build, force
         out.details = _tail(r.stderr or r.stdout, 3)
         return
     h.probe = probe
+    unsafe = probe.get("unsafe")
+    if unsafe:
+        where = "; ".join(f"{p} (owner uid {u}, mode {m}{', a symbolic link' if ln else ''})"
+                          for p, u, m, ln in (x for x in unsafe if isinstance(x, list) and len(x) == 4))
+        out.state = "refused"
+        out.why = (f"{prefix} on {out.host} is not root's alone: {where}. root runs {prefix}/bin/testbed, so "
+                   "whoever can change it or a directory above it could run commands as root: choose a prefix "
+                   "owned by root and writable by root only")
+        return
     vi = probe.get("version_info")
     out.python = ".".join(map(str, vi[:3])) if isinstance(vi, list) else None
     problem = _judge_python(out.host, python, probe, build.python, build.machine)
@@ -601,19 +643,21 @@ class _Steps:
             "finish": None, "done": None}
 
     def __init__(self, host: str, say: Progress, fields: dict[str, str]):
+        from testbed.cluster.remote import lines
+
         self.host, self.say, self.fields = host, say, fields
-        self.buf = b""
         self.seen: dict[str, float] = {}
         self.already: dict[str, Any] | None = None
+        self._lines = lines(self._line)   # what waits for a newline is bounded (a host's stdout is hostile)
 
     def __call__(self, data: bytes) -> None:
-        self.buf += data
-        while b"\n" in self.buf:
-            line, self.buf = self.buf.split(b"\n", 1)
-            text = line.decode(errors="replace")
-            if not text.startswith("@step "):
-                continue
+        self._lines(data)
+
+    def _line(self, text: str) -> None:
+        if text.startswith("@step "):
             name, _, rest = text[len("@step "):].partition(" ")
+            if name not in self.SAID and name not in ("already", "unmarked"):
+                return   # (not ours: nothing a host says grows what is kept)
             self.seen[name] = time.monotonic()
             if name == "already":
                 try:
@@ -638,9 +682,12 @@ def _install_on(h: _Host, prefix: str, version: str, python: str, house: Wheelho
                                    "version": version, "prefix": prefix})
     t0 = time.monotonic()
     with house.tar.open("rb") as fh:
+        # the digest recorded when the wheelhouse was built goes with the command: the host checks the
+        # stream against it, so a wheels.tar changed here after _load_cached checked it is refused there
         r = h.ctl.run(["sh", "-c", _INSTALL, "sh", prefix, version, python, wheels,
                        "1" if force or h.repair else "0", MARKER,
-                       marker_text, run_id, _FINISH], stdin=fh, timeout=INSTALL_TIMEOUT_S, on_stdout=steps)
+                       marker_text, run_id, _FINISH, house.sha256, str(house.tar_bytes), _RECEIVE],
+                      stdin=fh, timeout=INSTALL_TIMEOUT_S, on_stdout=steps)
     if r.rc != 0:
         last = max(steps.seen, key=steps.seen.get) if steps.seen else None
         if last == "unmarked":   # not ours to replace without --force
@@ -649,6 +696,12 @@ def _install_on(h: _Host, prefix: str, version: str, python: str, house: Wheelho
                        "something else, or an install killed midway): remove it there, or give --force")
             return
         out.state = "failed"
+        if last == "receive" and r.rc == RECEIVE_REFUSED:
+            out.why = (f"{out.host} refused the wheelhouse it received: not the {house.tar_bytes} bytes with "
+                       f"sha256 {house.sha256} recorded when it was built ({house.tar} changed since?); nothing "
+                       "was unpacked")
+            out.details = _tail(r.stderr or r.stdout)
+            return
         what = {None: f"making {prefix} or locking {prefix}/.install.lock (flock, util-linux)",
                 "waiting": f"waiting for the lock on {prefix}/.install.lock",
                 "receive": "unpacking the wheelhouse (tar)", "venv": f"making the venv with `{python} -m venv`",

@@ -78,7 +78,7 @@ class Part:
     def check_against(self, topo: Topology, plan: NetworkPlan, testbed: str) -> None:
         """ValueError unless this part fits the topology: known nodes, and exactly one end per cut
         link of this host, with the plan's interface name, MAC and VNI."""
-        from testbed.net.names import mac_for
+        from testbed.names import mac_for
 
         unknown = sorted(self.nodes - set(topo.nodes))
         if unknown:
@@ -111,7 +111,7 @@ def make_parts(testbed: str, topo: Topology, plan: NetworkPlan, host_of: Mapping
 
     host_of: node -> host (the placement); underlays: host -> underlay address; underlay_s:
     {host pair} -> measured one-way underlay latency (s)."""
-    from testbed.net.names import mac_for
+    from testbed.names import mac_for
 
     for h, addr in underlays.items():
         ipaddress.ip_address(addr)   # ValueError on a bad address, before anything else

@@ -14,7 +14,7 @@ shlex.join(argv), so an argument is never split or expanded (write ["sh", "-c", 
 when a shell is wanted).
 
 SshHost is the SSH implementation, a fabric.Connection built from a hosts-file entry
-(testbed/topology/hosts.py): user, address and port from `ssh:`, the private key from `key:`
+(testbed/cluster/hosts.py): user, address and port from `ssh:`, the private key from `key:`
 (~ expanded), the SSH agent as `agent:` says; ~/.ssh/config still applies as for ssh(1) (a
 `User`, `ProxyJump`, `IdentityFile`). It never prompts: no passwords, no passphrases (an
 encrypted key belongs in the agent), no interactive sudo.
@@ -38,9 +38,17 @@ Timeouts. run(timeout=T) runs the command under the host's `timeout -k 5 T` (cor
 the remote process is ended, not merely abandoned, and raises RemoteTimeout; the local side
 gives up T + 15 s later in case the host stopped answering.
 
+What a host sends is bounded (it is hostile input, and testbed runs as root): without on_stdout,
+stdout is kept up to STDOUT_MAX (64 MiB) and a host that sends more gets OutputTooLarge, naming it
+(its session is closed, which ends the command); with on_stdout, the result keeps stdout's last
+STREAM_KEEP (1 MiB) and what the callback keeps is its own (lines(): one line waits for its newline
+up to LINE_MAX, 64 KiB, then is passed on cut); of stderr the last STDERR_KEEP (1 MiB) is kept.
+So a command costs this process at most STDOUT_MAX + STDERR_KEEP of buffers, plus the decoded text.
+
 Failures, all TestbedError: HostUnreachable (no session could be had, or it was lost;
 HostKeyRejected and HostAuthFailed are kinds of it), RemoteError (check=True and the command
-failed: host, command, exit status, the last lines of its stderr), RemoteTimeout, SudoRefused.
+failed: host, command, exit status, the last lines of its stderr), RemoteTimeout, SudoRefused,
+OutputTooLarge.
 """
 
 from __future__ import annotations
@@ -61,11 +69,11 @@ from typing import IO, Any, Protocol, Self, TypeVar, runtime_checkable
 
 from testbed import __version__
 from testbed.errors import TestbedError
-from testbed.topology.hosts import Host
+from testbed.cluster.hosts import Host
 
-__all__ = ["HostAuthFailed", "HostControl", "HostKeyRejected", "HostReport", "HostUnreachable", "RemoteError",
-           "RemoteResult", "RemoteTimeout", "SshHost", "SudoRefused", "check_host", "check_hosts",
-           "report_from_answers", "run_parallel"]
+__all__ = ["HostAuthFailed", "HostControl", "HostKeyRejected", "HostReport", "HostUnreachable", "OutputTooLarge",
+           "RemoteError", "RemoteResult", "RemoteTimeout", "SshHost", "SudoRefused", "check_host", "check_hosts",
+           "lines", "report_from_answers", "run_parallel"]
 
 T = TypeVar("T")
 
@@ -75,6 +83,9 @@ LOCAL_GRACE_S = 15.0             # the local side waits this much longer than th
 DRAIN_S = 2.0                    # after the exit status, how long output may still trickle in without moving
 STDERR_LINES = 5                 # lines of stderr a RemoteError quotes
 STREAM_KEEP = 1 << 20            # with on_stdout, the result keeps this much of stdout's end
+STDOUT_MAX = 64 << 20            # without on_stdout: a host that sends more is refused, not buffered
+STDERR_KEEP = 1 << 20            # of stderr, its end is kept (what a failure quotes)
+LINE_MAX = 1 << 16               # lines(): what waits for a newline (a longer line is passed on cut)
 SYSTEM_KNOWN_HOSTS = ("~/.ssh/known_hosts", "/etc/ssh/ssh_known_hosts")
 
 
@@ -133,6 +144,36 @@ class RemoteTimeout(RemoteError):
     def __init__(self, host: str, argv: Sequence[str], timeout: float, stderr: str = "", stdout: str = ""):
         self.timeout = timeout
         super().__init__(host, argv, 124, stderr, stdout, why=f"did not finish within {timeout:g} s (ended)")
+
+
+class OutputTooLarge(RemoteError):
+    """The command sent more on stdout than testbed keeps of a command's output (and no reader was
+    given to stream it to): given up on, its session closed."""
+
+    def __init__(self, host: str, argv: Sequence[str], limit: int, stderr: str = ""):
+        self.limit = limit
+        super().__init__(host, argv, -1, stderr, "",
+                         why=f"sent more than {limit >> 20} MiB on stdout, the most testbed keeps of a command's "
+                             "output: given up on (its session closed), nothing of it used")
+
+
+def lines(fn: Callable[[str], None], limit: int = LINE_MAX) -> Callable[[bytes], None]:
+    """An on_stdout for run() that calls fn(line) for each whole line (decoded, undecodable bytes
+    replaced, without its newline). What waits for a newline never grows past `limit` bytes: a
+    longer line is passed on cut at `limit`, its rest dropped up to the next newline. The returned
+    callable's close() passes on a last line that had no newline."""
+    from testbed.safeio import Lines
+
+    cut = Lines(lambda raw: fn(raw.decode(errors="replace")), limit)
+
+    class _Feed:
+        def __call__(self, data: bytes) -> None:
+            cut.feed(data)
+
+        def close(self) -> None:
+            cut.close()
+
+    return _Feed()
 
 
 class SudoRefused(RemoteError):
@@ -331,8 +372,10 @@ class SshHost:
         key = self._key_file()
         t = self.connect_timeout
         try:
+            # forward_agent=False: a host we command as root never gets this machine's agent, whatever
+            # ~/.ssh/config says (Fabric follows its ForwardAgent when this is left unset)
             conn = Connection(self.target.address, user=self.target.user, port=self.target.port,
-                              connect_timeout=max(1, math.ceil(t)),
+                              connect_timeout=max(1, math.ceil(t)), forward_agent=False,
                               connect_kwargs={"key_filename": [key] if key else [],
                                               "allow_agent": self.host.uses_agent, "look_for_keys": False,
                                               "banner_timeout": t, "auth_timeout": t, "channel_timeout": t})
@@ -426,9 +469,10 @@ class SshHost:
     # -- running
 
     def _exec(self, transport: Any, command: str, stdin: bytes | IO[bytes] | None, wait_s: float | None,
-              on_stdout: Callable[[bytes], None] | None = None) -> tuple[int | None, bytes, bytes, str | None]:
-        """Run `command` in a new session: (rc or None, stdout, stderr, why). rc None: no exit status
-        (why says: "timeout", "lost" (the connection died) or "signal" (killed on the host))."""
+              on_stdout: Callable[[bytes], None] | None = None) -> tuple[int | None, bytearray, bytearray, str | None]:
+        """Run `command` in a new session: (rc or None, stdout, stderr, why), the output as received (not
+        copied). rc None: no exit status (why says: "timeout", "lost" (the connection died), "signal"
+        (killed on the host) or "overflow" (more than STDOUT_MAX on stdout without on_stdout))."""
         import paramiko
 
         lost = (OSError, EOFError, paramiko.SSHException)   # what paramiko raises when a session breaks
@@ -442,7 +486,8 @@ class SshHost:
         out, err = bytearray(), bytearray()
         moved = [time.monotonic(), False]   # when output last came in or was passed on; passing it on now
 
-        def drain(recv: Callable[[int], bytes], buf: bytearray, tell: Callable[[bytes], None] | None) -> None:
+        def drain(recv: Callable[[int], bytes], buf: bytearray, tell: Callable[[bytes], None] | None,
+                  keep: int | None = None) -> None:
             while True:
                 try:
                     data = recv(1 << 16)
@@ -451,6 +496,10 @@ class SshHost:
                 if not data:
                     return
                 moved[0] = time.monotonic()
+                if tell is None and keep is None and len(buf) + len(data) > STDOUT_MAX:
+                    overflow[0] = True   # what a host sends is bounded: the command is given up on
+                    chan.close()
+                    return
                 buf += data
                 if tell is not None:
                     moved[1] = True   # (tell may wait: a streamed copy's reader is slower than the network)
@@ -460,6 +509,8 @@ class SshHost:
                         moved[:] = [time.monotonic(), False]
                     if len(buf) > STREAM_KEEP:   # streamed: the caller has it; keep the tail only
                         del buf[:len(buf) - STREAM_KEEP]
+                elif keep is not None and len(buf) > keep:
+                    del buf[:len(buf) - keep]
 
         def feed() -> None:
             # the command may exit without reading all of its input: as with a pipe, not an error;
@@ -472,8 +523,9 @@ class SshHost:
                         chan.sendall(chunk)
                 chan.shutdown_write()
 
+        overflow = [False]
         threads = [threading.Thread(target=drain, args=(chan.recv, out, on_stdout), daemon=True),
-                   threading.Thread(target=drain, args=(chan.recv_stderr, err, None), daemon=True)]
+                   threading.Thread(target=drain, args=(chan.recv_stderr, err, None, STDERR_KEEP), daemon=True)]
         if stdin is None:
             chan.shutdown_write()
         else:
@@ -487,7 +539,7 @@ class SshHost:
                 if end is not None and time.monotonic() >= end:
                     why = "timeout"
                     break
-                if not transport.is_active():
+                if not transport.is_active() or overflow[0]:
                     break
             if why is None:
                 # output sent before the status may still be on its way, or still be passed on to a
@@ -500,11 +552,14 @@ class SshHost:
             chan.close()
             for th in threads:
                 th.join(1.0)
+        if overflow[0]:
+            out.clear()   # (nothing of it is used)
+            return None, out, err, "overflow"
         if why is None:
             if chan.exit_status != -1:
-                return chan.exit_status, bytes(out), bytes(err), None
+                return chan.exit_status, out, err, None
             why = "signal" if transport.is_active() else "lost"
-        return None, bytes(out), bytes(err), why
+        return None, out, err, why
 
     def _command(self, argv: Sequence[str], timeout: float | None) -> str:
         words = list(argv)
@@ -527,6 +582,9 @@ class SshHost:
         rc, out, err, why = self._exec(transport, self._command(args, timeout), stdin,
                                        None if timeout is None else timeout + LOCAL_GRACE_S, on_stdout)
         stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
+        del out, err
+        if why == "overflow":
+            raise OutputTooLarge(self.name, args, STDOUT_MAX, stderr)
         if why == "lost":
             self.close()
             raise self._unreachable(f"lost the connection while running `{_shown(args)}`")

@@ -31,158 +31,25 @@ like on a real partition (no EPERM to the sender, as an output drop would).
 from __future__ import annotations
 
 import contextlib
-import os
+import json
 import signal
 import subprocess
 import time
 from typing import Any, Iterator, Sequence
 
 from testbed.errors import CapabilityError, StateError, TestbedError
-from testbed import events, procs, store
-from testbed.net import names, netns
-from testbed.topology.model import LinkProfile, Topology
+from testbed import names, procs, running
+from testbed.net import netns
+# The running testbed and a worker's CPU limit live below faults/, since a run caps CPUs too; the
+# verbs and scenario steps still reach them here.
+from testbed.node_cpus import node_restore, node_slow
+from testbed.running import FaultError, Handle, locked  # noqa: F401
+from testbed.topology.model import LinkProfile
 from testbed.topology.plan import Route
 
 PROFILE_FIELDS = ("bandwidth_bps", "delay_s", "jitter_s", "loss", "queue")
 NFT_TABLE = "testbed_partition"
-LOG_KEEP = 200
 STOP_GRACE_S = 2.0
-
-
-class FaultError(TestbedError):
-    """A fault command names something the testbed does not have, or cannot do it: exit status 2."""
-
-    exit_code = 2
-
-
-# -- the testbed as seen from its state -------------------------------------------------------------------------
-
-
-class Handle:
-    """A running testbed: its state, topology, plan and dilation factor (loaded once per operation)."""
-
-    def __init__(self, name: str, st: dict[str, Any] | None = None):
-        self.name = name
-        self.st = st if st is not None else store.load(name)
-        if not self.st.get("topology"):
-            raise StateError(f"state of testbed {name!r} has no topology snapshot")
-        self.topo = Topology.from_json(self.st["topology"])
-        self._plan = None
-
-    @property
-    def plan(self):
-        if self._plan is None:
-            from testbed.topology.plan import plan_network
-
-            self._plan = plan_network(self.topo)
-        return self._plan
-
-    @property
-    def dilation(self) -> float:
-        return dilation_of(self.st, self.topo)
-
-    @property
-    def caps(self):
-        from testbed.net.capabilities import Capabilities
-
-        data = self.st.get("capabilities")
-        if isinstance(data, dict):
-            return Capabilities.from_json(data)
-        from testbed.net import capabilities
-
-        return capabilities.probe()
-
-    def here(self, node: str) -> bool:
-        """Whether `node` is built on this host (always, unless the testbed spans several hosts:
-        then each host's faults act on its own nodes and link ends, cluster.part)."""
-        part = self.st.get("part")
-        return part is None or node in part.get("nodes", ())
-
-    def netns(self, node: str) -> str:
-        if node in self.topo.workers:
-            rec = self.st.get("runtime", {}).get("workers", {}).get(node) or {}
-            if rec.get("netns"):
-                return rec["netns"]
-        return names.netns(self.name, node)
-
-    def faults(self) -> dict[str, Any]:
-        f = self.st.setdefault("faults", {})
-        f.setdefault("nodes", {})
-        f.setdefault("log", [])
-        return f
-
-    # -- links --
-    def node(self, node: str, *, path: str = "node") -> Any:
-        n = self.topo.nodes.get(node)
-        if n is None:
-            some = ", ".join(list(self.topo.nodes)[:12]) + (" ..." if len(self.topo.nodes) > 12 else "")
-            raise FaultError(f"{path}: testbed {self.name!r} has no node {node!r} (nodes: {some})")
-        return n
-
-    def link(self, a: str, b: str) -> tuple[int, dict[str, Any]]:
-        """(index, state record) of the link between a and b."""
-        self.node(a, path="A")
-        self.node(b, path="B")
-        link = self.topo.link_between(a, b)
-        if link is None:
-            nb = ", ".join(self.topo.neighbors(a)) or "none"
-            raise FaultError(f"link: testbed {self.name!r} has no link between {a} and {b} "
-                             f"({a}'s neighbours: {nb})")
-        i = self.topo.link_index(a, b)
-        recs = self.st.get("links") or []
-        if i >= len(recs):
-            raise StateError(f"state of testbed {self.name!r} lacks the record of link {i}")
-        return i, recs[i]
-
-    def profiles(self, i: int) -> tuple[LinkProfile, LinkProfile]:
-        """The emulated (undilated) profiles a->b and b->a link i runs at now."""
-        link = self.topo.links[i]
-        rec = self.st["links"][i]
-        prof = rec.get("profile")
-        if prof:
-            return LinkProfile.from_json(prof["ab"]), LinkProfile.from_json(prof["ba"])
-        return link.ab, link.ba
-
-    def log(self, what: str) -> None:
-        """Record a change in the state's fault log and the testbed's event stream."""
-        f = self.faults()
-        f["log"].append({"t": time.time(), "what": what})
-        del f["log"][:-LOG_KEEP]
-        word = what.split(" ", 1)[0]
-        events.emit(self.name, {"node": "node", "partition": "partition", "heal": "partition"}.get(word, "link"),
-                    what)
-
-
-def dilation_of(st: dict[str, Any], topo: Topology | None = None) -> float:
-    """The testbed's time-dilation factor (1 when none)."""
-    for key in ("time_dilation", "dilation"):
-        v = st.get(key)
-        if isinstance(v, dict) and v.get("factor"):
-            return float(v["factor"])
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return float(v)
-    td = (topo.time_dilation if topo is not None else (st.get("topology") or {}).get("time_dilation"))
-    if isinstance(td, (int, float)) and not isinstance(td, bool) and td >= 1:
-        return float(td)
-    return 1.0
-
-
-@contextlib.contextmanager
-def locked(name: str) -> Iterator[Handle]:
-    """The testbed's state, loaded under an exclusive lock and saved when the block succeeds.
-
-    Fault commands from several shells (and a scenario player) serialise here. On an error
-    the state is saved too (what was changed before the error is recorded), then it re-raises.
-    """
-    if not store.exists(name):
-        up = store.list_names()
-        raise StateError(f"no testbed named {name!r} is up" + (f" (up: {', '.join(up)})" if up else ""))
-    with store.lock(name, what="testbed fault"):
-        h = Handle(name)   # loaded (and checked to exist) under the lock: a `down` before us wins
-        try:
-            yield h
-        finally:
-            store.save(name, h.st)   # refuses, rather than recreates, a testbed removed meanwhile
 
 
 # -- netlink helpers ----------------------------------------------------------------------------------------------
@@ -514,42 +381,14 @@ def link_reset(name: str, a: str, b: str) -> None:
 # -- nodes ----------------------------------------------------------------------------------------------------------
 
 
-def _runtime(h: Handle):
-    from testbed.lifecycle import runtime_for
-
-    return runtime_for(h.st)
-
-
-def _worker_record(h: Handle, node: str) -> dict[str, Any]:
-    return h.st.setdefault("runtime", {}).setdefault("workers", {}).setdefault(node, {"netns": h.netns(node)})
-
-
-def _try(fn, *args, **kw) -> bool:
-    """Call a runtime control method; False when the runtime does not implement it."""
-    try:
-        fn(*args, **kw)
-        return True
-    except NotImplementedError:
-        return False
-
-
-def _strays(h: Handle, rt: Any, node: str, rec: dict[str, Any]) -> list[int]:
-    """Processes in the worker's network namespace that its runtime does not know (e.g. started with
-    nsenter --net): they are part of the worker too."""
-    known: set[int] = set()
-    listed = getattr(rt, "processes", None)
-    if listed is not None:
-        with contextlib.suppress(Exception):
-            known = set(listed(node, rec))
-    return [p for p in netns.pids_in([h.netns(node)]) if p not in known]
-
-
-def _kill(pids: Sequence[int], sig: int, wait: float) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
+def _kill(refs: Sequence[procs.ProcRef], sig: int, wait: float) -> None:
+    """Signal the processes that are still the ones found (PID and start time) and wait up to
+    `wait` for them to end. Never reaps: a caller's own child (a test's, a run's rank) keeps its
+    exit status for its Popen."""
+    for r in refs:
+        procs.signal_ref(r, sig)
     deadline = time.monotonic() + wait
-    while wait and time.monotonic() < deadline and any(procs.ref(p) is not None for p in pids):
+    while wait and time.monotonic() < deadline and any(procs.alive(r) for r in refs):
         time.sleep(0.02)
 
 
@@ -563,9 +402,9 @@ def node_down(name: str, node: str) -> None:
         n = h.node(node)
         ns = h.faults()["nodes"].setdefault(node, {})
         if n.is_worker and h.here(node) and ns.get("state") not in ("down", "crashed"):
-            rt = _runtime(h)
-            rec = _worker_record(h, node)
-            strays = _strays(h, rt, node, rec)
+            rt = running.runtime_of(h)
+            rec = running.worker_record(h, node)
+            strays = running.strays(h, rt, node, rec)
             try:
                 rt.stop(node, rec)
             except NotImplementedError:
@@ -590,8 +429,8 @@ def node_up(name: str, node: str) -> None:
         n = h.node(node)
         ns = h.faults()["nodes"].setdefault(node, {})
         if n.is_worker and h.here(node) and ns.get("state") in ("down", "crashed"):
-            rt = _runtime(h)
-            rec = _worker_record(h, node)
+            rt = running.runtime_of(h)
+            rec = running.worker_record(h, node)
             try:
                 new = rt.restart(node, rec)
                 if isinstance(new, dict):
@@ -622,14 +461,14 @@ def node_crash(name: str, node: str) -> int:
             ns["since"] = time.time()
             h.log(f"node crash {node} (on another host)")
             return 0
-        rt = _runtime(h)
-        rec = _worker_record(h, node)
+        rt = running.runtime_of(h)
+        rec = running.worker_record(h, node)
         before = set(netns.pids_in([h.netns(node)]))
-        strays = _strays(h, rt, node, rec)  # in the namespace, unknown to the runtime (nsenter'd)
+        strays = running.strays(h, rt, node, rec)  # in the namespace, unknown to the runtime (nsenter'd)
         try:
             rt.kill(node, rec)  # the runtime decides what a crash kills (docker keeps its init)
         except NotImplementedError:
-            strays = list(before)
+            strays = running.refs(sorted(before))
         except Exception as exc:
             h.log(f"node crash {node}: runtime kill: {exc}")
         _kill(strays, signal.SIGKILL, 1.0)
@@ -641,130 +480,32 @@ def node_crash(name: str, node: str) -> int:
         return count
 
 
-def _own_cgroup_slow(h: Handle, node: str, cpus: float, ns: dict[str, Any]) -> None:
-    """The runtime has no cgroups (bare): a group of our own, with the worker's processes moved in."""
-    from testbed.runtime import cgroups
-
-    paths = ns.get("cgroup") or cgroups.create(f"{h.name}.faults", node, cpus=cpus)
-    if not paths:
-        raise CapabilityError("node slow needs cgroups, and none are mounted")
-    cgroups.set_limits(paths, cpus=cpus)
-    for pid in netns.pids_in([h.netns(node)]):
-        with contextlib.suppress(OSError):
-            cgroups.add(paths, pid)
-    ns["cgroup"] = list(paths)
-
-
-def _own_cgroup_release(ns: dict[str, Any]) -> None:
-    from pathlib import Path
-
-    from testbed.runtime import cgroups
-
-    paths = ns.pop("cgroup", None)
-    if not paths:
-        return
-    for p in map(Path, paths):
-        root = p.parent.parent.parent   # <mount>/testbed/<tb>/<worker> -> <mount>
-        for pid in cgroups.pids([p]):
-            with contextlib.suppress(OSError):
-                cgroups.add([root], pid)
-    with contextlib.suppress(OSError):
-        cgroups.remove(paths, kill=False)
-
-
-def node_slow(name: str, node: str, cpus: float) -> None:
-    """Make worker `node` a straggler: at most `cpus` CPUs (cgroup CPU quota)."""
-    nodes_slow(name, [node], cpus)
-
-
-def nodes_slow(name: str, nodes: Sequence[str], cpus: float) -> None:
-    """`node_slow` for several workers under one lock (a run caps all its real workers at once)."""
-    if not (cpus > 0):
-        raise FaultError(f"--cpus must be positive (got {cpus})")
-    with locked(name) as h:
-        for node in nodes:
-            _slow(h, node, cpus)
-
-
-def _slow(h: Handle, node: str, cpus: float) -> None:
-    n = h.node(node)
-    if not n.is_worker:
-        raise FaultError(f"node: {node} is a switch; slow acts on workers")
-    ns = h.faults()["nodes"].setdefault(node, {})
-    if not h.here(node):   # on another host, which caps it: the record only, kept the same here
-        ns["cpus"] = cpus
-        h.log(f"node slow {node} cpus={cpus:g} (on another host)")
-        return
-    rt = _runtime(h)
-    rec = _worker_record(h, node)
-    done = False
-    if not ns.get("cgroup"):
-        try:
-            done = _try(rt.set_limits, node, rec, cpus=cpus)
-        except CapabilityError:
-            done = False
-        paths = rec.get("cgroups") or []
-        if done and paths:
-            from testbed.runtime import cgroups
-
-            for pid in _strays(h, rt, node, rec):   # everything in the worker is slowed
-                with contextlib.suppress(OSError):
-                    cgroups.add(paths, pid)
-        elif done:
-            done = False
-    if not done:
-        _own_cgroup_slow(h, node, cpus, ns)
-    ns["cpus"] = cpus
-    h.log(f"node slow {node} cpus={cpus:g}")
-
-
-def node_restore(name: str, node: str) -> None:
-    """Undo `node slow`: the worker's CPU limit back to the topology's (or none)."""
-    nodes_restore(name, [node])
-
-
-def nodes_restore(name: str, nodes: Sequence[str]) -> None:
-    """`node_restore` for several workers under one lock."""
-    with locked(name) as h:
-        for node in nodes:
-            _restore(h, node)
-
-
-def _restore(h: Handle, node: str) -> None:
-    n = h.node(node)
-    ns = h.faults()["nodes"].setdefault(node, {})
-    if "cpus" not in ns and not ns.get("cgroup"):
-        return
-    if not h.here(node):   # on another host, which lifts the cap: the record only
-        ns.pop("cgroup", None)
-    elif ns.get("cgroup"):
-        _own_cgroup_release(ns)
-    else:
-        rt = _runtime(h)
-        rec = _worker_record(h, node)
-        cpus = n.cpus
-        if (h.st.get("dilation") or {}).get("cap_cpu"):   # what `up` gave it: 1/s of its CPUs
-            cpus = (n.cpus or 1.0) / h.dilation
-        if cpus is not None:
-            _try(rt.set_limits, node, rec, cpus=cpus)
-        else:
-            from testbed.runtime import cgroups
-
-            paths = rec.get("cgroups") or []
-            if paths:
-                cgroups.set_limits(paths, clear=True)
-                if n.memory_bytes is not None:
-                    cgroups.set_limits(paths, memory_bytes=n.memory_bytes)
-    ns.pop("cpus", None)
-    h.log(f"node restore {node}" + ("" if h.here(node) else " (on another host)"))
-
-
 # -- partitions -------------------------------------------------------------------------------------------------------
 
 
-def _nft(ns: str, script: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["nsenter", f"--net={netns.path(ns)}", "--", "nft", "-f", "-"], input=script,
-                          text=True, capture_output=True, check=False, timeout=10)
+def _nft(ns: str, commands: list[dict[str, Any]]) -> subprocess.CompletedProcess:
+    """Run nft's JSON commands in a namespace (data, never nft program text: see net/underlay_filter)."""
+    return subprocess.run(["nsenter", f"--net={netns.path(ns)}", "--", "nft", "-j", "-f", "-"],
+                          input=json.dumps({"nftables": commands}), text=True, capture_output=True, check=False,
+                          timeout=10)
+
+
+def _partition_rules(blocked: list[str]) -> list[dict[str, Any]]:
+    """A worker's side of a partition: frames from the other groups' addresses are dropped on input."""
+    table = {"family": "ip", "table": NFT_TABLE}
+    blocked_set = {**table, "name": "blocked", "type": "ipv4_addr", **({"elem": blocked} if blocked else {})}
+    return [
+        {"add": {"table": {"family": "ip", "name": NFT_TABLE}}},
+        {"add": {"set": blocked_set}},
+        {"add": {"chain": {**table, "name": "input", "type": "filter", "hook": "input", "prio": -10,
+                           "policy": "accept"}}},
+        {"add": {"rule": {**table, "chain": "input", "expr": [
+            {"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "saddr"}}, "right": "@blocked"}},
+            {"drop": None}]}}},
+    ]
+
+
+_DELETE_PARTITION = [{"delete": {"table": {"family": "ip", "name": NFT_TABLE}}}]
 
 
 def partition(name: str, groups: Sequence[Sequence[str]]) -> list[list[str]]:
@@ -789,18 +530,14 @@ def partition(name: str, groups: Sequence[Sequence[str]]) -> list[list[str]]:
                     continue   # over several hosts: each host filters at its own workers
                 blocked = [addr.split("/")[0] for v, k in member.items() if k != j
                            for addr in h.plan.addresses(v)]
-                script = (f"table ip {NFT_TABLE} {{\n"
-                          f"  set blocked {{ type ipv4_addr; elements = {{ {', '.join(blocked)} }} }}\n"
-                          f"  chain input {{ type filter hook input priority -10; policy accept; "
-                          f"ip saddr @blocked drop; }}\n}}\n")
                 ns = h.netns(w)
-                r = _nft(ns, script)
+                r = _nft(ns, _partition_rules(blocked))
                 if r.returncode != 0:
                     raise CapabilityError(f"partition: nft failed in {ns}: {r.stderr.strip()}")
                 done.append(ns)
         except BaseException:
             for ns in done:
-                _nft(ns, f"delete table ip {NFT_TABLE}\n")
+                _nft(ns, _DELETE_PARTITION)
             raise
         h.faults()["partition"] = {"groups": [list(g) for g in resolved], "netns": done, "since": time.time()}
         h.log("partition " + " | ".join(",".join(g) for g in resolved))
@@ -813,7 +550,7 @@ def _heal(h: Handle) -> bool:
         return False
     for ns in part.get("netns", []):
         if netns.exists(ns):
-            _nft(ns, f"delete table ip {NFT_TABLE}\n")
+            _nft(ns, _DELETE_PARTITION)
     return True
 
 

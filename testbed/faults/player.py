@@ -11,7 +11,8 @@
    watchdog reads the probe's step records: no step progress for hang_after (x
    dilation) ends the job as `hung`;
 4. when the job ends (or the timeout hits), the testbed is put back as the topology
-   describes it (testbed.faults.control.restore_all), and scenario.json +
+   describes it (testbed.faults.control.restore_all), the file's `expect:` items are
+   judged on the run (testbed.faults.expect), and scenario.json (with the verdicts) +
    step-time plot (scenario.png) are written into the run directory.
 
 Outcomes: completed (every rank exited 0), failed (a rank failed: its first error
@@ -20,6 +21,7 @@ line is reported), hung (no step progress for hang_after, or the timeout hit).
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import shlex
@@ -31,11 +33,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from testbed import events as tb_events
-from testbed.faults import control
+from testbed import safeio
+from testbed.faults import control, expect
 from testbed.faults.scenario import Plan, Scenario, plan_scenario
+from testbed.jobs import rundir
 from testbed.jobs.rundir import StepReader
 
+LOG_READ_MAX = 16 << 20     # a worker's log read for its first error line: its first 16 MiB
+PROBE_READ_MAX = 512 << 20  # as testbed.jobs.run.PROBE_FILE_MAX_BYTES
 EXIT_CODES = {"completed": 0, "failed": 1, "hung": 124}
+EXPECT_NOT_MET = 1      # an expectation not met (or not judged)
 _ERROR_RE = re.compile(r"\b([A-Za-z_][\w.]*(Error|Exception)|error|Traceback|terminate called)\b")
 
 
@@ -48,9 +55,15 @@ class PlayResult:
     restored: list[str] = field(default_factory=list)
     rc: int = 0
     plan: Plan | None = None
+    expectations: list[expect.Verdict] = field(default_factory=list)
+    judged: bool = False               # the scenario has an `expect:` block (judged after the run)
 
     @property
     def exit_code(self) -> int:
+        """With an `expect:` block: 0 when every expectation is met, 1 otherwise (the outcome is one of
+        them when the file says so); without: the outcome's (0 completed, 1 failed, 124 hung)."""
+        if self.judged:
+            return 0 if expect.all_met(self.expectations) else EXPECT_NOT_MET
         return EXIT_CODES[self.outcome]
 
 
@@ -95,8 +108,8 @@ def _first_error_line(run_dir: Path, failure: dict[str, Any] | None) -> str | No
     worker, label = failure.get("worker"), failure.get("label", "")
     tag = f"[{label.split(':', 1)[1]}] " if ":" in label else ""
     try:
-        lines = (run_dir / "logs" / f"{worker}.log").read_text(errors="replace").splitlines()
-    except OSError:
+        lines = safeio.read_text(run_dir / "logs" / f"{worker}.log", LOG_READ_MAX).splitlines()
+    except (OSError, safeio.Unsafe):
         lines = []
     mine = [l[len(tag):] for l in lines if l.startswith(tag)] if tag else lines
     # the exception line of a traceback says most; else the first line that looks like an error
@@ -168,10 +181,16 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
     hung: dict[str, Any] = {}
     ctx: dict[str, Any] = {}
 
-    def player(rd: Path) -> None:
+    def player(rd: Path, probe_dir: Path) -> None:
         t0: float | None = None
-        log = open(rd / "events.jsonl", "a", buffering=1)
-        steps = StepReader(rd / "probe")
+        try:
+            log = rundir.open_append(rd / "events.jsonl")
+        except safeio.Unsafe as exc:   # (a FIFO or a link a job planted there): no step is played
+            ctx["player_error"] = f"the timeline was not played: {exc}"
+            if say:
+                say(f"[scenario] {ctx['player_error']}")
+            return
+        steps = StepReader(probe_dir)
         pending = list(plan.steps)
         try:
             while not stop.is_set():
@@ -211,12 +230,12 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
                 else:   # start-up (imports, rendezvous) gets its own allowance
                     quiet = time.time() - ctx["t0_wall"] > max(hang_s, startup_s)
                 if quiet and not hung:
-                    hung.update(at=time.monotonic() - ctx["t0"], steps=steps.steps)
+                    hung.update(at=time.monotonic() - ctx["t0"], steps=steps.steps, wall=time.time())
                     if say:
                         say(f"[scenario] no step progress for {hang_s:g}s"
                             f"{'' if steps.steps else ' (none at all since the start)'}: the job is hung; "
                             "stopping it")
-                    run_id = (json.loads((rd / "summary.json").read_text()) or {}).get("run_id")
+                    run_id = (rundir.read_json(rd / "summary.json") or {}).get("run_id")
                     if run_id:
                         hung["stacks"] = jobrun._save_stacks(rd, name, run_id, say)
                         jobrun._signal_all([], run_id, signal.SIGKILL)
@@ -226,12 +245,12 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
 
     threads: list[threading.Thread] = []
 
-    def on_start(rd: Path) -> None:
+    def on_start(rd: Path, probe_dir: Path) -> None:
         ctx["t0"] = time.monotonic()
         ctx["t0_wall"] = time.time()
         ctx["rd"] = rd
-        (rd / "scenario-plan.json").write_text(json.dumps(plan.to_json(), indent=1))
-        t = threading.Thread(target=player, args=(rd,), daemon=True)
+        rundir.write_bytes(rd / "scenario-plan.json", json.dumps(plan.to_json(), indent=1).encode())
+        t = threading.Thread(target=player, args=(rd, probe_dir), daemon=True)
         t.start()
         threads.append(t)
 
@@ -244,7 +263,7 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
     try:
         res = jobrun.run(cluster, cmd, workers=plan.workers, timeout=timeout_s, env=dict(scenario.job.env),
                          echo=say if say else False, base_dir=base_dir, on_start=on_start,
-                         real=plan.job.resolve_real(plan.workers))
+                         real=plan.job.resolve_real(plan.workers), job=scenario.job.groups)
     finally:
         stop.set()
         for t in threads:
@@ -256,19 +275,46 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
     summary = res.summary
     outcome, error = outcome_of(rd, summary, res.rc, hung, events, hang_s=hang_s, startup_s=startup_s,
                                 timeout_s=timeout_s, dilation=s)
+    if ctx.get("player_error") and outcome == "completed":   # the job ran, but not the scenario
+        outcome, error = "failed", ctx["player_error"]
     doc = {"scenario": scenario.name, "source": scenario.source, "seed": scenario.seed, "testbed": name,
            "outcome": outcome, "error": error, "rc": res.rc, "dilation": s, "hang_after_s": hang_s / s,
            "timeout_s": timeout_s / s, "events": events, "restored": restored, "plan": plan.to_json(),
-           "job_status": summary.get("status"), "first_failure": summary.get("first_failure")}
-    (rd / "scenario.json").write_text(json.dumps(doc, indent=1))
-    tb_events.emit(name, "scenario", f"{scenario.name} ended: {outcome}" + (f" ({error})" if error else ""),
-                   scenario=scenario.name, outcome=outcome, run_dir=str(rd))
+           "job_status": summary.get("status"), "first_failure": summary.get("first_failure"),
+           "t0_wall": ctx.get("t0_events_wall"), "started_wall": ctx.get("t0_wall"),
+           "watchdog": {"detected_wall": hung["wall"], "steps": hung.get("steps")} if hung else None}
+    verdicts = judge_run(rd, doc, scenario)
+    rundir.write_bytes(rd / "scenario.json", json.dumps(doc, indent=1).encode())
+    tb_events.emit(name, "scenario", f"{scenario.name} ended: {outcome}" + (f" ({error})" if error else "")
+                   + expectations_text(verdicts), scenario=scenario.name, outcome=outcome, run_dir=str(rd))
     try:
         plot(rd, doc, ctx.get("t0_events_wall") or ctx.get("t0_wall"))
     except Exception as exc:  # a missing plot must not hide the outcome
         if say:
             say(f"[scenario] plot failed: {exc}")
-    return PlayResult(outcome, error, rd, events, restored, res.rc, plan)
+    return PlayResult(outcome, error, rd, events, restored, res.rc, plan, verdicts, bool(scenario.expect))
+
+
+def judge_run(rd: Path, doc: dict[str, Any], scenario: Scenario) -> list[expect.Verdict]:
+    """The scenario's expectations judged on the run (`doc`: its scenario.json, which gets them)."""
+    if not scenario.expect:
+        return []
+    try:
+        facts = expect.run_facts(rd, doc)
+    except Exception as exc:  # noqa: BLE001 - an unreadable run directory: not judged, saying why (not a traceback)
+        facts = None
+        why = f"could not be judged: the run directory could not be read: {exc}"
+    verdicts = expect.judge(scenario.expect, facts) if facts is not None else \
+        [expect.Verdict(e.written, None, None, why, e.path) for e in scenario.expect]
+    doc["expectations"] = [v.to_json() for v in verdicts]
+    return verdicts
+
+
+def expectations_text(verdicts: list[expect.Verdict]) -> str:
+    """What the event stream's `ended` line adds: "; expectations: 2 of 3 met" (nothing without any)."""
+    if not verdicts:
+        return ""
+    return f"; expectations: {sum(v.ok is True for v in verdicts)} of {len(verdicts)} met"
 
 
 def step_times(run_dir: Path) -> dict[str, list[tuple[float, float]]]:
@@ -279,7 +325,11 @@ def step_times(run_dir: Path) -> dict[str, list[tuple[float, float]]]:
     for f in sorted((Path(run_dir) / "probe").glob("rank-*.jsonl")):
         rank = f.stem.split("-", 1)[1]
         prev = None
-        for line in f.read_text(errors="replace").splitlines():
+        try:   # a rank's file: never followed through a link, never waited on (a FIFO)
+            text = safeio.read_text(f, PROBE_READ_MAX)
+        except (OSError, safeio.Unsafe):
+            continue
+        for line in text.splitlines():
             try:
                 ev = json.loads(line)
             except ValueError:
@@ -328,6 +378,9 @@ def plot(run_dir: Path, doc: dict[str, Any], t0_wall: float | None) -> Path:
         ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     out = Path(run_dir) / "scenario.png"
-    fig.savefig(out, dpi=110)
+    # rendered in memory, written through no link a job planted in the run directory
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
+    rundir.write_bytes(out, buf.getvalue())
     return out

@@ -26,7 +26,8 @@ A scenario file::
       phantoms: true            # optional: the first worker runs the command, the others are
                                 # phantom ranks (testbed run --real); or real: [w0, w4]
     events:
-      - at: 10s
+      - name: cut               # optional: what expect: calls it (else "event 1")
+        at: 10s
         link: [agg0-0, core0]
         action: down
         for: 5s
@@ -43,6 +44,24 @@ A scenario file::
       - at: 45s
         node: core1
         action: down
+    expect:                     # judged after the run (testbed.faults.expect)
+      - outcome: completed
+      - recovers: {after: cut, within: 5s}
+      - slowdown: {during: cut, at_most: 3}
+
+A fault-tolerant job is written in place of `command:` as its groups and services (testbed.jobs.groups:
+each group a torch world of its own, restarted when it fails; services beside them), the same
+mapping a job file holds (a `command:` naming a job file works too). `env:` is then every rank's,
+`{addr:NAME}` in it and in the commands is NAME's address, and the job's workers are the groups'::
+
+    job:
+      env: {TORCHFT_LIGHTHOUSE: "http://{addr:lighthouse}:29510"}
+      services:
+        lighthouse: {workers: [w0], command: 'torchft_lighthouse --min_replicas 1 --bind "[::]:29510"'}
+      groups:
+        g0: {workers: [w1], command: python examples/train_torchft.py, restarts: 3}
+        g1: {workers: [w2], command: python examples/train_torchft.py, restarts: 3}
+      timeout: 180s
 
 Targets: ``link: [A, B]`` or ``link: {tier: T, node: N, pick: random|all|K}``;
 ``node: NAME`` or ``node: {kind: worker|switch, pick: random|all|K, exclude: [..]}``;
@@ -54,21 +73,28 @@ from __future__ import annotations
 
 import math
 import random
+import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from testbed.errors import TopologyError
+from testbed.faults.expect import EventInfo, ExpectError, Expectation, event_label, parse_expectations
 from testbed.topology.model import Topology
 from testbed.topology.units import format_bandwidth, format_time, parse_bandwidth, parse_loss, parse_time
+
+if TYPE_CHECKING:
+    from testbed.jobs.groups import Job
 
 __all__ = ["ScenarioError", "JobSpec", "Event", "Scenario", "Step", "Plan", "load_scenario",
            "scenario_from_data", "plan_scenario", "parse_link_changes", "parse_direction",
            "SET_FIELDS", "DIRECTIONS"]
 
-TOP_FIELDS = ("name", "description", "seed", "topology", "job", "events")
-JOB_FIELDS = ("workers", "command", "timeout", "hang_after", "startup", "env", "phantoms", "real")
-EVENT_FIELDS = ("at", "link", "node", "partition", "heal", "action", "set", "direction", "for",
+TOP_FIELDS = ("name", "description", "seed", "topology", "job", "events", "expect")
+JOB_FIELDS = ("workers", "command", "groups", "services", "timeout", "hang_after", "startup", "env", "phantoms",
+              "real")
+EVENT_FIELDS = ("name", "at", "link", "node", "partition", "heal", "action", "set", "direction", "for",
                 "every", "count", "down_for", "cpus", "note")
 LINK_SELECT_FIELDS = ("tier", "node", "pick")
 NODE_SELECT_FIELDS = ("kind", "pick", "exclude")
@@ -76,6 +102,9 @@ SET_FIELDS = ("bandwidth", "delay", "jitter", "loss", "queue")
 DIRECTIONS = ("both", "A->B", "B->A")
 LINK_ACTIONS = ("down", "up", "flap", "reset", "set")
 NODE_ACTIONS = ("down", "up", "crash", "slow", "restore")
+
+_EVENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
+_EVENT_N = re.compile(r"^event\s*\d+$", re.IGNORECASE)
 
 DEFAULT_HANG_AFTER_S = 30.0
 DEFAULT_TIMEOUT_S = 300.0
@@ -106,6 +135,7 @@ class JobSpec:
     startup_s: float = DEFAULT_STARTUP_S           # the first step may take this long (imports, rendezvous)
     real: tuple[str, ...] | None = None            # phantoms: the workers that run the command (None: all)
     phantoms: bool = False                         # phantoms: true without real: the first worker is real
+    groups: "Job | None" = None                    # groups and services in place of a command (their env: `env`)
 
     def resolve_real(self, workers: Sequence[str]) -> list[str] | None:
         """The workers that run the command when the others are phantoms (None: every worker runs it)."""
@@ -121,11 +151,14 @@ class JobSpec:
         return list(self.workers)
 
     def to_json(self) -> dict[str, Any]:
-        return {"workers": list(self.workers) if isinstance(self.workers, tuple) else self.workers,
-                "command": list(self.command) if isinstance(self.command, tuple) else self.command,
-                "timeout_s": self.timeout_s, "hang_after_s": self.hang_after_s, "startup_s": self.startup_s,
-                "env": dict(self.env), "real": None if self.real is None else list(self.real),
-                "phantoms": self.phantoms or self.real is not None}
+        out = {"workers": list(self.workers) if isinstance(self.workers, tuple) else self.workers,
+               "command": list(self.command) if isinstance(self.command, tuple) else self.command,
+               "timeout_s": self.timeout_s, "hang_after_s": self.hang_after_s, "startup_s": self.startup_s,
+               "env": dict(self.env), "real": None if self.real is None else list(self.real),
+               "phantoms": self.phantoms or self.real is not None}
+        if self.groups is not None:
+            out["groups"] = [g.to_json() for g in self.groups.groups]
+        return out
 
 
 @dataclass(frozen=True)
@@ -146,6 +179,16 @@ class Event:
     down_for_s: float | None = None
     cpus: float | None = None
     note: str | None = None
+    name: str | None = None            # what `expect:` calls it (None: "event N", 1-based)
+
+    @property
+    def label(self) -> str:
+        return event_label(self.index, self.name)
+
+    @property
+    def lasts(self) -> bool:
+        """It has a duration: a `for:`, or a flap (down and up again)."""
+        return self.for_s is not None or self.action == "flap"
 
 
 @dataclass(frozen=True)
@@ -158,6 +201,7 @@ class Scenario:
     topology: str | None = None
     topology_overrides: tuple[str, ...] = ()
     source: str | None = None
+    expect: tuple[Expectation, ...] = ()
 
     def load_topology(self) -> Topology:
         """The topology the scenario names (`topology:`), looked up next to the file first."""
@@ -241,6 +285,8 @@ class Plan:
     workers: list[str]
     dilation: float = 1.0
     job: JobSpec = field(default_factory=JobSpec)
+    expect: tuple[Expectation, ...] = ()
+    event_labels: tuple[str, ...] = ()   # event index -> how the file names it (its name, or "event N")
 
     def wall(self, step: Step) -> float:
         """Wall-clock offset of a step: emulated time scaled by the dilation factor."""
@@ -253,7 +299,8 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         return {"scenario": self.scenario, "seed": self.seed, "dilation": self.dilation,
                 "workers": self.workers, "job": self.job.to_json(),
-                "steps": [dict(s.to_json(), wall_t=self.wall(s)) for s in self.steps]}
+                "steps": [dict(s.to_json(), wall_t=self.wall(s)) for s in self.steps],
+                "event_labels": list(self.event_labels), "expect": [e.to_json() for e in self.expect]}
 
     def format(self) -> str:
         head = f"scenario {self.scenario} (seed {self.seed}): {len(self.steps)} steps, " \
@@ -263,9 +310,18 @@ class Plan:
             head += f" ({', '.join(real)} real, {len(self.workers) - len(real)} phantom(s))"
         if self.dilation != 1:
             head += f", time dilation {self.dilation:g} (wall = {self.dilation:g} x at)"
-        lines = [head, f"{'at':>10}  {'wall':>10}  {'event':<6} change"]
+        lines = [head]
+        for g in self.job.groups.groups if self.job.groups is not None else ():
+            again = f", restarts {g.restarts}" if g.restarts else ""
+            lines.append(f"  {g.kind} {g.name} on {','.join(g.workers)}{again}: {shlex.join(g.cmd)}")
+        lines.append(f"{'at':>10}  {'wall':>10}  {'event':<6} change")
         for s in self.steps:
-            lines.append(f"{_fmt_s(s.t):>10}  {_fmt_s(self.wall(s)):>10}  #{s.event:<5} {s.describe()}")
+            name = self.event_labels[s.event] if 0 <= s.event < len(self.event_labels) else ""
+            name = f"  ({name})" if name and not name.startswith("event ") else ""
+            lines.append(f"{_fmt_s(s.t):>10}  {_fmt_s(self.wall(s)):>10}  #{s.event:<5} {s.describe()}{name}")
+        if self.expect:
+            lines.append(f"expectations ({len(self.expect)}), judged after the run:")
+            lines.extend(f"  - {e.written}" for e in self.expect)
         return "\n".join(lines)
 
 
@@ -430,8 +486,19 @@ def scenario_from_data(data: Any, source: str | None = None) -> Scenario:
     if not isinstance(raw_events, list):
         raise _err(f, "events must be a list", "events", raw_events)
     events = tuple(_event(f, raw, i) for i, raw in enumerate(raw_events))
+    seen: dict[str, Event] = {}
+    for ev in events:
+        if ev.name is not None:
+            if ev.name in seen:
+                raise _err(f, f"two events are named {ev.name!r} (the first: {seen[ev.name].path})",
+                           f"{ev.path}.name", ev.name)
+            seen[ev.name] = ev
+    try:
+        expect = parse_expectations(data.get("expect"), [EventInfo(e.name, e.lasts) for e in events], file=f)
+    except ExpectError as e:
+        raise ScenarioError(e.reason, file=e.file, path=e.path, value=e.value) from None
     return Scenario(name=name, seed=seed, job=job, events=events, description=description,
-                    topology=topology, topology_overrides=overrides, source=source)
+                    topology=topology, topology_overrides=overrides, source=source, expect=expect)
 
 
 def _job(f: str | None, raw: Any) -> JobSpec:
@@ -446,11 +513,15 @@ def _job(f: str | None, raw: Any) -> JobSpec:
             raise _err(f, "workers must be all, a count >= 1 or a list of workers", "job.workers", workers)
     else:
         workers = _names(f, workers, "job.workers")
-    command = raw.get("command")
-    if isinstance(command, list) and command and all(isinstance(c, str) for c in command):
+    groups = _groups(f, raw)
+    command = raw.get("command", "" if groups is not None else None)
+    if groups is not None:
+        pass
+    elif isinstance(command, list) and command and all(isinstance(c, str) for c in command):
         command = tuple(command)
     elif not isinstance(command, str) or not command.strip():
-        raise _err(f, "job.command must be a command line (a string or a list of strings)", "job.command", command)
+        raise _err(f, "job.command must be a command line (a string or a list of strings), or the job's "
+                      "groups: (testbed run --job's form)", "job.command", command)
     timeout = _time(f, raw["timeout"], "job.timeout") if "timeout" in raw else DEFAULT_TIMEOUT_S
     hang = _time(f, raw["hang_after"], "job.hang_after") if "hang_after" in raw else DEFAULT_HANG_AFTER_S
     startup = _time(f, raw["startup"], "job.startup") if "startup" in raw else DEFAULT_STARTUP_S
@@ -473,8 +544,26 @@ def _job(f: str | None, raw: Any) -> JobSpec:
     if real is not None and "phantoms" in raw and not phantoms:
         raise _err(f, "real: names the workers that run the command while the others are phantoms; "
                       "it cannot go with phantoms: false", "job.phantoms", phantoms)
+    if groups is not None and (phantoms or real is not None):
+        raise _err(f, "groups run real commands: no phantoms: or real: with them",
+                   "job.real" if real is not None else "job.phantoms", raw.get("real", phantoms))
     return JobSpec(workers=workers, command=command, timeout_s=timeout, hang_after_s=hang, env=tuple(env_items),
-                   startup_s=startup, real=real, phantoms=phantoms or real is not None)
+                   startup_s=startup, real=real, phantoms=phantoms or real is not None, groups=groups)
+
+
+def _groups(f: str | None, raw: dict[str, Any]) -> "Job | None":
+    """`job.groups:` and `job.services:` (testbed.jobs.groups' schema), or None when the job is a command."""
+    if "groups" not in raw and "services" not in raw:
+        return None
+    from testbed.jobs import groups as groups_mod
+
+    if "command" in raw:
+        raise _err(f, "a job is a command or groups: (with services:), not both: each group names its command",
+                   "job.command", raw["command"])
+    try:
+        return groups_mod.from_mapping({k: raw[k] for k in ("services", "groups") if k in raw}, f, "job")
+    except groups_mod.JobError as e:
+        raise ScenarioError(e.reason, file=f, path=e.path, value=e.value) from None
 
 
 def _event(f: str | None, raw: Any, i: int) -> Event:
@@ -495,11 +584,18 @@ def _event(f: str | None, raw: Any, i: int) -> Event:
     if for_s is not None and for_s <= 0:
         raise _err(f, "for must be a positive duration", f"{path}.for", raw["for"])
     note = raw.get("note")
+    ev_name = raw.get("name")
+    if ev_name is not None and (not isinstance(ev_name, str) or not _EVENT_NAME.match(ev_name)):
+        raise _err(f, "an event's name is a word (letters, digits, - _ .; expect: refers to it)",
+                   f"{path}.name", ev_name)
+    if ev_name is not None and _EVENT_N.match(ev_name):
+        raise _err(f, "'event N' is how expectations name an unnamed event: choose another name",
+                   f"{path}.name", ev_name)
     common: dict[str, Any] = {"index": i, "path": path, "at_s": at, "target": target, "for_s": for_s,
-                              "note": str(note) if note is not None else None}
+                              "note": str(note) if note is not None else None, "name": ev_name}
 
     def refuse_extra(allowed: Iterable[str]) -> None:
-        allowed = set(allowed) | {"at", "note", target}
+        allowed = set(allowed) | {"at", "note", "name", target}
         for key in raw:
             if key not in allowed:
                 what = f"{action}" if action else target
@@ -707,6 +803,8 @@ def plan_scenario(scenario: Scenario, topo: Topology, dilation: float = 1.0) -> 
         raise _err(f, f"the topology has only {len(topo.workers)} workers", "job.workers", scenario.job.workers)
     if len(set(workers)) != len(workers):
         raise _err(f, "a worker is named twice", "job.workers", list(workers))
+    if scenario.job.groups is not None:
+        workers = _group_workers(scenario, topo, workers)
     real = scenario.job.resolve_real(workers)
     if real is not None:
         stray = [w for w in real if w not in workers]
@@ -791,8 +889,55 @@ def plan_scenario(scenario: Scenario, topo: Topology, dilation: float = 1.0) -> 
     order = {id(s): i for i, s in enumerate(steps)}
     # Reverts first at equal times (a revert and a new event at one instant: undo, then apply).
     steps.sort(key=lambda s: (s.t, 0 if s.revert else 1, order[id(s)]))
+    _check_expect_workers(scenario, workers, real)
     return Plan(scenario=scenario.name, seed=scenario.seed, steps=steps, workers=workers,
-                dilation=float(dilation), job=scenario.job)
+                dilation=float(dilation), job=scenario.job, expect=scenario.expect,
+                event_labels=tuple(ev.label for ev in scenario.events))
+
+
+def _group_workers(scenario: Scenario, topo: Topology, allowed: list[str]) -> list[str]:
+    """The workers of a job of groups (those its groups and services name, in topology order), each
+    a worker of the topology and of `job.workers` (when given), and every `{addr:NAME}` naming one
+    of them, a group or a service."""
+    f, job = scenario.source, scenario.job
+    assert job.groups is not None
+    for g in job.groups.groups:
+        path = f"job.{g.kind}s.{g.name}"
+        for w in g.workers:
+            node = topo.nodes.get(w)
+            if node is None or not node.is_worker:
+                raise _err(f, f"{'unknown worker' if node is None else 'not a worker'}; the topology's workers: "
+                              f"{', '.join(topo.workers)}", f"{path}.workers", w)
+            if w not in allowed:
+                raise _err(f, f"not one of the job's workers (job.workers: {', '.join(allowed)})", f"{path}.workers", w)
+        for c in g.cmd:
+            _check_addr_names(f, c, f"{path}.command", job.groups, topo)
+    for k, v in job.env:
+        _check_addr_names(f, v, f"job.env.{k}", job.groups, topo)
+    return [w for w in allowed if w in job.groups.workers]
+
+
+def _check_addr_names(f: str | None, text: str, path: str, job: "Job", topo: Topology) -> None:
+    from testbed.jobs import groups as groups_mod
+
+    for name in groups_mod.addr_names(text):
+        if name not in topo.workers and all(g.name != name for g in job.groups):
+            raise _err(f, f"{{addr:{name}}}: no group, service or worker of that name", path, text)
+
+
+def _check_expect_workers(scenario: Scenario, workers: list[str], real: list[str] | None) -> None:
+    """`workers:` of an expectation names workers of the job that record steps (phantoms record none)."""
+    for e in scenario.expect:
+        for k, w in enumerate(e.workers or ()):
+            path = f"{e.path}.{e.kind}.workers[{k}]"
+            if w not in workers:
+                raise _err(scenario.source, f"not one of the job's workers ({', '.join(workers)})", path, w)
+            if real is not None and w not in real:
+                raise _err(scenario.source, "a phantom rank's worker: phantoms record no steps", path, w)
+            if scenario.job.groups is not None and \
+                    all(w not in g.workers for g in scenario.job.groups.groups if not g.service):
+                raise _err(scenario.source, "a service's worker only: the probe records the steps of groups' ranks",
+                           path, w)
 
 
 def _plan_link_event(ev: Event, a: str, b: str, key: tuple[str, str], steps: list[Step], uses: list[_Use]) -> None:

@@ -4,11 +4,15 @@ Started by `testbed run` around the ranks' lifetime, `Monitor` samples:
 
 - the CPUs (every SAMPLE_S): busy share and runnable tasks from /proc/stat,
   and the time some task waited for a CPU from /proc/pressure/cpu (PSI)
-  where the kernel has it;
+  where the kernel has it; between the first and the last sample, the
+  share of the CPUs that work other than the testbed's took (the machine's
+  busy time less the workers' cgroups, this process, the delay-line
+  engines and the kernel's threads): a run that shared the machine cannot
+  speak for the emulation;
 - every link end's root qdisc (every QDISC_SAMPLE_S, through one netlink
   socket per namespace opened once, not a process per node): backlog, and
   drops and overlimits between the first and the last sample;
-- every delay-line helper (first and last sample): frames sent, dropped, and
+- every delay line (first and last sample, from its engine): frames sent, dropped, and
   how late held frames left against their schedule.
 
 `stop()` returns a JSON-able document (the run writes it to monitor.json).
@@ -17,25 +21,86 @@ Sampling costs a few netlink dumps a second; nothing here changes the testbed.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from testbed import cpustat
+from testbed.procs import ProcRef
 
 SAMPLE_S = 0.2
 QDISC_SAMPLE_S = 1.0
 
 
-def _read_stat() -> tuple[int, int, int]:
-    """(total jiffies, idle jiffies, runnable tasks) from /proc/stat."""
-    total = idle = running = 0
-    with open("/proc/stat") as f:
-        for line in f:
-            if line.startswith("cpu "):
-                vals = [int(x) for x in line.split()[1:]]
-                total, idle = sum(vals), vals[3] + (vals[4] if len(vals) > 4 else 0)
-            elif line.startswith("procs_running"):
-                running = int(line.split()[1])
-    return total, idle, running
+def busy_cpu_s() -> float:
+    """CPU seconds all CPUs spent in user, nice and system since boot (interrupt work left out: much
+    of it is the testbed's own traffic)."""
+    return cpustat.read().busy / cpustat.ticks_per_s()
+
+
+def ours_cpu_s(groups: list[list[Any]], engines: Iterable[ProcRef] = ()) -> float:
+    """CPU seconds the workers' cgroups (one list of directories each), this process, the delay-line
+    engines (they forward every delayed frame) and the kernel's threads (kernel_threads_cpu_s) used
+    so far: busy_cpu_s() less this, over a span, is what other programs took."""
+    from testbed.runtime import cgroups
+
+    return (sum(cgroups.cpu_usage_s(g) or 0.0 for g in groups) + time.process_time() + processes_cpu_s(engines)
+            + kernel_threads_cpu_s())
+
+
+def engines_of(delay_lines: Iterable[Mapping[str, Any]]) -> list[ProcRef]:
+    """The running engines that serve these delay lines (each line's pid file names its engine)."""
+    from testbed.net.delayline import read_pid_file
+
+    refs: set[ProcRef] = set()
+    for rec in delay_lines:
+        pf = rec.get("pid_file")
+        ref = read_pid_file(Path(pf)) if isinstance(pf, str) and pf else None
+        if ref is not None:
+            refs.add(ref)
+    return sorted(refs, key=lambda r: r.pid)
+
+
+def processes_cpu_s(refs: Iterable[ProcRef]) -> float:
+    """CPU seconds (user + system) these processes used so far; one whose PID now names another
+    process (its start time differs) or that is gone counts nothing."""
+    total = 0
+    for ref in refs:
+        fields = _stat_fields(ref.pid)
+        if fields is not None and int(fields[19]) == ref.start:   # starttime: the same process
+            total += int(fields[11]) + int(fields[12])            # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(pid: int | str) -> list[bytes] | None:
+    """/proc/PID/stat's fields after the command name (state first), or None if it is gone."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            data = f.read(1024)
+        fields = data[data.rindex(b")") + 2:].split()
+        return fields if len(fields) > 19 else None
+    except (OSError, ValueError):
+        return None
+
+
+def kernel_threads_cpu_s() -> float:
+    """CPU seconds the kernel's own threads (children of kthreadd: ksoftirqd, kworkers, kswapd,
+    kdamond...) used so far. Counted with the testbed's work, not as another program's: they forward
+    the emulated links' packets and manage the ranks' memory (on the 2-core machine, 0.5-2% of the
+    CPUs in two windows of the main job's training, 2026-12-02)."""
+    try:   # kthreadd's children (CONFIG_PROC_CHILDREN); else every process, keeping those of parent 2
+        with open("/proc/2/task/2/children") as f:
+            pids, check = f.read().split(), False
+    except OSError:
+        pids, check = [p for p in os.listdir("/proc") if p.isdigit()], True
+    total = 0
+    for pid in pids:
+        fields = _stat_fields(pid)
+        if fields is not None and (not check or fields[1] == b"2"):   # (parent: kthreadd)
+            total += int(fields[11]) + int(fields[12])   # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _psi_some_us() -> int | None:
@@ -108,7 +173,7 @@ def _delay_line_stats(lines: list[Mapping[str, Any]]) -> dict[str, Any]:
             continue
         try:
             out[str(rec.get("link_id"))] = delayline.stats(control)
-        except Exception:   # a helper that died: the verdict reports its absence
+        except Exception:   # an engine that died: the verdict reports its absence
             out[str(rec.get("link_id"))] = None
     return out
 
@@ -117,9 +182,13 @@ class Monitor:
     """Samples in a thread from start() to stop(); see the module text."""
 
     def __init__(self, netns_of: Mapping[str, str], delay_lines: list[Mapping[str, Any]] | None = None,
-                 cores: int = 1):
+                 cores: int = 1, groups: list[list[Any]] | None = None):
+        """groups: the workers' cgroups (one list of directories each), whose CPU time is the
+        testbed's; None when they do not hold the ranks (Docker's own groups): others' share unknown."""
         self.netns_of = dict(netns_of)
+        self.groups = groups
         self.delay_lines = list(delay_lines or [])
+        self.engines = engines_of(self.delay_lines)
         self.cores = cores
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -131,26 +200,35 @@ class Monitor:
     def start(self) -> "Monitor":
         self._qd = Qdiscs(self.netns_of)
         self.first = {"t": time.time(), "psi_some_us": _psi_some_us(), "qdiscs": self._qd.sample(),
-                      "delay_lines": _delay_line_stats(self.delay_lines)}
+                      "delay_lines": _delay_line_stats(self.delay_lines), **self._cpu_split()}
         self._thread = threading.Thread(target=self._loop, name="testbed-monitor", daemon=True)
         self._thread.start()
         return self
 
     def _loop(self) -> None:
-        prev = _read_stat()
+        prev = cpustat.read()
         next_qdisc = time.monotonic() + QDISC_SAMPLE_S
         while not self._stop.wait(SAMPLE_S):
             try:
-                cur = _read_stat()
+                cur = cpustat.read()
             except (OSError, ValueError):
                 continue
-            dt, didle = cur[0] - prev[0], cur[1] - prev[1]
+            dt, didle = cur.total - prev.total, cur.idle_all - prev.idle_all
             busy = 1 - didle / dt if dt > 0 else 0.0
-            self.cpu.append((time.time(), busy, max(0, cur[2] - 1)))   # minus this sampler
+            self.cpu.append((time.time(), busy, max(0, cur.running - 1)))   # minus this sampler
             prev = cur
             if time.monotonic() >= next_qdisc:
                 next_qdisc += QDISC_SAMPLE_S
                 self._note_backlog(self._qd.sample())
+
+    def _cpu_split(self) -> dict[str, float]:
+        if self.groups is None:
+            return {}
+        try:
+            return {"busy_s": busy_cpu_s(), "ours_s": ours_cpu_s(self.groups, self.engines),
+                    "engines_s": processes_cpu_s(self.engines)}
+        except (OSError, ValueError):
+            return {}
 
     def _note_backlog(self, sample: dict[str, dict[str, dict[str, int]]]) -> None:
         for node, ifs in sample.items():
@@ -166,7 +244,7 @@ class Monitor:
         self._note_backlog(last_q)
         self._qd.close()
         self.last = {"t": time.time(), "psi_some_us": _psi_some_us(), "qdiscs": last_q,
-                     "delay_lines": _delay_line_stats(self.delay_lines)}
+                     "delay_lines": _delay_line_stats(self.delay_lines), **self._cpu_split()}
         return self.document()
 
     def document(self) -> dict[str, Any]:
@@ -181,7 +259,15 @@ class Monitor:
                     "drops": end["drops"] - start.get("drops", 0),
                     "overlimits": end["overlimits"] - start.get("overlimits", 0),
                     "backlog_max": self.backlog_max.get(node, {}).get(ifn, 0)}
-        return {"t0": t0, "t1": t1, "cores": self.cores, "sample_s": SAMPLE_S,
+        others = engines = None
+        f, l_ = self.first, self.last
+        if all(k in d for d in (f, l_) for k in ("busy_s", "ours_s", "engines_s")) and t1 > t0:
+            cpu_s = max(1, os.cpu_count() or 1) * (t1 - t0)
+            spent = (l_["busy_s"] - f["busy_s"]) - (l_["ours_s"] - f["ours_s"])
+            others = max(0.0, spent / cpu_s)
+            engines = max(0.0, (l_["engines_s"] - f["engines_s"]) / cpu_s)
+        return {"t0": t0, "t1": t1, "cores": self.cores, "sample_s": SAMPLE_S, "others_cpu_share": others,
+                "engines_cpu_share": engines,
                 "cpu": [{"t": t, "busy": b, "runnable": r} for t, b, r in self.cpu],
                 "psi_cpu_some_share": psi, "qdiscs": qd,
                 "delay_lines": {"first": self.first.get("delay_lines"), "last": self.last.get("delay_lines")}}

@@ -33,6 +33,7 @@ among them, as a torchrun script does).
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import sys
@@ -48,6 +49,14 @@ class PhantomError(RuntimeError):
     pass
 
 
+def _readable(fd: int, timeout: float) -> bool:
+    """fd has data (or its end) within `timeout` s. poll, not select: a rank of a big job can
+    hold descriptors above select's 1,024."""
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(max(0, math.ceil(timeout * 1000))))
+
+
 def _lines(fd: int, timeout: float):
     """The FIFO's lines as they come; PhantomError after `timeout` s without one."""
     buf = b""
@@ -55,8 +64,7 @@ def _lines(fd: int, timeout: float):
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
             yield line
-        ready, _, _ = select.select([fd], [], [], timeout)
-        if not ready:
+        if not _readable(fd, timeout):
             raise PhantomError(f"no announcement from the real rank for {timeout:g} s")
         chunk = os.read(fd, 1 << 16)
         if not chunk:

@@ -15,6 +15,14 @@ emulated network, whose traffic must stay the job's):
   the checking real ranks'), from a thread of its own so that a slow reader
   never holds up the lifeline, and notes the leader's end.
 
+What the leader writes and what the controller relays is bounded: a line waits for its newline
+up to LINE_MAX (testbed.safeio.Lines), then is passed on cut, its rest dropped (a phantom then
+fails on it, naming the bad line, rather than waiting for an operation that never comes). On
+another host, what waits for a phantom that stopped reading is bounded too (QUEUE_MAX): beyond
+it the relay gives up on that host's phantoms (they time out waiting, summary.json says why)
+rather than holding the whole job's announcements in memory; its writes never block, so a
+phantom that never reads cannot hold the run's end either.
+
 How late each phantom reads an announcement is measured as on one host (its
 clock against the leader's): over hosts it includes the relay, and it assumes
 the hosts' clocks agree (emulated hosts share one; real hosts need NTP or PTP,
@@ -31,9 +39,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from testbed.safeio import Lines
+
 PREFIX = "@mirror "          # a line of `testbed run --this-host-only` carrying an announcement
 FIFO_NAME = "relay.fifo"     # the leader's extra FIFO on its host
 PIPE_SIZE = 1 << 20          # F_SETPIPE_SZ: bursts of announcements (DDP's buckets) fit
+LINE_MAX = 1 << 20           # an announcement line (a new_group of all 8,192 ranks: 39,901 bytes)
+QUEUE_MAX = 64 << 20         # relayed bytes waiting for a host's phantoms to read them
 
 
 def _open_fifo(path: str) -> int:
@@ -74,22 +86,24 @@ class Outbound:
         self._thread.start()
         return self
 
+    def _pass_on(self, line: bytes) -> None:
+        if line:
+            self.lines += 1
+            self.ended = self.ended or _is_end(line)
+            self.send(line)
+
     def _pump(self, fd: int) -> None:
-        buf = b""
+        cut = Lines(self._pass_on, LINE_MAX)   # a leader that never writes a newline holds LINE_MAX at most
+        waiter = select.poll()   # (not select: descriptors above 1,024 are fine)
+        waiter.register(fd, select.POLLIN)
         try:
             while not self._stop.is_set():
-                if not select.select([fd], [], [], 0.2)[0]:
+                if not waiter.poll(200):
                     continue
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
                     return
-                buf += chunk
-                *whole, buf = buf.split(b"\n")
-                for line in whole:
-                    if line:
-                        self.lines += 1
-                        self.ended = self.ended or _is_end(line)
-                        self.send(line)
+                cut.feed(chunk)
         except OSError:
             return
         finally:
@@ -108,36 +122,65 @@ class Outbound:
 
 class Inbound:
     """Another host: what the controller relays (bytes, in order, cut anywhere) goes into every FIFO
-    of `fifos`; `ended` is set once the leader's end has come."""
+    of `fifos`; `ended` is set once the leader's end has come. `gave_up` says why the relay stopped
+    early (its phantoms left QUEUE_MAX unread), or is None."""
 
     def __init__(self, fifos: Sequence[str]):
         self.fds = [_open_fifo(f) for f in fifos]
+        for fd in self.fds:
+            os.set_blocking(fd, False)   # a full FIFO waits in poll, where close() can end it
         self.ended = threading.Event()
         self.bytes = 0
+        self.gave_up: str | None = None
+        self._queued = 0
+        self._count = threading.Lock()
+        self._closing = threading.Event()
         self._q: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._tail = b""
+        self._lines = Lines(self._heard, LINE_MAX)   # (only to see the end: the bytes go on as they came)
         self._thread = threading.Thread(target=self._write, name="relay-in", daemon=True)
         self._thread.start()
 
     def __call__(self, data: bytes) -> None:
-        """Called from the lifeline's reader: queue and return at once."""
+        """Called from the lifeline's reader: queue and return at once (or drop, once given up)."""
+        with self._count:
+            if self.gave_up is not None:
+                return
+            if self._queued + len(data) > QUEUE_MAX:
+                self.gave_up = (f"this host's phantoms left {self._queued >> 20} MiB of announcements unread "
+                                f"(the bound: {QUEUE_MAX >> 20} MiB); the rest was dropped")
+                self._q.put(None)
+                return
+            self._queued += len(data)
         self._q.put(data)
 
     def _write(self) -> None:
+        waiter = select.poll()
         while (data := self._q.get()) is not None:
+            with self._count:
+                self._queued -= len(data)
             self.bytes += len(data)
             try:
                 for fd in self.fds:
                     view = memoryview(data)
                     while view:
-                        view = view[os.write(fd, view):]
+                        try:
+                            view = view[os.write(fd, view):]
+                        except BlockingIOError:
+                            waiter.register(fd, select.POLLOUT)
+                            while not waiter.poll(200):
+                                if self._closing.is_set():
+                                    return
+                            waiter.unregister(fd)
             except OSError:
                 return   # the run is ending: the FIFOs went with it
-            *whole, self._tail = (self._tail + data).split(b"\n")
-            if any(_is_end(ln) for ln in whole):
-                self.ended.set()
+            self._lines.feed(data)
+
+    def _heard(self, line: bytes) -> None:
+        if _is_end(line):
+            self.ended.set()
 
     def close(self) -> None:
+        self._closing.set()
         self._q.put(None)
         self._thread.join(2.0)
         for fd in self.fds:

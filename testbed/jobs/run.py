@@ -9,6 +9,19 @@ Two styles, both for unmodified scripts:
             over the emulated network (--nnodes, --nproc-per-node, --rdzv-*
             are added unless CMD already says them).
 
+Groups (testbed.jobs.groups: --group, --service, --job, or a YAML job file as CMD): different
+commands on different workers, each group its own torch world; a group that fails is started
+again (its `restarts`) once its workers are up, services are stopped when every group is done.
+
+Elastic torchrun (--nnodes=MIN:MAX or --max-restarts > 0): an agent that ends because its node
+crashed or went down does not stop the run; it is started again when the node is up (`testbed
+node up`, a scenario's `for:`), as a node's supervisor (systemd, a Kubernetes pod, Slurm's
+requeue) would, and joins the job's next rendezvous. An agent that fails on a live node fails
+the run as before.
+
+Every rank gets TESTBED_JOB_DIR, a folder every worker sees (a checkpoint the ranks share), and
+TESTBED_ADDR, its worker's address; both are gone or meaningless after the run.
+
 Every rank's output is streamed with a "[worker:rN]" prefix and kept in
 runs/<time>-<testbed>/logs/<worker>.log. Exit status: 0 when every rank
 succeeded, else that of the first failure (128+signal for a signal, 124 on
@@ -45,6 +58,7 @@ import re
 import shlex
 import shutil
 import signal
+import stat
 import statistics
 import subprocess
 import sys
@@ -55,15 +69,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from testbed import events, procs
+from testbed import events, procs, safeio, terminal
 from testbed.errors import TestbedError
 from testbed.jobs import counters, relay, rundir
+from testbed.jobs import groups as groups_mod
 from testbed.jobs.probe import PROBE_PATH
 
 DEFAULT_GRACE_S = 5.0
 PHANTOM_GRACE_S = 10.0     # after the real ranks ended: time for the phantoms to read "end" and leave
-PROBE_FILE = re.compile(r"^(rank-[A-Za-z0-9_]{1,32}|ops-\d{1,6})\.jsonl$")   # ranks' records, recorded operations
+LATENCY_BURST = 12         # small all_reduces the probe times after init_process_group (the verdict's alpha)
+PROBE_FILE = re.compile(r"(rank-[A-Za-z0-9_]{1,32}|ops-[0-9]{1,6})\.jsonl")   # ranks' records, ops (fullmatch)
 PROBE_FILE_MAX_BYTES = 512 << 20
+LINE_MAX = 1 << 16         # a rank's output line longer than this is cut
 KILL_AFTER_S = 2.0
 # torchrun --tee: every line of a local rank starts with this (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE)
 TORCHRUN_PREFIX_TEMPLATE = "[r${rank}]:"
@@ -125,15 +142,14 @@ class Cluster:
 def cluster_from_state(name: str) -> Cluster:
     """The cluster of a running testbed (brought up by testbed.lifecycle), from its state file."""
     from testbed import lifecycle, paths
-    from testbed.net import names
-    from testbed.topology.model import Topology
+    from testbed import names
     from testbed.topology.plan import plan_network
 
     data = lifecycle.load(name)
     topo_json = data.get("topology")
     if not topo_json:
         raise RunError(f"state of testbed {name!r} has no topology snapshot")
-    topo = Topology.from_json(topo_json)
+    topo = lifecycle.effective_topology(data)   # what the links run at now (`link set` recorded)
     kind = data["runtime"]["kind"]
     records = data["runtime"]["workers"]
     plan = plan_network(topo)
@@ -175,6 +191,9 @@ class Rank:
     started: float = 0.0
     ended: float | None = None
     phantom: bool = False        # testbed run --real: a rank that mirrors a real one (jobs/phantom.py)
+    group: str | None = None     # a run of groups: the group or service this rank belongs to
+    service: bool = False
+    starts: int = 1              # a group started again after a failure: how many times it started
 
 
 @dataclass
@@ -225,12 +244,45 @@ def torchrun_argv(cmd: Sequence[str], nnodes: int, nproc: int, endpoint: str, ru
         extra.append("--max-restarts=0")
     if is_host is not None and not _has_opt(cmd, "--rdzv-conf", "--rdzv_conf"):
         extra.append(f"--rdzv-conf=is_host={1 if is_host else 0}")
+    elif is_host is not None:   # the user's rendezvous settings (e.g. last_call_timeout), and ours
+        for i, a in enumerate(cmd[:]):
+            name, eq, val = a.partition("=")
+            if name in ("--rdzv-conf", "--rdzv_conf") and "is_host=" not in a:
+                cmd[i] = f"{a},is_host={1 if is_host else 0}" if eq else a
+                if not eq and i + 1 < len(cmd) and "is_host=" not in cmd[i + 1]:
+                    cmd[i + 1] = f"{cmd[i + 1]},is_host={1 if is_host else 0}"
+                break
     if log_dir is not None and not _has_opt(cmd, "--tee", "--redirects"):
         # per-rank output, prefixed "[rN]:" (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE in the env)
         extra.append("--tee=3")
         if not _has_opt(cmd, "--log-dir", "--log_dir"):
             extra.append(f"--log-dir={log_dir}")
     return cmd[:head] + extra + cmd[head:]
+
+
+def _opt_value(cmd: Sequence[str], *opts: str) -> str | None:
+    """The value of a launcher option (`--opt=V` or `--opt V`) among the words before the script."""
+    for i, a in enumerate(cmd):
+        for o in opts:
+            if a.startswith(o + "="):
+                return a.split("=", 1)[1]
+            if a == o and i + 1 < len(cmd):
+                return cmd[i + 1]
+    return None
+
+
+def is_elastic(cmd: Sequence[str]) -> bool:
+    """An elastic torchrun: --nnodes=MIN:MAX with MIN < MAX, or --max-restarts above 0. Its agents
+    re-form the job without a lost node and take it back when it returns (testbed run starts the
+    agent of a node that crashed again once the node is up)."""
+    if not is_torchrun(cmd):
+        return False
+    nnodes = _opt_value(cmd, "--nnodes") or ""
+    lo, sep, hi = nnodes.partition(":")
+    if sep and lo.isdigit() and hi.isdigit() and int(lo) < int(hi):
+        return True
+    restarts = _opt_value(cmd, "--max-restarts", "--max_restarts") or "0"
+    return restarts.isdigit() and int(restarts) > 0
 
 
 def select_workers(cluster: Cluster, spec: str | Sequence[str] | None) -> list[str]:
@@ -262,13 +314,19 @@ def _tagged_pids(run_id: str) -> list[int]:
 
 
 def _signal_all(ranks: Sequence[Rank], run_id: str, sig: int) -> None:
+    _signal(ranks, _tagged_pids(run_id), sig)
+
+
+def _signal(ranks: Sequence[Rank], tagged: Sequence[int], sig: int) -> None:
+    """The ranks' process groups, then every process that carries our tag (torchrun's workers live
+    in sessions of their own)."""
     for r in ranks:
         if r.proc is not None and r.proc.poll() is None:
             try:
                 os.killpg(r.proc.pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
-    for pid in _tagged_pids(run_id):
+    for pid in tagged:
         try:
             os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -280,14 +338,17 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         timeout: float | None = None, env: Mapping[str, str] | None = None, probe: bool = True,
         grace: float = DEFAULT_GRACE_S, base_dir: str | os.PathLike | None = None,
         workdir: str | None = None, echo: Callable[[str], None] | None | bool = True,
-        on_start: Callable[[Path], None] | None = None, machine: Any = None,
+        on_start: Callable[[Path, Path], None] | None = None, machine: Any = None,
         monitor: bool = True, emulated_clock: bool = True, stop: threading.Event | None = None,
         real: Sequence[str] | None = None, record_ops: bool = False,
         replay: str | os.PathLike | None = None, this_host_only: bool = False,
         relay_send: Callable[[bytes], None] | None = None,
-        relay_listen: Callable[[Callable[[bytes], None]], None] | None = None) -> RunResult:
+        relay_listen: Callable[[Callable[[bytes], None]], None] | None = None,
+        job: "groups_mod.Job | None" = None) -> RunResult:
     """Run CMD across the cluster; return the exit status and the run directory.
 
+    on_start(run_dir, probe_dir): once the ranks start; probe_dir is where their records are read
+    live (the testbed's own folder: RUN/probe is a link a job with a writable run directory can swap);
     machine: the calibrated MachineConstants, recorded for the verdict (testbed.report.verdict);
     monitor: sample CPUs, qdiscs and delay lines while the ranks run (monitor.json);
     emulated_clock: under dilation the probe slows the ranks' clocks by the factor;
@@ -302,9 +363,25 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     workers only (the controller starts the others on theirs, with the same master and port);
     relay_send, relay_listen: with `real` there, how the leader's announcements reach the phantoms
     of the other hosts (testbed.jobs.relay): on the leader's host each line goes to relay_send; on
-    the others relay_listen(sink) is called once and the sink gets the relayed bytes."""
+    the others relay_listen(sink) is called once and the sink gets the relayed bytes;
+    job: groups and services (testbed.jobs.groups), each its own command on its own workers, each
+    group its own torch world, restarted when it fails (up to its `restarts`); a CMD that is one
+    YAML file is read as such a job file."""
     cmd = list(cmd)
     trace = None
+    if groups_mod.is_job_file(cmd):
+        if job is not None:
+            raise RunError("give either a job file or groups, not both")
+        job, cmd = groups_mod.load(cmd[0]), []
+    if job is not None:
+        if cmd:
+            raise RunError("a run of groups takes no command of its own: each group names its command")
+        if real is not None or replay is not None or record_ops:
+            raise RunError("groups run real commands: no --real, --replay or --record-ops with them")
+        if cluster.part is not None or this_host_only:
+            raise RunError(f"testbed {cluster.name} spans several hosts: groups run on a testbed of one host only "
+                           "(they are started and restarted by one launcher)")
+        cmd = ["<groups>"]
     if replay is not None:
         if cmd:
             raise RunError("--replay runs no command: give either a command or --replay")
@@ -319,6 +396,10 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     if nproc_per_node < 1:
         raise RunError("--nproc-per-node must be >= 1")
     chosen = select_workers(cluster, workers)
+    if job is not None:   # the groups' workers, among those the caller allowed, in topology order
+        groups_mod.check_workers(job, chosen)
+        groups_mod.check_addresses(job, cluster.address, env or {})
+        chosen = [w for w in chosen if w in job.workers]
     if cluster.part is not None and not this_host_only:
         raise RunError(f"testbed {cluster.name} spans several hosts and this host holds part of it: start jobs "
                        "from the controller, where it was brought up (`testbed run` there starts every host's ranks)")
@@ -352,6 +433,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     probe_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(shared, 0o755)      # ranks run as root in both runtimes: nobody else needs to write here
     os.chmod(probe_dir, 0o755)
+    job_dir = shared / "job"   # the job's own shared folder (a checkpoint every worker sees), gone at the end
+    job_dir.mkdir(mode=0o755)
     (rd / "probe").rmdir()
     (rd / "probe").symlink_to(probe_dir)   # live view (progress bars, scenario players)
     probe_path, pythonpath = PROBE_PATH, os.environ.get("PYTHONPATH", "")
@@ -385,7 +468,13 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     common.update({"PATH": _base_path(), "PYTHONUNBUFFERED": "1"})
     common.setdefault("OMP_NUM_THREADS", "1")
     ranks: list[Rank] = []
-    for node_rank, w in enumerate(chosen):
+    gports: dict[str, int] = {}
+    if job is not None:
+        ranks, gports = _group_ranks(cluster, job, port, run_id, shared, probe_dir if probe else None,
+                                     probe_path, pythonpath, env or {}, emulated_clock, str(rd))
+        world = sum(1 for r in ranks if r.local_rank is not None) + sum(
+            int(r.env["LOCAL_WORLD_SIZE"]) for r in ranks if r.local_rank is None)
+    for node_rank, w in enumerate(chosen if job is None else []):
         wenv = {
             "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
             "GROUP_RANK": str(node_rank), "NODE_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(len(chosen)),
@@ -393,11 +482,14 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             # NCCL/gloo interface, host id and GPUs come with the worker's own environment (runtime)
             "TESTBED_NAME": cluster.name, "TESTBED_WORKER": w, "TESTBED_RUN_ID": run_id,
             "TESTBED_RUN_DIR": str(rd), "TESTBED_TIME_DILATION": repr(float(cluster.time_dilation)),
-            "TESTBED_EMULATED_CLOCK": "1" if emulated_clock else "0",
+            "TESTBED_EMULATED_CLOCK": "1" if emulated_clock else "0", "TESTBED_JOB_DIR": str(job_dir),
+            "TESTBED_ADDR": cluster.address[w],
         }
         if probe:
             wenv["TESTBED_PROBE_DIR"] = str(probe_dir)
             wenv["PYTHONPATH"] = probe_path + (os.pathsep + pythonpath if pythonpath else "")
+            if real is None and replay is None and not record_ops:   # every rank runs it, or none
+                wenv["TESTBED_LATENCY_BURST"] = str(LATENCY_BURST)
         wenv.update(env or {})
         if torchrun:
             wenv.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", TORCHRUN_PREFIX_TEMPLATE)
@@ -431,29 +523,32 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         if lead.rank is None:
             lead.env["TESTBED_PHANTOM_LEADER_LOCAL_RANK"] = "0"   # one of the agent's ranks records
 
-    logs: dict[str, Any] = {w: open(rd / "logs" / f"{w}.log", "a", buffering=1) for w in here}
+    logs: dict[str, Any] = {w: rundir.open_append(rd / "logs" / f"{w}.log") for w in here}
     log_lock = threading.Lock()
     readers: list[threading.Thread] = []
 
-    def pump(r: Rank) -> None:
-        assert r.proc is not None and r.proc.stdout is not None
+    def pump(r: Rank, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
         label = r.label
-        for raw in iter(r.proc.stdout.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\n")
+        # a line waiting for its newline is bounded (LINE_MAX); what a rank prints is shown inert
+        for raw in safeio.lines_of_fd(proc.stdout.fileno(), LINE_MAX):
+            line = terminal.inert(raw.decode(errors="replace"))
             if r.local_rank is None:   # torchrun: "[rN]:line" is rank N's
                 m = _TORCHRUN_PREFIX.match(line)
-                label = f"{r.worker}:{'p' if r.phantom else 'r'}{m.group(1)}" if m else r.label
+                label = (f"{r.worker}:{(r.group + '.') if r.group else ''}{'p' if r.phantom else 'r'}{m.group(1)}"
+                         if m else r.label)
                 if m:
                     line = line[m.end():]
             with log_lock:
                 logs[r.worker].write(f"[{label.split(':', 1)[1]}] {line}\n")
                 if echo is not None:
                     echo(f"[{label}] {line}")
-        r.proc.stdout.close()
+        proc.stdout.close()
 
     summary: dict[str, Any] = {
         "testbed": cluster.name, "run_id": run_id, "run_dir": str(rd), "cmd": cmd,
-        "launcher": "torchrun" if torchrun else "env", "workers": chosen, "nproc_per_node": nproc_per_node,
+        "launcher": "groups" if job is not None else "torchrun" if torchrun else "env",
+        "elastic": is_elastic(cmd), "workers": chosen, "nproc_per_node": nproc_per_node,
         "world_size": world, "master": master, "master_addr": master_addr, "master_port": port,
         "workdir": workdir, "probe": probe, "env": dict(env or {}), "grace_s": grace, "timeout_s": timeout,
         "time_dilation": {"factor": float(cluster.time_dilation), "source": cluster.dilation_source,
@@ -473,8 +568,9 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                 run_id=run_id, run_dir=str(rd))
     steps = rundir.StepReader(probe_dir)
     next_poll, milestone = 0.0, 1
+    not_kept: list[str] = []   # what could not be written into the run directory at the end
     if on_start is not None:
-        on_start(rd)
+        on_start(rd, probe_dir)
 
     stop_feed = threading.Event()
     first_fail: Rank | None = None
@@ -488,10 +584,77 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         from testbed.jobs.monitor import Monitor
 
         try:
-            mon = Monitor(cluster.netns_of, cluster.delay_lines, _cores()).start()
+            from testbed.runtime import cgroups
+
+            groups = cgroups.groups_of(cluster.name) if cluster.runtime == "netns" else None   # Docker's are its own
+            mon = Monitor(cluster.netns_of, cluster.delay_lines, _cores(), groups=groups or None).start()
         except Exception as exc:   # evidence missing is reported by the verdict, the run goes on
             if echo is not None:
                 echo(f"[testbed] monitor not started ({exc}); the verdict will lack CPU and link samples")
+    def spawn(r: Rank) -> None:
+        full_env = {**common, **r.env}
+        argv = cluster.executor.argv(r.worker, r.argv, r.env, workdir)
+        r.started, r.rc, r.ended = time.time(), None, None
+        r.proc = subprocess.Popen(argv, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+        t = threading.Thread(target=pump, args=(r, r.proc), daemon=True)
+        t.start()
+        readers.append(t)
+
+    gstate = {g.name: _GroupState(g, g.restarts) for g in job.groups} if job is not None else {}
+    elastic = job is None and real is None and trace is None and is_elastic(cmd)
+    lost: dict[str, list[Any]] = {}   # elastic agents that ended: label -> [rank, decide by, lost with its node]
+    next_lost_check = 0.0
+
+    def _group_failed(gs: _GroupState, r: Rank, now: float) -> None:
+        """A rank of a group that may restart failed: its other ranks are ended, then it starts again."""
+        code = _exit_status(r.rc)
+        gs.state, gs.since, gs.killed = "stopping", now, False
+        gs.failures.append({"label": r.label, "rc": code, "t": time.time()})
+        n = gs.group.restarts - gs.left + 1
+        msg = f"group {gs.group.name}: {r.label} exited with status {code}; restart {n} of {gs.group.restarts}"
+        events.emit(cluster.name, "run", f"run {run_id}: {msg}", run_id=run_id, group=gs.group.name, rc=code)
+        if echo is not None:
+            echo(f"[testbed] {msg} once its workers are up")
+        _signal_group([x for x in ranks if x.group == gs.group.name], f"{run_id}.{gs.group.name}", signal.SIGTERM)
+
+    def _tend_groups(now: float, may_start: bool) -> int:
+        """Move failed groups on: ended -> waiting for their workers -> started again. Returns how many
+        groups are between two lives (the run is not over while one is)."""
+        between = 0
+        for gs in gstate.values():
+            mine = [x for x in ranks if x.group == gs.group.name]
+            tag = f"{run_id}.{gs.group.name}"
+            if gs.state == "stopping":
+                if all(x.proc is None or x.proc.poll() is not None for x in mine) \
+                        and not procs.pids_with_env("TESTBED_GROUP_RUN", tag, include_self=False):
+                    gs.state, gs.restart_at = "waiting", now + RESTART_DELAY_S
+                elif now - gs.since > KILL_AFTER_S and not gs.killed:
+                    _signal_group(mine, tag, signal.SIGKILL)
+                    gs.killed = True
+            if gs.state == "waiting" and may_start and now >= gs.restart_at:
+                down = _workers_down(cluster, gs.group.workers)
+                if down:
+                    gs.restart_at = now + 0.5   # a crashed node: started again by `node up` (or a scenario)
+                else:
+                    _fresh_records(cluster)
+                    gs.left -= 1
+                    gs.state = "running"
+                    for x in mine:
+                        if x.proc is not None and x.rc is None:
+                            x.rc = x.proc.poll()
+                        x.starts += 1
+                        x.env["TORCHELASTIC_RESTART_COUNT"] = str(x.starts - 1)
+                        x.env["TESTBED_GROUP_RESTART"] = str(x.starts - 1)
+                        spawn(x)
+                    if echo is not None:
+                        echo(f"[testbed] group {gs.group.name} started again on {', '.join(gs.group.workers)}")
+            if gs.state != "running":
+                between += 1
+        return between
+
+    mirror = groups_mod.ProbeMirror(probe_dir, [g.name for g in job.groups]).start() \
+        if job is not None and probe else None
     old_term = None
     if threading.current_thread() is threading.main_thread():
         def _term(signum, frame):
@@ -507,14 +670,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                     inbound = relay.Inbound(feeds + checks)
                     relay_listen(inbound)
             for r in ranks:
-                full_env = {**common, **r.env}
-                argv = cluster.executor.argv(r.worker, r.argv, r.env, workdir)
-                r.started = time.time()
-                r.proc = subprocess.Popen(argv, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
-                t = threading.Thread(target=pump, args=(r,), daemon=True)
-                t.start()
-                readers.append(t)
+                spawn(r)
             if trace is not None:
                 feeder = threading.Thread(target=_feed, args=(trace, feeds, float(cluster.time_dilation or 1.0),
                                                               stop_feed), daemon=True)
@@ -529,6 +685,17 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                             alive += 1
                             continue
                         r.rc, r.ended = code, time.time()
+                        gs = gstate.get(r.group or "")
+                        if gs is not None and gs.state != "running":
+                            continue   # a group being ended for its restart: its ranks' statuses are ours
+                        if code != 0 and gs is not None and gs.left > 0 and stop_at is None:
+                            _group_failed(gs, r, now)
+                            continue
+                        if code != 0 and elastic and r.local_rank is None and stop_at is None:
+                            # an elastic agent: lost with its node (crashed, down), or failed? the
+                            # state says, within a moment (node crash records the crash after its kills)
+                            lost[r.label] = [r, now + LOST_DECIDE_S, False]
+                            continue
                         if code != 0 and first_fail is None and stop_at is None:
                             first_fail = r
                             rc = _exit_status(code)
@@ -537,6 +704,43 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                             if echo is not None:
                                 echo(f"[testbed] {r.label} exited with status {rc}; stopping the others "
                                      f"in {grace:g}s")
+                if lost and stop_at is None and now >= next_lost_check:
+                    next_lost_check = now + 0.2
+                    for label, entry in list(lost.items()):
+                        r, decide_by, with_node = entry
+                        down = bool(_workers_down(cluster, [r.worker]))
+                        if down and not with_node:
+                            entry[2] = with_node = True
+                            msg = (f"{r.label} (the torchrun agent) was lost with its node; it is started again "
+                                   f"when {r.worker} is up (testbed node up {r.worker})")
+                            events.emit(cluster.name, "run", f"run {run_id}: {msg}", run_id=run_id, worker=r.worker)
+                            if echo is not None:
+                                echo(f"[testbed] {msg}")
+                        if with_node and not down:
+                            del lost[label]
+                            _fresh_records(cluster)
+                            r.starts += 1
+                            spawn(r)
+                            events.emit(cluster.name, "run", f"run {run_id}: {r.label} started again on "
+                                        f"{r.worker}", run_id=run_id, worker=r.worker)
+                            if echo is not None:
+                                echo(f"[testbed] {r.label} started again: it joins the job's next rendezvous")
+                        elif not with_node and now >= decide_by:   # its node is up: the agent itself failed
+                            del lost[label]
+                            if first_fail is None:
+                                first_fail, rc, reason = r, _exit_status(r.rc), "rank failed"
+                                stop_at = now + grace
+                                if echo is not None:
+                                    echo(f"[testbed] {r.label} exited with status {rc}; stopping the others "
+                                         f"in {grace:g}s")
+                if stop_at is None:
+                    alive += len(lost)
+                if gstate:
+                    alive += _tend_groups(now, stop_at is None)
+                    if stop_at is None and all(r.rc is not None for r in ranks if not r.service) \
+                            and all(g.state == "running" for g in gstate.values()):
+                        # every group is done: the services (a lighthouse) have nothing left to serve
+                        reason, stop_at = ("completed" if rc == 0 else reason), now
                 if alive == 0:
                     break
                 if real is not None and stop_at is None and (
@@ -605,20 +809,26 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             outbound.stop()
         if inbound is not None:
             inbound.close()
+            if inbound.gave_up and echo is not None:
+                echo(f"[testbed] phantom relay: {inbound.gave_up}")
         phantom_stats = _phantom_stats(shared / "phantom") if feeds else None
+        if mirror is not None:
+            mirror.stop()
         _uncap(cluster, capped, echo)
-        _collect_probe(rd, shared)
+        _into_run_dir(not_kept, "the probe's records", lambda: _collect_probe(rd, shared))
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
 
     after = counters.snapshot(cluster.name, nodes, cluster.netns_of)
-    rundir.write_json(rd / "counters-after.json", after)
+    _into_run_dir(not_kept, "counters-after.json", lambda: rundir.write_json(rd / "counters-after.json", after))
     ended = time.time()
-    steps.dir = rd / "probe"   # the probe files were collected there from the exchange folder
+    if not not_kept:   # the probe files were collected there from the exchange folder (the ranks are gone)
+        steps.dir = rd / "probe"
     _step_milestones(cluster.name, run_id, steps, milestone)
     events.emit(cluster.name, "run", f"run {run_id} ended: {reason}, exit status {rc}, "
                 f"{ended - summary['started']:.1f} s", run_id=run_id, status=reason, rc=rc)
-    _keep_events(rd, cluster.name, summary["started"], time.time())
+    _into_run_dir(not_kept, "testbed-events.jsonl",
+                  lambda: _keep_events(rd, cluster.name, summary["started"], time.time()))
     summary.update({
         "status": reason, "rc": rc, "ended": ended, "duration_s": ended - summary["started"],
         "first_failure": None if first_fail is None else {"label": first_fail.label, "worker": first_fail.worker,
@@ -627,7 +837,12 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                    "rank": r.rank, "pid": r.proc.pid if r.proc else None,
                    "rc": None if r.rc is None else _exit_status(r.rc),
                    "duration_s": (r.ended or ended) - r.started if r.started else None,
-                   "argv": r.argv if r is ranks[0] else None, "phantom": r.phantom} for r in ranks],
+                   "argv": r.argv if r is ranks[0] or r.group else None, "phantom": r.phantom,
+                   "starts": r.starts, **({"group": r.group, "service": r.service} if r.group else {})}
+                  for r in ranks],
+        "groups": None if job is None else [
+            {**g.group.to_json(), "port": gports[g.group.name], "restarts_used": g.group.restarts - g.left,
+             "failures": g.failures} for g in gstate.values()],
         "leftover_pids": leftovers,
         "replay": None if trace is None else {"source": str(trace.source), "ops": len(trace.lines),
                                                "recorded_dilation": trace.dilation, "format": trace.kind,
@@ -636,12 +851,120 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             "real_workers": list(real or []), **_real_and_phantom_ranks(ranks, world, phantom_stats),
             **{k: v for k, v in (phantom_stats or {}).items() if k != "ranks"},
             **({"relayed_lines": outbound.lines} if outbound is not None else {}),
-            **({"relayed_bytes": inbound.bytes} if inbound is not None else {})},
+            **({"relayed_bytes": inbound.bytes, "relay_gave_up": inbound.gave_up} if inbound is not None else {})},
     })
     if topo is not None:
         summary["links"] = counters.link_bytes(topo, before, after)
-    rundir.write_json(rd / "summary.json", summary)
+    _into_run_dir(not_kept, "summary.json", lambda: rundir.write_json(rd / "summary.json", summary))
+    if not_kept:
+        summary["not_kept"] = not_kept
+        if echo is not None:
+            echo(f"[testbed] the run directory {rd} was changed while the job ran; not kept there: "
+                 + "; ".join(not_kept))
     return RunResult(rc, rd, summary)
+
+
+def _into_run_dir(not_kept: list[str], what: str, write: Callable[[], None]) -> None:
+    """One write into the run directory once the ranks ended. A job with a writable run directory
+    may have replaced it (or runs/) with a link, which every write refuses (safeio.Unsafe): the run
+    still ends as it should (its events, the exchange folder removed) and says what it did not keep."""
+    try:
+        write()
+    except (OSError, safeio.Unsafe) as exc:
+        not_kept.append(f"{what} ({exc})")
+
+
+def _group_ranks(cluster: Cluster, job: "groups_mod.Job", port: int, run_id: str, shared: Path,
+                 probe_dir: Path | None, probe_path: str, pythonpath: str, env: Mapping[str, str],
+                 emulated_clock: bool, run_dir: str) -> tuple[list[Rank], dict[str, int]]:
+    """The ranks of a run of groups (testbed.jobs.groups): each group a torch world of its own (its
+    first worker the master, its own port: `port` + its place in the job), each rank told its
+    worker's address and every group's; `{addr:NAME}` expanded in commands and env values. With
+    the probe, a group's ranks write into <probe>/<group>/ (the launcher mirrors it flat)."""
+    addrs = groups_mod.addresses(job, cluster.address)
+    named = groups_mod.env_names(job, addrs)
+    extra = {k: groups_mod.expand(v, addrs, where=f"env {k}") for k, v in [*job.env, *env.items()]}
+    trained = [g for g in job.groups if not g.service]
+    ranks: list[Rank] = []
+    ports: dict[str, int] = {}
+    for gi, g in enumerate(job.groups):
+        gport = port + gi
+        ports[g.name] = gport
+        cmd = [groups_mod.expand(c, addrs, where=f"{g.kind} {g.name}") for c in g.cmd]
+        nproc = g.nproc_per_node
+        gworld = len(g.workers) * nproc
+        master_addr = cluster.address[g.workers[0]]
+        for node_rank, w in enumerate(g.workers):
+            wenv = {
+                "MASTER_ADDR": master_addr, "MASTER_PORT": str(gport), "WORLD_SIZE": str(gworld),
+                "GROUP_RANK": str(node_rank), "NODE_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(len(g.workers)),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "TESTBED_NAME": cluster.name, "TESTBED_WORKER": w, "TESTBED_RUN_ID": run_id, "TESTBED_RUN_DIR": run_dir,
+                "TESTBED_TIME_DILATION": repr(float(cluster.time_dilation)),
+                "TESTBED_EMULATED_CLOCK": "1" if emulated_clock else "0",
+                "TESTBED_GROUP": g.name, "TESTBED_GROUP_KIND": g.kind,
+                "TESTBED_GROUP_INDEX": str(trained.index(g)) if not g.service else "",
+                "TESTBED_GROUPS": str(len(trained)), "TESTBED_GROUP_RUN": f"{run_id}.{g.name}",
+                "TESTBED_ADDR": cluster.address[w], "TESTBED_JOB_DIR": str(shared / "job"), **named,
+            }
+            if probe_dir is not None:   # (no latency burst: each group is its own world, restarted alone)
+                wenv["TESTBED_PROBE_DIR"] = str(probe_dir / g.name)
+                wenv["PYTHONPATH"] = probe_path + (os.pathsep + pythonpath if pythonpath else "")
+            wenv.update(extra)
+            if is_torchrun(cmd):
+                wenv.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", TORCHRUN_PREFIX_TEMPLATE)
+                argv = torchrun_argv(cmd, len(g.workers), nproc, f"{master_addr}:{gport}", f"{run_id}-{g.name}",
+                                     is_host=(w == g.workers[0]), log_dir=str(shared / "torchrun" / f"{g.name}-{w}"))
+                ranks.append(Rank(w, node_rank, None, None, f"{w}:{g.name}.torchrun", argv, wenv, group=g.name,
+                                  service=g.service))
+                continue
+            for lr in range(nproc):
+                rank = node_rank * nproc + lr
+                label = f"{w}:{g.name}" if g.service and gworld == 1 else f"{w}:{g.name}.r{rank}"
+                renv = {**wenv, "RANK": str(rank), "LOCAL_RANK": str(lr), "ROLE_RANK": str(rank),
+                        "ROLE_WORLD_SIZE": str(gworld), "ROLE_NAME": g.name, "TESTBED_RANK": f"{g.name}_{rank}",
+                        "TORCHELASTIC_RUN_ID": f"{run_id}-{g.name}", "TORCHELASTIC_RESTART_COUNT": "0",
+                        "TORCHELASTIC_MAX_RESTARTS": str(g.restarts)}
+                ranks.append(Rank(w, node_rank, lr, rank, label, list(cmd), renv, group=g.name, service=g.service))
+    return ranks, ports
+
+
+@dataclass
+class _GroupState:
+    group: "groups_mod.Group"
+    left: int                          # restarts left
+    state: str = "running"             # running | stopping (its ranks being ended) | waiting (to start again)
+    since: float = 0.0
+    restart_at: float = 0.0
+    killed: bool = False
+    failures: list[dict[str, Any]] = field(default_factory=list)
+
+
+LOST_DECIDE_S = 2.0      # an elastic agent ended: this long for the state to say its node crashed
+RESTART_DELAY_S = 1.0   # between a failed group's end and its new start (a node just restarted settles)
+
+
+def _workers_down(cluster: Cluster, workers: Sequence[str]) -> list[str]:
+    """Those of `workers` the testbed holds down or crashed (testbed node down/crash)."""
+    from testbed import store
+
+    nodes = (store.load(cluster.name).get("faults") or {}).get("nodes") or {}
+    return [w for w in workers if (nodes.get(w) or {}).get("state") in ("down", "crashed")]
+
+
+def _fresh_records(cluster: Cluster) -> None:
+    """A worker started again (node up) may have a new init: the executor reads the state again."""
+    from testbed import store
+
+    if isinstance(cluster.executor, RuntimeExecutor):
+        recs = (store.load(cluster.name).get("runtime") or {}).get("workers") or {}
+        if recs:
+            cluster.executor.records = dict(recs)
+
+
+def _signal_group(ranks: Sequence[Rank], tag: str, sig: int) -> None:
+    """Every process of one group: its ranks' process groups, then whatever carries its tag."""
+    _signal(ranks, procs.pids_with_env("TESTBED_GROUP_RUN", tag, include_self=False), sig)
 
 
 def check_real(real: Sequence[str], chosen: Sequence[str]) -> list[str]:
@@ -764,6 +1087,49 @@ def _real_and_phantom_ranks(ranks: list[Rank], world: int, stats: dict[str, Any]
     return {"real_ranks": [x for x in range(world) if x not in phantom], "phantom_ranks": phantom}
 
 
+def rank_ranges(ranks: Sequence[int]) -> str:
+    """Ranks as ranges, sorted, each once: [0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
+    runs: list[list[int]] = []   # [first, last] of each run of consecutive ranks
+    for x in sorted(set(ranks)):
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def ranks_line(summary: Mapping[str, Any]) -> str | None:
+    """What the console says of a run with phantoms (its summary.json, one host's or the
+    controller's merge): which ranks were real, on which workers, and which phantoms, e.g.
+    "ranks: 1 real (0 on w0), 63 phantoms (1-63)". None for a run without phantoms. Under torchrun
+    the ranks do not say their global rank (the rendezvous chose): the real ones are then said to
+    be on the real workers, all together."""
+    ph = summary.get("phantoms")
+    if not isinstance(ph, dict):
+        return None
+
+    def ints(v: Any) -> list[int]:
+        return [x for x in v if isinstance(x, int) and not isinstance(x, bool)] if isinstance(v, list) else []
+
+    real, phantoms = ints(ph.get("real_ranks")), ints(ph.get("phantom_ranks"))
+    if not phantoms:
+        return None
+    where: dict[str, list[int]] = {}   # worker -> its real ranks, in rank order
+    for r in summary.get("ranks") or []:
+        if isinstance(r, dict) and r.get("rank") in real and not r.get("phantom"):
+            where.setdefault(str(r.get("worker")), []).append(r["rank"])
+    said = ""
+    if real and sorted(x for v in where.values() for x in v) == sorted(set(real)):
+        said = ", ".join(f"{rank_ranges(v)} on {w}" for w, v in sorted(where.items(), key=lambda kv: min(kv[1])))
+    elif real:
+        rw = ph.get("real_workers")
+        workers = [str(w) for w in rw] if isinstance(rw, list) else []
+        said = rank_ranges(real) + (f" on {','.join(workers)}" if workers else "")
+    head = f"{len(set(real))} real ({said})" if real else "none real (a replay)"
+    n = len(set(phantoms))
+    return f"ranks: {head}, {n} phantom{'' if n == 1 else 's'} ({rank_ranges(phantoms)})"
+
+
 @dataclass
 class Trace:
     """A recorded sequence of operations (what the mirror announced), for --replay."""
@@ -870,14 +1236,14 @@ def _cap_real_workers(cluster: Cluster, real: Sequence[str], nproc: int, capped:
     would have: with phantoms (which compute nothing) a real rank would otherwise get a whole core
     and compute s times faster than its emulated server. The same cgroup quota as `testbed node
     slow`, for the run only; workers already slowed keep their limit. Appends what it capped."""
-    from testbed.faults import control
+    from testbed import node_cpus
 
     cpus = nproc / float(cluster.time_dilation or 1.0)
     if cpus >= _cores() or cluster.dilation.get("cap_cpu"):   # capped at `up` already: 1/s each
         return None
     mine = [w for w in real if w not in _user_slowed(cluster)]
     try:
-        control.nodes_slow(cluster.name, mine, cpus)
+        node_cpus.nodes_slow(cluster.name, mine, cpus)
     except TestbedError as exc:
         if echo is not None:
             echo(f"[testbed] could not limit {', '.join(mine)} to {cpus:g} CPUs ({exc}): their ranks compute "
@@ -896,12 +1262,12 @@ def _user_slowed(cluster: Cluster) -> set[str]:
 
 
 def _uncap(cluster: Cluster, capped: list[str], echo: Callable[[str], None] | None) -> None:
-    from testbed.faults import control
+    from testbed import node_cpus
 
     if not capped:
         return
     try:
-        control.nodes_restore(cluster.name, capped)
+        node_cpus.nodes_restore(cluster.name, capped)
     except TestbedError as exc:
         if echo is not None:
             echo(f"[testbed] {', '.join(capped)} keep the run's CPU limit ({exc}): testbed node restore NODE")
@@ -911,9 +1277,7 @@ def _keep_events(rd: Path, name: str, t0: float, t1: float) -> None:
     """The testbed's events of the run's time span (faults, captures, scenario steps), into the run
     directory: the report lists them, also once the testbed is down."""
     kept = [e for e in events.read(name) if t0 - 1 <= e["t"] <= t1]
-    with open(rd / "testbed-events.jsonl", "w") as f:
-        for e in kept:
-            f.write(json.dumps(e) + "\n")
+    rundir.write_bytes(rd / "testbed-events.jsonl", "".join(json.dumps(e) + "\n" for e in kept).encode())
 
 
 def _step_milestones(name: str, run_id: str, steps: rundir.StepReader, milestone: int) -> int:
@@ -974,21 +1338,60 @@ def _shared_dir(cluster: Cluster, run_id: str) -> Path:
 
 
 def _collect_probe(rd: Path, shared: Path) -> None:
-    """Replace the run dir's probe link with a directory holding the ranks' files; remove `shared`."""
-    link = rd / "probe"
-    if link.is_symlink():
-        link.unlink()
-    link.mkdir(exist_ok=True)
-    src = shared / "probe"
-    if src.is_dir() and not src.is_symlink():
-        for f in sorted(src.iterdir()):
+    """Replace the run dir's probe link with a directory holding the ranks' files; remove `shared`.
+    Each file is opened once (no link followed, never waited on), checked on that descriptor and
+    copied from it: what is checked is what is copied."""
+    try:
+        _copy_probe(rd, shared)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)   # <state dir>/runs stays: Docker workers mount it
+
+
+def _copy_probe(rd: Path, shared: Path) -> None:
+    base, rel = safeio.path_beneath_runs(rd / "probe")
+    run_fd = safeio.open_dir_beneath(base, rel.parent)   # (refuses a run directory, or runs/, become a link)
+    try:   # testbed's live link goes; a directory there stays
+        if stat.S_ISLNK(os.lstat("probe", dir_fd=run_fd).st_mode):
+            os.unlink("probe", dir_fd=run_fd)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(run_fd)
+    dst = safeio.open_dir_beneath(base, rel, create=True)
+    try:
+        src = safeio.open_dir_beneath(shared, "probe")
+    except (OSError, safeio.Unsafe):
+        src = -1
+    try:
+        for name in sorted(os.listdir(src)) if src >= 0 else []:
             # only the ranks' own files, plain and of a sane size: a rank is not trusted to name them
-            if PROBE_FILE.match(f.name) and f.is_file() and not f.is_symlink() \
-                    and f.stat().st_size <= PROBE_FILE_MAX_BYTES:
-                # the state dir is under /run (a tmpfs on most machines), the run dir on disk: a
-                # rename would fail across the two (EXDEV); move copies then removes
-                shutil.move(f, link / f.name)
-    shutil.rmtree(shared, ignore_errors=True)   # <state dir>/runs stays: Docker workers mount it
+            if not PROBE_FILE.fullmatch(name):
+                continue
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=src)
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size > PROBE_FILE_MAX_BYTES:
+                    continue
+                out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                              dir_fd=dst)
+                try:   # (the state dir is on a tmpfs, the run dir on disk: copied, not renamed)
+                    left = PROBE_FILE_MAX_BYTES
+                    while left > 0 and (chunk := os.read(fd, min(1 << 20, left))):
+                        os.write(out, chunk)
+                        left -= len(chunk)
+                finally:
+                    os.close(out)
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+    finally:
+        os.close(dst)
+        if src >= 0:
+            os.close(src)
 
 
 def format_cmd(cmd: Sequence[str]) -> str:

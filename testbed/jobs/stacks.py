@@ -229,14 +229,17 @@ def merge_hosts(by_host: dict[str, list[RankStack]], placement: dict[str, str]) 
 
 def save(run_dir: Path, name: str, run_id: str) -> Path | None:
     """Take the run's stacks and write stacks.txt and stacks.json into its directory; None when
-    there was nothing to take (or py-spy is missing: then stacks.txt says so)."""
+    there was nothing to take (or py-spy is missing: then stacks.txt says so). Through no link a job
+    planted there (rundir.write_bytes)."""
+    from testbed.jobs import rundir
+
     try:
         stacks = take(name, run_id)
     except Exception as exc:   # the run is being stopped: a missing dump must not stop that
-        (run_dir / "stacks.txt").write_text(f"stacks not taken: {exc}\n")
+        rundir.write_bytes(run_dir / "stacks.txt", f"stacks not taken: {exc}\n".encode())
         return None
     if not stacks:
         return None
-    (run_dir / "stacks.txt").write_text(render(stacks, depth=40) + "\n")
-    (run_dir / "stacks.json").write_text(json.dumps(to_json(stacks), indent=1))
+    rundir.write_bytes(run_dir / "stacks.txt", (render(stacks, depth=40) + "\n").encode())
+    rundir.write_json(run_dir / "stacks.json", to_json(stacks))
     return run_dir / "stacks.txt"

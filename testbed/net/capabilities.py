@@ -143,7 +143,10 @@ def _cache_path() -> Path:
 
 def _load_boot_cache() -> Capabilities | None:
     try:
-        data = json.loads(_cache_path().read_text())
+        path = _cache_path()
+        text = path.read_text()
+        data = json.loads(text)
+        _ON_DISK[str(path)] = text
         if data.get("boot_id") != boot_id() or data.get("kernel") != os.uname().release \
                 or os.geteuid() != 0 or data.get("latency_floor_s") is None:
             return None
@@ -153,13 +156,20 @@ def _load_boot_cache() -> Capabilities | None:
         return None
 
 
+_ON_DISK: dict[str, str] = {}   # cache file -> its text as this process last read or wrote it
+
+
 def _save_boot_cache(caps: Capabilities) -> None:
+    text = json.dumps({**caps.to_json(), "boot_id": boot_id()})
+    p = _cache_path()
+    if _ON_DISK.get(str(p)) == text:
+        return   # unchanged: every `up` rewrote it (an os.replace on /run is a journal commit where /run is a disk)
     try:
-        p = _cache_path()
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(f".capabilities.json.{os.getpid()}")
-        tmp.write_text(json.dumps({**caps.to_json(), "boot_id": boot_id()}))
+        tmp.write_text(text)
         os.replace(tmp, p)
+        _ON_DISK[str(p)] = text
     except OSError:
         pass  # a cache we cannot write only costs time
 
@@ -250,9 +260,9 @@ def _probe_kernel(caps: Capabilities) -> None:
                 caps.tbf = attempt("tbf", root_qdisc("tbf", rate="1mbit", burst=10000, latency=50000))
 
                 def bpf() -> None:
-                    from testbed.net import shaping
-                    shaping._install_loss_filter(ipr, idx, 0.5)
-                    shaping._remove_loss_filter(ipr, idx)
+                    from testbed.net import lossfilter
+                    lossfilter.install(ipr, idx, 0.5)
+                    lossfilter.remove(ipr, idx)
                 caps.bpf = attempt("bpf", bpf)
                 try:
                     caps.ifb = attempt("ifb", lambda: ipr.link("add", ifname="tbpifb", kind="ifb"))

@@ -2,9 +2,9 @@
 
 A delayed link is not a veth pair but two TAP devices, one in each node's
 namespace, carrying the interface names the builder asked for, joined by a
-helper process (`python -m testbed.net.delayline_main`) that reads frames
-from one TAP, holds each for the delay (+ jitter, FIFO order kept) and writes
-it to the other TAP; both directions, each with its own profile.
+delay-line engine (testbed.net.delay_engine) that reads frames from one TAP,
+holds each for the delay (+ jitter, FIFO order kept) and writes it to the
+other TAP; both directions, each with its own profile.
 
 TAPs are opened with IFF_TAP|IFF_NO_PI|IFF_VNET_HDR and TUNSETOFFLOAD, so
 GSO frames (up to 64 KiB) cross whole: a single Python process moves >10
@@ -13,44 +13,42 @@ enslaving, up, HTB through shaping.apply on each TAP's egress: bandwidth and
 queue then live in the kernel, before the delay). Loss goes through
 shaping.apply too (cls_bpf), not here.
 
-One helper process per delayed link (chosen over one per testbed: a crash or
-a stop affects one link, pids map 1:1 to links in the state file, and an idle
-helper costs nothing, it sleeps in select). The TAPs are not persistent: they
-vanish when the helper's fds close, i.e. when it exits. Files under
-state_dir: dl-<link_id>.pid, dl-<link_id>.sock (control), dl-<link_id>.log.
+Engines, not a process per link: a k=16 fat-tree at auto dilation has 3,072
+delayed links, and a helper per link meant 3,072 Python processes (one
+`select` each). start_delay_link opens the line's TAPs here, in the nodes'
+namespaces, and hands their descriptors to an engine of the testbed (SCM_RIGHTS
+over the engine's channel): one engine per CPU this process may use (at most
+ENGINES_CAP), more only when an engine's open-files limit is full (three per
+line). Engines live in the root namespace; the TAPs are not persistent, so a
+line's TAPs vanish when its engine closes them (the line is removed, or the
+engine ends).
 
-Control channel: a unix stream socket; one JSON line per connection:
-{"cmd": "set", "ab": {profile}, "ba": {profile}} or {"cmd": "stats"}.
-
-Timing: the loop sleeps in select(2) (microsecond timeouts; epoll rounds to
-milliseconds) with the timer slack set to 1 us, so a 1 ms delay is held
-~1.0x ms, not 2 ms; it runs at the lowest real-time priority, so ranks that
-time-share the CPUs do not make it send late (the run's verdict reads how
-late it was).
+Per link, as before, so the state, the monitor, faults and teardown work by
+link: dl-<link_id>.pid names the engine serving it ("PID START"), and
+dl-<link_id>.sock is the line's control socket, one JSON line per connection:
+{"cmd": "set", "ab": {profile}, "ba": {profile}}, {"cmd": "stats"} or
+{"cmd": "remove"}. An engine's own pid file is dle-<PID>.pid; they all log
+to dle.log. Stopping the engine a record names (teardown) stops every line
+it serves; stop(DelayLink) removes one line (and its engine with its last).
 """
 
 from __future__ import annotations
 
-import collections
-import ctypes
-import errno
 import fcntl
 import json
 import os
-import random
-import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import time
-from dataclasses import asdict, dataclass
+import threading
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from testbed import procs
-from testbed.net.netns import run_in_netns
+from testbed import procs, safeio
+from testbed.net import netns
 
 IFF_TAP = 0x0002
 IFF_NO_PI = 0x1000
@@ -59,10 +57,9 @@ TUNSETIFF = 0x400454CA
 TUNSETOFFLOAD = 0x400454D0
 TUN_F_CSUM, TUN_F_TSO4, TUN_F_TSO6, TUN_F_TSO_ECN, TUN_F_USO4, TUN_F_USO6 = 0x01, 0x02, 0x04, 0x08, 0x20, 0x40
 SIOCSIFMTU = 0x8922
-VNET_HDR_LEN = 10
-READ_SIZE = 65536 + 512
-MAX_QUEUED_BYTES = 256 * 1024 * 1024   # per direction; beyond it frames are dropped
-_PR_SET_PDEATHSIG = 1
+ENGINE_LOG = "dle.log"
+TAP_DEFAULT_MTU = 1500   # what the kernel gives a new TAP (ether_setup)
+REPLY_MAX = 1 << 16
 
 
 def open_tap(name: str, mtu: int | None = None) -> int:
@@ -76,7 +73,7 @@ def open_tap(name: str, mtu: int | None = None) -> int:
             fcntl.ioctl(fd, TUNSETOFFLOAD, base | TUN_F_USO4 | TUN_F_USO6)
         except OSError:
             fcntl.ioctl(fd, TUNSETOFFLOAD, base)  # kernels before 6.2 have no USO
-        if mtu:
+        if mtu and mtu != TAP_DEFAULT_MTU:   # (a change of MTU runs the kernel's notifier chain: skip a no-op)
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 fcntl.ioctl(s.fileno(), SIOCSIFMTU, struct.pack("16si20x", name.encode(), mtu))
     except BaseException:
@@ -88,7 +85,7 @@ def open_tap(name: str, mtu: int | None = None) -> int:
 @dataclass
 class DelayLink:
     pid: int
-    start: int        # clock ticks since boot: with the PID, names the helper (testbed.procs)
+    start: int        # clock ticks since boot: with the PID, names the engine (testbed.procs)
     link_id: str
     ns_a: str
     if_a: str
@@ -113,98 +110,400 @@ def _profile_json(p: Any) -> dict[str, float]:
     return {"delay_s": float(p.delay_s), "jitter_s": float(p.jitter_s)}
 
 
+# -- the engines this process started --------------------------------------------------------------
+
+@dataclass
+class _Engine:
+    ref: procs.ProcRef
+    channel: socket.socket     # our end: "add" messages with the TAPs' descriptors
+    capacity: int              # lines its open-files limit holds
+    lines: int = 0
+
+
+@dataclass
+class _Registry:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    by_dir: dict[str, list[_Engine]] = field(default_factory=dict)
+
+
+_engines = _Registry()
+ENGINES_MAX: int | None = None   # engines per testbed before lines share them (None: this process's CPUs,
+ENGINES_CAP = 8                  # at most ENGINES_CAP: ~20 MiB each, and a 64-core machine's k=4 needs no 48)
+ENGINE_SPIN_S: float | None = None   # how early the engines' timer fires (None: delay_engine.SPIN_S; a bench knob)
+
+
+class _Gone(Exception):
+    """The engine ended before it answered (its last line was just removed, or it was killed)."""
+
+
+def engines_max() -> int:
+    if ENGINES_MAX:
+        return ENGINES_MAX
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, ENGINES_CAP))
+
+
+def _spawn(testbed: str, directory: str, timeout: float) -> _Engine:
+    return _ready(*_launch(testbed, directory), directory, timeout)
+
+
+def _launch(testbed: str, directory: str) -> tuple[subprocess.Popen, socket.socket]:
+    """Start an engine process; _ready waits for it (several can start at once)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    logfd = safeio.open_beneath(directory, ENGINE_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        pkg_root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        cfg = {"testbed": testbed, "dir": directory, "channel": theirs.fileno(), "parent": os.getpid(),
+               **({} if ENGINE_SPIN_S is None else {"spin_s": ENGINE_SPIN_S})}
+        proc = subprocess.Popen([sys.executable, "-m", "testbed.net.delayline_main", json.dumps(cfg)],
+                                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=logfd,
+                                stderr=logfd, start_new_session=True, env=env, close_fds=True)
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+        os.close(logfd)
+    return proc, ours
+
+
+def _ready(proc: subprocess.Popen, ours: socket.socket, directory: str, timeout: float) -> _Engine:
+    ours.settimeout(timeout)   # (socket timeouts wait in poll(2): any descriptor number works)
+    try:
+        ready = json.loads(ours.recv(REPLY_MAX) or b"{}")
+    except (OSError, ValueError):
+        ready = {}
+    start = procs.start_ticks(proc.pid)
+    if not ready.get("ready") or start is None:
+        ours.close()
+        try:
+            proc.kill()
+            proc.wait(2)
+        except Exception:
+            pass
+        raise RuntimeError(f"the delay-line engine did not start: {_log_tail(directory)}")
+    proc.returncode = 0   # never waited on here: stop() reaps it
+    return _Engine(procs.ProcRef(proc.pid, start), ours, int(ready.get("capacity") or 0))
+
+
+def _log_tail(directory: str) -> str:
+    try:
+        size = os.stat(os.path.join(directory, ENGINE_LOG)).st_size
+        return safeio.read_text(os.path.join(directory, ENGINE_LOG), 800) if size <= 800 else \
+            safeio.read_regular(os.path.join(directory, ENGINE_LOG), 800, size - 800).decode(errors="replace")
+    except (OSError, safeio.Unsafe):
+        return "(no log)"
+
+
+def _engine_for(testbed: str, directory: str, timeout: float) -> _Engine:
+    """The engine the next line goes to: a new one until there is one per CPU (or all are full),
+    then the one serving fewest lines."""
+    engines = []
+    for e in _engines.by_dir.get(directory, []):
+        if procs.alive(e.ref):
+            engines.append(e)
+        else:
+            e.channel.close()
+    _engines.by_dir[directory] = engines
+    room = [e for e in engines if e.lines < e.capacity]
+    if room and len(engines) >= engines_max():
+        return min(room, key=lambda e: e.lines)
+    engine = _spawn(testbed, directory, timeout)
+    if engine.capacity < 1:
+        procs.stop([engine.ref])
+        engine.channel.close()
+        raise RuntimeError("the delay-line engine's open-files limit holds no line: raise the hard limit "
+                           "(ulimit -Hn, or LimitNOFILE= for a service)")
+    engines.append(engine)
+    return engine
+
+
+def _add(engine: _Engine, cfg: dict[str, Any], fa: int, fb: int) -> None:
+    try:
+        socket.send_fds(engine.channel, [json.dumps(cfg).encode()], [fa, fb])
+        data = engine.channel.recv(REPLY_MAX)
+    except socket.timeout:
+        raise RuntimeError(f"the delay-line engine (pid {engine.ref.pid}) did not answer") from None
+    except (BrokenPipeError, ConnectionResetError):
+        raise _Gone from None
+    if not data:
+        raise _Gone
+    reply = json.loads(data)
+    if not reply.get("ok"):
+        raise RuntimeError(f"delay line {cfg['link_id']}: the engine refused it: {reply.get('error')}")
+
+
+def _forget(ref: procs.ProcRef, line_gone: bool = False, engine_gone: bool = False) -> None:
+    with _engines.lock:
+        for engines in _engines.by_dir.values():
+            for e in list(engines):
+                if e.ref == ref:
+                    e.lines -= int(line_gone)
+                    if engine_gone:
+                        engines.remove(e)
+                        e.channel.close()
+
+
 def start_delay_link(testbed: str, link_id: str | int, ns_a: str, if_a: str, ns_b: str, if_b: str,
                      profile_ab: Any, profile_ba: Any, mtu: int | None, state_dir: str | os.PathLike,
                      timeout: float = 10.0) -> DelayLink:
-    """Create TAP if_a in ns_a and if_b in ns_b, start the helper joining them; return when ready.
+    """Create TAP if_a in ns_a and if_b in ns_b and hand them to an engine of the testbed (started
+    if needed); return once the engine serves them (its pid file and control socket exist).
 
     The TAPs are left down and unaddressed: the builder configures them like veth ends.
     """
     state = Path(state_dir)
     state.mkdir(parents=True, exist_ok=True)
+    directory = os.path.abspath(state)
     lid = str(link_id)
     control = state / f"dl-{lid}.sock"
     pid_file = state / f"dl-{lid}.pid"
-    log = state / f"dl-{lid}.log"
-    try:
-        control.unlink()
-    except FileNotFoundError:
-        pass
-    fa = run_in_netns(ns_a, lambda: open_tap(if_a, mtu))
+    with netns.enter(ns_a):   # (this thread only, and back: cheaper than a thread per TAP)
+        fa = open_tap(if_a, mtu)
     fb = -1
-    rd = wr = -1
     try:
-        fb = run_in_netns(ns_b, lambda: open_tap(if_b, mtu))
-        rd, wr = os.pipe()
-        pkg_root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        cfg = {"testbed": testbed, "link_id": lid, "fd_a": fa, "fd_b": fb, "ready_fd": wr,
-               "control": str(control), "ab": _profile_json(profile_ab), "ba": _profile_json(profile_ba),
-               "pid_file": str(pid_file), "parent": os.getpid()}
-        with open(log, "ab") as logf:
-            proc = subprocess.Popen([sys.executable, "-m", "testbed.net.delayline_main", json.dumps(cfg)],
-                                    pass_fds=(fa, fb, wr), stdin=subprocess.DEVNULL, stdout=logf,
-                                    stderr=logf, start_new_session=True, env=env, close_fds=True)
-        os.close(wr)
-        wr = -1
-        ready, _, _ = select.select([rd], [], [], timeout)
-        msg = os.read(rd, 16) if ready else b""
-        if msg != b"R":
-            try:
-                proc.kill()
-                proc.wait(2)
-            except Exception:
-                pass
-            tail = log.read_text(errors="replace")[-500:] if log.exists() else ""
-            raise RuntimeError(f"delay line {lid} did not start: {tail}")
-        start = procs.start_ticks(proc.pid) or 0   # the helper wrote its pid file itself, first thing
-        proc.returncode = 0  # we never wait on it here; stop() reaps it
-        return DelayLink(pid=proc.pid, start=start, link_id=lid, ns_a=ns_a, if_a=if_a, ns_b=ns_b, if_b=if_b,
-                         control=str(control), pid_file=str(pid_file))
+        with netns.enter(ns_b):
+            fb = open_tap(if_b, mtu)
+        cfg = {"cmd": "add", "link_id": lid, "ab": _profile_json(profile_ab), "ba": _profile_json(profile_ba)}
+        with _engines.lock:
+            for attempt in range(2):
+                engine = _engine_for(testbed, directory, timeout)
+                try:
+                    _add(engine, cfg, fa, fb)
+                    break
+                except _Gone:   # it ended between our look and the message: a fresh one, once
+                    _engines.by_dir[directory].remove(engine)
+                    engine.channel.close()
+                    if attempt:
+                        raise RuntimeError(f"delay line {lid}: its engine ended at once: {_log_tail(directory)}") \
+                            from None
+            engine.lines += 1
+        return DelayLink(pid=engine.ref.pid, start=engine.ref.start, link_id=lid, ns_a=ns_a, if_a=if_a,
+                         ns_b=ns_b, if_b=if_b, control=str(control), pid_file=str(pid_file))
     finally:
-        for fd in (fa, fb, rd, wr):
+        for fd in (fa, fb):   # the engine holds its own copies now
             if fd >= 0:
                 os.close(fd)
 
 
-def stop(target: "DelayLink | procs.ProcRef", timeout: float = 3.0) -> bool:
-    """End a helper we started (by PID and start time, never by name); its TAPs vanish with it.
-    True if it is gone."""
-    link = target if isinstance(target, DelayLink) else None
-    ref = procs.ProcRef(link.pid, link.start) if link else target
-    left = procs.stop([ref], term_wait=timeout, kill_wait=timeout)
-    if link:
-        for p in (link.pid_file, link.control):
+@dataclass(frozen=True)
+class LineSpec:
+    """One line for start_delay_links: what start_delay_link takes, less the testbed and directory."""
+    link_id: str
+    ns_a: str
+    if_a: str
+    ns_b: str
+    if_b: str
+    profile_ab: Any
+    profile_ba: Any
+    mtu: int | None = None
+
+
+def start_delay_links(testbed: str, specs: list[LineSpec], state_dir: str | os.PathLike, *,
+                      on_started: Any = None, timeout: float = 10.0, window: int = 32) -> list[DelayLink]:
+    """start_delay_link for many lines (a build): the engines needed are started together, and each
+    engine is handed up to `window` lines before its first answer is awaited, so opening TAPs here
+    and taking them on there overlap (one round trip per line took ~1 ms; a k=8 fat-tree has 384).
+    on_started(DelayLink) is called as each engine confirms a line. Raises RuntimeError for the
+    first line refused; lines already handed over are the engines' (teardown's stop_all ends them)."""
+    state = Path(state_dir)
+    state.mkdir(parents=True, exist_ok=True)
+    directory = os.path.abspath(state)
+    out: list[DelayLink] = []
+    waiting: dict[int, list[tuple[LineSpec, _Engine]]] = {}   # id(engine) -> lines sent, not yet answered
+    with _engines.lock:
+        _spawn_up_to(testbed, directory, min(engines_max(), len(specs)), timeout)
+        try:
+            for spec in specs:
+                room = [e for e in _engines.by_dir[directory] if e.lines < e.capacity]
+                engine = min(room, key=lambda e: e.lines) if room else _engine_for(testbed, directory, timeout)
+                queue = waiting.setdefault(id(engine), [])
+                if len(queue) >= window:
+                    out.append(_answered(queue.pop(0), directory, on_started))
+                _send_line(engine, spec, directory)
+                engine.lines += 1
+                queue.append((spec, engine))
+        except BaseException:
+            _drain(waiting, directory, on_started, out)   # what the engines took is recorded, then the error
+            raise
+        failed = _drain(waiting, directory, on_started, out)
+    if failed is not None:
+        raise failed
+    return out
+
+
+def _drain(waiting: dict[int, list[tuple[LineSpec, "_Engine"]]], directory: str, on_started: Any,
+           out: list[DelayLink]) -> BaseException | None:
+    """Every answer still due; the first failure among them (returned, not raised)."""
+    first = None
+    for queue in waiting.values():
+        while queue:
             try:
-                os.unlink(p)
-            except OSError:
-                pass
-    return not left
+                out.append(_answered(queue.pop(0), directory, on_started))
+            except Exception as exc:
+                first = first or exc
+    return first
+
+
+def _spawn_up_to(testbed: str, directory: str, n: int, timeout: float) -> None:
+    """Start engines for this directory until n are alive, all at once (each takes ~0.1 s to start)."""
+    engines = [e for e in _engines.by_dir.get(directory, []) if procs.alive(e.ref)]
+    launched = [_launch(testbed, directory) for _ in range(n - len(engines))]
+    try:
+        while launched:
+            engine = _ready(*launched.pop(0), directory, timeout)
+            if engine.capacity < 1:
+                procs.stop([engine.ref])
+                engine.channel.close()
+                raise RuntimeError("the delay-line engine's open-files limit holds no line: raise the hard limit "
+                                   "(ulimit -Hn, or LimitNOFILE= for a service)")
+            engines.append(engine)
+    finally:
+        for proc, ours in launched:   # (a failure above) the rest end with their channel, before any line
+            ours.close()
+        _engines.by_dir[directory] = engines
+
+
+def _send_line(engine: _Engine, spec: LineSpec, directory: str) -> None:
+    with netns.enter(spec.ns_a):
+        fa = open_tap(spec.if_a, spec.mtu)
+    fb = -1
+    try:
+        with netns.enter(spec.ns_b):
+            fb = open_tap(spec.if_b, spec.mtu)
+        cfg = {"cmd": "add", "link_id": spec.link_id, "ab": _profile_json(spec.profile_ab),
+               "ba": _profile_json(spec.profile_ba)}
+        try:
+            socket.send_fds(engine.channel, [json.dumps(cfg).encode()], [fa, fb])
+        except socket.timeout:
+            raise RuntimeError(f"the delay-line engine (pid {engine.ref.pid}) did not take line {spec.link_id}") \
+                from None
+        except (BrokenPipeError, ConnectionResetError):
+            raise RuntimeError(f"delay line {spec.link_id}: its engine ended: {_log_tail(directory)}") from None
+    finally:
+        for fd in (fa, fb):   # in flight, the engine's copies keep the TAPs
+            if fd >= 0:
+                os.close(fd)
+
+
+def _answered(sent: tuple[LineSpec, _Engine], directory: str, on_started: Any) -> DelayLink:
+    spec, engine = sent
+    try:
+        data = engine.channel.recv(REPLY_MAX)
+    except socket.timeout:
+        raise RuntimeError(f"the delay-line engine (pid {engine.ref.pid}) did not answer") from None
+    except (BrokenPipeError, ConnectionResetError):
+        data = b""
+    if not data:
+        raise RuntimeError(f"delay line {spec.link_id}: its engine ended: {_log_tail(directory)}")
+    reply = json.loads(data)
+    if not reply.get("ok"):
+        raise RuntimeError(f"delay line {spec.link_id}: the engine refused it: {reply.get('error')}")
+    link = DelayLink(pid=engine.ref.pid, start=engine.ref.start, link_id=spec.link_id, ns_a=spec.ns_a,
+                     if_a=spec.if_a, ns_b=spec.ns_b, if_b=spec.if_b,
+                     control=os.path.join(directory, f"dl-{spec.link_id}.sock"),
+                     pid_file=os.path.join(directory, f"dl-{spec.link_id}.pid"))
+    if on_started is not None:
+        on_started(link)
+    return link
+
+
+def _open_files(ref: procs.ProcRef) -> int | None:
+    try:
+        return len(os.listdir(f"/proc/{ref.pid}/fd")) if procs.alive(ref) else None
+    except OSError:
+        return None
+
+
+def _end(refs: list[procs.ProcRef], timeout: float) -> list[procs.ProcRef]:
+    """TERM engines and wait for them to end; those still there after `timeout` s that closed no
+    file meanwhile get KILL. An ending engine closes its TAPs first (~1.2 ms each, 32 at a time:
+    seconds for thousands of lines), and a KILL then would leave the rest to the kernel one by one
+    (~23 ms each), so the wait goes on while the engine's count of open files falls. The engines
+    still alive at the end are returned."""
+    refs = [r for r in refs if procs.signal_ref(r, signal.SIGTERM)]
+    files = {r: _open_files(r) for r in refs}
+    left: list[procs.ProcRef] = []
+    while refs:
+        refs = procs.wait_gone(refs, timeout)
+        now = {r: _open_files(r) for r in refs}
+        stuck = [r for r in refs if now[r] is None or files[r] is None or now[r] >= files[r]]
+        for r in stuck:
+            procs.signal_ref(r, signal.SIGKILL)
+        left += procs.wait_gone(stuck, timeout)
+        refs, files = [r for r in refs if r not in stuck], now
+    return left
+
+
+def stop_engines(refs: list[procs.ProcRef], timeout: float = 3.0) -> list[procs.ProcRef]:
+    """End these engines together (teardown: each closes its TAPs at once, not one engine after the
+    other); returns those still running."""
+    left = _end(list(refs), timeout)
+    for ref in refs:
+        _forget(ref, engine_gone=ref not in left)
+    return left
+
+
+def stop(target: "DelayLink | procs.ProcRef", timeout: float = 3.0) -> bool:
+    """A DelayLink: remove that line from its engine (the engine ends with its last line); its
+    TAPs vanish. A ProcRef: end that engine, and every line it serves (teardown). Processes are
+    named by PID and start time, never by name. True if the line (or engine) is gone."""
+    if not isinstance(target, DelayLink):
+        left = _end([target], timeout)
+        _forget(target, engine_gone=not left)
+        return not left
+    link = target
+    ref = procs.ProcRef(link.pid, link.start)
+    named = read_pid_file(Path(link.pid_file))
+    gone = not procs.alive(ref) or named is None and not os.path.lexists(link.control)   # (removed before)
+    if not gone and named == ref:   # a second proof before acting
+        gone = True
+        try:
+            reply = _request(link.control, {"cmd": "remove"}, timeout)
+            if reply.get("engine_exits"):
+                procs.wait_gone([ref], timeout)
+            _forget(ref, line_gone=True, engine_gone=bool(reply.get("engine_exits")))
+        except (OSError, ValueError, RuntimeError):   # it does not answer: the whole engine goes
+            gone = not _end([ref], timeout)
+            _forget(ref, engine_gone=gone)
+    for p in (link.pid_file, link.control) if gone else ():
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+    return gone
 
 
 def read_pid_file(pf: Path) -> procs.ProcRef | None:
-    """The helper a pid file names ("PID START"), or None if the file says anything else."""
+    """The engine a pid file names ("PID START"), or None if the file says anything else."""
     try:
-        pid, start = (int(x) for x in pf.read_text().split())
-    except (OSError, ValueError):
+        pid, start = (int(x) for x in safeio.read_regular(pf, 64).split())
+    except (OSError, ValueError, safeio.Unsafe):
         return None
     return procs.ProcRef(pid, start) if pid > 0 and start >= 0 else None
 
 
 def stop_all(state_dir: str | os.PathLike) -> int:
-    """Stop every helper with a pid file under state_dir (cleanup after a crash). Returns how many."""
-    n = 0
-    for pf in Path(state_dir).glob("dl-*.pid"):
-        ref = read_pid_file(pf)
-        if ref is not None and procs.alive(ref) and stop(ref):
-            n += 1
+    """Stop every engine a pid file under state_dir names (cleanup after a crash), and remove
+    the files. Returns how many engines were stopped."""
+    d = Path(state_dir)
+    files = sorted(d.glob("dl-*.pid")) + sorted(d.glob("dle-*.pid"))
+    refs = {ref for ref in (read_pid_file(pf) for pf in files) if ref is not None and procs.alive(ref)}
+    left = _end(list(refs), 3.0)
+    for ref in refs:
+        _forget(ref, engine_gone=ref not in left)
+    for pf in files:
         for p in (pf, pf.with_suffix(".sock")):
             try:
                 p.unlink()
             except OSError:
                 pass
-    return n
+    return len(refs) - len(left)
 
 
 def _request(target: "DelayLink | str", msg: dict[str, Any], timeout: float = 2.0) -> dict[str, Any]:
@@ -221,8 +520,8 @@ def _request(target: "DelayLink | str", msg: dict[str, Any], timeout: float = 2.
                 os.close(dfd)
         s.sendall(json.dumps(msg).encode() + b"\n")
         data = b""
-        while not data.endswith(b"\n"):
-            chunk = s.recv(65536)
+        while not data.endswith(b"\n") and len(data) <= REPLY_MAX:
+            chunk = s.recv(REPLY_MAX)
             if not chunk:
                 break
             data += chunk
@@ -238,7 +537,7 @@ def update(target: "DelayLink | str", profile_ab: Any, profile_ba: Any) -> dict[
 
 
 def stats(target: "DelayLink | str") -> dict[str, Any]:
-    """Counters of the helper per direction: frames/bytes forwarded and dropped, current profile,
+    """Counters of one line per direction: frames/bytes forwarded and dropped, current profile,
     and how late held frames left (late_hist_us_log2: bucket i counts 2^(i-1)..2^i us late)."""
     return _request(target, {"cmd": "stats"})
 
@@ -265,208 +564,8 @@ def lateness_percentile(hist: list[int], q: float) -> float | None:
     return (1 << (len(hist) - 1)) / 1e6
 
 
-# -- the helper process ------------------------------------------------------------------
-
-LATE_BUCKETS = 24   # lateness histogram: bucket i counts frames sent 2^(i-1)..2^i microseconds late
-
-
-class _Direction:
-    __slots__ = ("name", "src", "dst", "delay", "jitter", "queue", "queued_bytes", "last_due",
-                 "frames", "bytes", "drops", "late", "late_max")
-
-    def __init__(self, name: str, src: int, dst: int, prof: dict[str, float]):
-        self.name, self.src, self.dst = name, src, dst
-        self.queue: collections.deque = collections.deque()
-        self.queued_bytes = 0
-        self.last_due = 0.0
-        self.frames = self.bytes = self.drops = 0
-        self.late = [0] * LATE_BUCKETS   # how late frames left against their schedule (the verdict reads it)
-        self.late_max = 0.0
-        self.set(prof)
-
-    def set(self, prof: dict[str, float]) -> None:
-        self.delay = max(0.0, float(prof.get("delay_s", 0.0)))
-        self.jitter = max(0.0, float(prof.get("jitter_s", 0.0)))
-
-    def sent_late(self, seconds: float) -> None:
-        us = int(seconds * 1e6)
-        self.late[min(us.bit_length(), LATE_BUCKETS - 1)] += 1
-        if seconds > self.late_max:
-            self.late_max = seconds
-
-    def stats(self) -> dict[str, Any]:
-        return {"delay_s": self.delay, "jitter_s": self.jitter, "frames": self.frames, "bytes": self.bytes,
-                "drops": self.drops, "queued": len(self.queue), "late_hist_us_log2": list(self.late),
-                "late_max_s": self.late_max}
-
-
 def serve(cfg: dict[str, Any]) -> None:
-    """The helper's loop (runs in the child; stdlib only)."""
-    # First of all, say who we are where cleanup looks: a parent killed right after starting us
-    # (kill -9 of `up`) must not leave a helper that nothing names. Until the pid file is there,
-    # we die with the parent (PDEATHSIG); a parent already gone (we were reparented while Python
-    # started) means nobody will record us, and a cleanup may already have run: end now.
-    libc = ctypes.CDLL(None, use_errno=True)
-    parent = cfg.get("parent")
-    if parent:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != int(parent):
-            os._exit(0)
-    pf = cfg.get("pid_file")
-    if pf:
-        with open(pf + ".tmp", "w") as fh:
-            fh.write(f"{os.getpid()} {procs.start_ticks(os.getpid()) or 0}\n")
-        os.replace(pf + ".tmp", pf)
-    if parent:   # named now: outlive `up`, as a helper must (a kill before this line is ours too)
-        libc.prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
-    try:  # 1 us timer slack: select() wakes when asked, not up to 50 us later
-        ctypes.CDLL(None).prctl(29, 1, 0, 0, 0)
-    except Exception:
-        pass
-    _network_priority()
-    fa, fb = int(cfg["fd_a"]), int(cfg["fd_b"])
-    for fd in (fa, fb):
-        os.set_blocking(fd, False)
-    dirs = {fa: _Direction("ab", fa, fb, cfg["ab"]), fb: _Direction("ba", fb, fa, cfg["ba"])}
-    by_name = {d.name: d for d in dirs.values()}
-    control = cfg["control"]
-    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    cwd_dir, base = os.path.split(control)
-    os.chdir(cwd_dir or ".")     # bind a short relative name: sun_path is 108 bytes
-    lsock.bind(base)
-    lsock.listen(8)
-    lsock.setblocking(False)
+    """The engine process's body (python -m testbed.net.delayline_main CONFIG)."""
+    from testbed.net.delay_engine import serve as run
 
-    def on_term(signum: int, frame: Any) -> None:
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
-    os.write(int(cfg["ready_fd"]), b"R")
-    os.close(int(cfg["ready_fd"]))
-
-    readers = [fa, fb, lsock.fileno()]
-    now_fn = time.monotonic
-    uniform = random.uniform
-    read, write = os.read, os.write
-    try:
-        while True:
-            # 1. send what is due
-            now = now_fn()
-            timeout = None
-            for d in dirs.values():
-                q = d.queue
-                while q and q[0][0] <= now:
-                    due, frame = q.popleft()
-                    d.queued_bytes -= len(frame)
-                    try:
-                        write(d.dst, frame)
-                        d.frames += 1
-                        d.bytes += len(frame) - VNET_HDR_LEN
-                        d.sent_late(now - due)
-                    except OSError:   # peer TAP down (EIO) or full: the frame is lost
-                        d.drops += 1
-                if q:
-                    wait = q[0][0] - now
-                    timeout = wait if timeout is None else min(timeout, wait)
-            # 2. wait for frames, a control message or the next due time
-            try:
-                ready, _, _ = select.select(readers, [], [], timeout)
-            except InterruptedError:
-                continue
-            if not ready:
-                continue
-            now = now_fn()
-            for fd in ready:
-                if fd == lsock.fileno():
-                    _control(lsock, by_name)
-                    continue
-                d = dirs[fd]
-                for _ in range(256):
-                    try:
-                        frame = read(fd, READ_SIZE)
-                    except BlockingIOError:
-                        break
-                    except OSError as exc:
-                        if exc.errno in (errno.EBADFD, errno.ENODEV):
-                            raise SystemExit(0)   # the TAP's namespace is gone: so is the link we emulate
-                        break
-                    if not frame:
-                        break
-                    delay = d.delay
-                    if d.jitter:
-                        delay = max(0.0, delay + uniform(-d.jitter, d.jitter))
-                    if delay <= 0 and not d.queue:
-                        try:
-                            write(d.dst, frame)
-                            d.frames += 1
-                            d.bytes += len(frame) - VNET_HDR_LEN
-                        except OSError:
-                            d.drops += 1
-                        continue
-                    if d.queued_bytes + len(frame) > MAX_QUEUED_BYTES:
-                        d.drops += 1
-                        continue
-                    due = now + delay
-                    if due < d.last_due:
-                        due = d.last_due          # FIFO: never overtake the previous frame
-                    d.last_due = due
-                    d.queue.append((due, frame))
-                    d.queued_bytes += len(frame)
-    finally:
-        try:
-            os.unlink(base)
-        except OSError:
-            pass
-        pf = cfg.get("pid_file")
-        if pf:
-            try:
-                os.unlink(pf)
-            except OSError:
-                pass
-
-
-def _network_priority() -> None:
-    """Run ahead of the ranks: the helper is the emulated wire, and a frame it sends late is a
-    longer delay than the link has. The lowest real-time priority (SCHED_FIFO 1) wakes it on
-    time on a CPU that time-shares ranks (the kernel still keeps 5% of each second for other
-    tasks); where that is not allowed, the highest nice level."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-    except (AttributeError, OSError):
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, -10)
-        except OSError:
-            pass
-
-
-def _control(lsock: socket.socket, by_name: dict[str, _Direction]) -> None:
-    try:
-        conn, _ = lsock.accept()
-    except BlockingIOError:
-        return
-    with conn:
-        conn.settimeout(1.0)
-        try:
-            data = b""
-            while not data.endswith(b"\n") and len(data) < 65536:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
-            msg = json.loads(data)
-            if msg.get("cmd") == "set":
-                for name in ("ab", "ba"):
-                    if msg.get(name) is not None:
-                        by_name[name].set(msg[name])
-                reply: dict[str, Any] = {"ok": True}
-            elif msg.get("cmd") == "stats":
-                reply = {"ok": True, **{n: d.stats() for n, d in by_name.items()}}
-            else:
-                reply = {"ok": False, "error": f"unknown command {msg.get('cmd')!r}"}
-        except Exception as exc:
-            reply = {"ok": False, "error": str(exc)}
-        try:
-            conn.sendall(json.dumps(reply).encode() + b"\n")
-        except OSError:
-            pass
+    run(cfg)

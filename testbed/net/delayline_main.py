@@ -1,6 +1,7 @@
-"""Entry point of a delay-line helper process: `python -m testbed.net.delayline_main CONFIG_JSON`.
+"""Entry point of a delay-line engine process (testbed.net.delay_engine):
+`python -m testbed.net.delayline_main CONFIG_JSON`.
 
-Started by testbed.net.delayline.start_delay_link with the TAP fds passed in;
+Started by testbed.net.delayline, which hands it the lines' TAP descriptors over its channel;
 not meant to be run by hand.
 """
 

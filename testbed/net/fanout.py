@@ -41,21 +41,23 @@ class FanoutError(TestbedError):
     """An item's work failed (in a child or inline): which item, and the error."""
 
 
-def procs_for(n_items: int) -> int:
+def procs_for(n_items: int, min_per_proc: int = MIN_ITEMS_PER_PROC) -> int:
     """One per core we may run on (TESTBED_BUILD_PROCS caps it: 1 runs everything inline, e.g. on a
-    machine shared with a benchmark), at most MAX_PROCS, none for fewer than MIN_ITEMS_PER_PROC each."""
+    machine shared with a benchmark), at most MAX_PROCS, none for fewer than min_per_proc items each."""
     cores = len(os.sched_getaffinity(0))
     cap = os.environ.get("TESTBED_BUILD_PROCS", "")
     if cap.isdigit() and int(cap) >= 1:
         cores = min(cores, int(cap))
-    return max(1, min(cores, MAX_PROCS, n_items // MIN_ITEMS_PER_PROC))
+    return max(1, min(cores, MAX_PROCS, n_items // min_per_proc))
 
 
 def each(items: Sequence[T], work: Callable[[T], dict[str, Any]], *, name: Callable[[T], str] = str,
-         on_done: Callable[[int, dict[str, Any]], None] | None = None, procs: int | None = None) -> None:
-    """work(item) for every item, spread over `procs` processes (default: procs_for); on_done(i, result)
-    in this process as each completes. Raises FanoutError for the first item (by order) that failed."""
-    procs = procs_for(len(items)) if procs is None else max(1, procs)
+         on_done: Callable[[int, dict[str, Any]], None] | None = None, procs: int | None = None,
+         min_per_proc: int = MIN_ITEMS_PER_PROC) -> None:
+    """work(item) for every item, spread over `procs` processes (default: procs_for(len(items),
+    min_per_proc): cheap items need more of them to pay for a fork); on_done(i, result) in this
+    process as each completes. Raises FanoutError for the first item (by order) that failed."""
+    procs = procs_for(len(items), min_per_proc) if procs is None else max(1, procs)
     if procs == 1:
         for i, item in enumerate(items):
             try:

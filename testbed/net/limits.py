@@ -44,7 +44,8 @@ def _sysctl(path: str) -> int | None:
         return None
 
 
-def _mem_available() -> int | None:
+def mem_available() -> int | None:
+    """MemAvailable in bytes (None where /proc/meminfo does not say)."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -71,7 +72,7 @@ def check(nodes: int, workers: int, ranks: int | None = None) -> list[Limit]:
               f"sysctl -w kernel.pid_max={max(pids * 2, 65536)}", hard=False),
         Limit("threads (kernel.threads-max)", _sysctl("kernel/threads-max"), pids,
               f"sysctl -w kernel.threads-max={pids * 2}", hard=False),
-        Limit("memory (MemAvailable, MiB)", None if (m := _mem_available()) is None else m >> 20,
+        Limit("memory (MemAvailable, MiB)", None if (m := mem_available()) is None else m >> 20,
               nodes * MEMORY_PER_NODE >> 20,
               "fewer nodes, or a machine with more memory", hard=False),
     ]

@@ -23,7 +23,8 @@ What gets installed on the egress of an interface for one LinkProfile:
                    delay element at all (see `delay_threshold`).
     loss           with netem: netem's loss. Without: clsact + a cls_bpf
                    direct-action filter on egress (bpf_get_prandom_u32 ->
-                   TC_ACT_STOLEN with probability `loss`), hand-assembled below.
+                   TC_ACT_STOLEN with probability `loss`), hand-assembled in
+                   testbed.net.lossfilter.
                    STOLEN, not SHOT: SHOT makes the send fail with ENOBUFS for a
                    local sender (ping/TCP then just resend, nothing is "lost");
                    STOLEN reports success and frees the packet, like a wire
@@ -40,42 +41,45 @@ What gets installed on the egress of an interface for one LinkProfile:
 
 from __future__ import annotations
 
-import ctypes
 import math
-import os
-import platform
 import struct
 from dataclasses import dataclass
 from typing import Any, Iterable
-
-from pyroute2.netlink.exceptions import NetlinkError
-from pyroute2.netlink.rtnl.tcmsg import plugins as _tc_plugins
-from pyroute2.netlink.rtnl.tcmsg import sched_pfifo as _sched_pfifo
 
 from testbed.errors import CapabilityError
 # the latency floor and the delay threshold are the machine's (defined there, re-exported here)
 from testbed.net.capabilities import DEFAULT_FLOOR_S, DELAY_LINE_OVERHEAD_S, delay_threshold, floor_of  # noqa: F401
 from testbed.topology.model import LinkProfile
 
-# bfifo's options are pfifo's (struct tc_fifo_qopt { u32 limit }); pyroute2 0.9.7 only names pfifo.
-_tc_plugins.setdefault("bfifo", _sched_pfifo)
-# pyroute2 0.9.7's netem has no fix_request, so a `rate` kwarg also lands in the top-level TCA_RATE
-# attribute and fails to encode; htb/tbf drop it the same way after building their options.
-_sched_netem = _tc_plugins["netem"]
-if not hasattr(_sched_netem, "fix_request"):
-    def _netem_fix_request(request: Any) -> None:
-        request.pop("rate", None)
-    _sched_netem.fix_request = _netem_fix_request
+# pyroute2 (and testbed.net.lossfilter, which needs it) are imported where a function is given an
+# IPRoute: importing pyroute2's package is ~0.15 s, a quarter of a k=4 `up`, which sends its
+# shaping through testbed.net.rtnl (fresh_messages) and needs none of it.
+_PATCHED: list[bool] = []
+
+
+def _pyroute2() -> Any:
+    """pyroute2's NetlinkError, with its tc plugins made to encode what we install."""
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    if not _PATCHED:
+        from pyroute2.netlink.rtnl.tcmsg import plugins, sched_pfifo
+
+        # bfifo's options are pfifo's (struct tc_fifo_qopt { u32 limit }); pyroute2 0.9.7 only names pfifo.
+        plugins.setdefault("bfifo", sched_pfifo)
+        # pyroute2 0.9.7's netem has no fix_request, so a `rate` kwarg also lands in the top-level
+        # TCA_RATE attribute and fails to encode; htb/tbf drop it the same way after building their options.
+        netem = plugins["netem"]
+        if not hasattr(netem, "fix_request"):
+            def _netem_fix_request(request: Any) -> None:
+                request.pop("rate", None)
+            netem.fix_request = _netem_fix_request
+        _PATCHED.append(True)
+    return NetlinkError
 
 ROOT = 0x10000          # 1:
 CLASS = 0x10001         # 1:1
 LEAF = 0x100000         # 10:
 TC_H_ROOT = 0xFFFFFFFF
-CLSACT = 0xFFFF0000
-EGRESS = 0xFFFFFFF3     # TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_EGRESS)
-ETH_P_ALL = 0x0003
-LOSS_PRIO = 1
-LOSS_HANDLE = 1
 ETH_HLEN = 14
 GSO_MAX = 65536
 NETEM_MAX_RATE = 0xFFFFFFFF       # bytes/s in netem's u32 rate field (~34.4 Gbit/s)
@@ -224,6 +228,7 @@ def _htb_class_kw(plan: Plan) -> dict[str, Any]:
 
 def _install(ipr: Any, idx: int, plan: Plan, mode: str) -> None:
     """mode 'add' on a clean interface, 'change' to change a same-layout install in place."""
+    _pyroute2()
     qcmd = "add" if mode == "add" else "change"
     ccmd = "add-class" if mode == "add" else "change-class"
     if plan.rate_Bps:
@@ -237,7 +242,124 @@ def _install(ipr: Any, idx: int, plan: Plan, mode: str) -> None:
     elif plan.netem is not None:
         ipr.tc(qcmd, "netem", idx, ROOT, parent=TC_H_ROOT, **plan.netem)
     if plan.bpf_loss > 0:
-        _install_loss_filter(ipr, idx, plan.bpf_loss, replace=(mode != "add"))
+        from testbed.net import lossfilter
+
+        lossfilter.install(ipr, idx, plan.bpf_loss, replace=(mode != "add"))
+
+
+# Encoded requests per plan, compiled once per process (the builder compiles before it forks):
+# every interface of a tier gets the same messages, only its ifindex differs.
+_COMPILED: dict[str, list[bytes]] = {}
+_TEMPLATE_INDEX = 0x7FFF_FFF0
+_TCM_IFINDEX = 16 + 4   # in a tc request: the netlink header, then tcmsg's family and padding
+
+
+def fresh_messages(index: int, profile: LinkProfile, caps: Any) -> list[bytes] | None:
+    """The tc requests `apply(..., fresh=True)` sends for `profile` on the interface `index`, encoded
+    (for testbed.net.rtnl's batches); None when the install is more than requests (cls_bpf loss
+    loads a program first: apply() does that one)."""
+    plan = make_plan(profile, caps)
+    if plan.bpf_loss > 0:
+        return None
+    key = repr(plan)
+    template = _COMPILED.get(key)
+    if template is None:
+        template = _COMPILED[key] = _compile(plan)
+    where = struct.pack("=i", index)
+    return [m[:_TCM_IFINDEX] + where + m[_TCM_IFINDEX + 4:] for m in template]
+
+
+def _compile(plan: Plan) -> list[bytes]:
+    """The requests of _install(plan, "add") on a placeholder interface: HTB and bfifo encoded here
+    (what `up` installs without netem: no pyroute2 to import), netem by pyroute2."""
+    if plan.netem is None:
+        ticks = _psched_ticks_per_us()
+        if ticks is not None:
+            return _htb_messages(plan, ticks)
+    return _pyroute2_compile(plan)
+
+
+# -- HTB and bfifo requests, encoded as pyroute2 0.9.7 encodes them (tests/test_rtnl.py compares) --
+
+RTM_NEWQDISC, RTM_NEWTCLASS = 36, 40
+TCA_KIND, TCA_OPTIONS = 1, 2
+TCA_HTB_PARMS, TCA_HTB_INIT, TCA_HTB_CTAB, TCA_HTB_RTAB, TCA_HTB_RATE64, TCA_HTB_CEIL64 = 1, 2, 3, 4, 6, 7
+_CREATE = 0x1 | 0x4 | 0x200 | 0x400    # NLM_F_REQUEST | ACK | EXCL | CREATE
+_RTAB_CELL_LOG = 3                      # tc's for an MTU of 1600 (pyroute2 always sizes cells so)
+
+
+def _psched_ticks_per_us() -> float | None:
+    """The kernel's packet-scheduler clock in ticks per microsecond (/proc/net/psched, as tc and
+    pyroute2 read it); None when it cannot be read (pyroute2 then encodes, with its own fallback)."""
+    try:
+        with open("/proc/net/psched") as f:
+            t2us, us2t, clock_res, _wee = (int(x, 16) for x in f.read().split())
+    except (OSError, ValueError):
+        return None
+    return t2us / us2t * (clock_res / 1_000_000)
+
+
+def _xmit_ticks(rate_Bps: float, size: float, ticks_per_us: float) -> int:
+    """Time to send `size` bytes at `rate_Bps`, in scheduler ticks (tc's tc_calc_xmittime)."""
+    return int(int(1_000_000 * (size / rate_Bps)) * ticks_per_us)
+
+
+def _rtattr(kind: int, payload: bytes) -> bytes:
+    n = 4 + len(payload)
+    return struct.pack("=HH", n, kind) + payload + b"\0" * (-n & 3)
+
+
+def _tc_request(kind: int, handle: int, parent: int, qdisc: str, options: bytes) -> bytes:
+    body = struct.pack("=BxxxiIII", 0, _TEMPLATE_INDEX, handle, parent, 0) \
+        + _rtattr(TCA_KIND, qdisc.encode() + b"\0") + _rtattr(TCA_OPTIONS, options)
+    return struct.pack("=IHHII", 16 + len(body), kind, _CREATE, 0, 0) + body
+
+
+def _htb_messages(plan: Plan, ticks_per_us: float) -> list[bytes]:
+    """HTB root, its one class at the plan's rate (rate = ceil, rate tables included), bfifo leaf."""
+    if not plan.rate_Bps:
+        return []
+    rate = float(plan.rate_Bps)   # bytes/s (pyroute2 parses "<bits>bit" into a float)
+    buffer = _xmit_ticks(rate, plan.burst, ticks_per_us)
+    table_rate = rate if rate < 1 << 32 else (1 << 32) - 1   # past 32 bits: the field saturates, RATE64 says
+    spec = struct.pack("=BBHhHI", _RTAB_CELL_LOG, 0, 0, -1, 0, int(table_rate))   # cell_log, linklayer, overhead,
+    parms = spec + spec + struct.pack("=IIIII", buffer, buffer, plan.quantum, 0, 0)   # align, mpu; ceil = rate
+    table = struct.pack("=256I", *(_xmit_ticks(table_rate, (i + 1) << _RTAB_CELL_LOG, ticks_per_us)
+                                   for i in range(256)))
+    options = _rtattr(TCA_HTB_PARMS, parms) + _rtattr(TCA_HTB_RTAB, table) + _rtattr(TCA_HTB_CTAB, table)
+    if rate >= 1 << 32:
+        options += _rtattr(TCA_HTB_RATE64, struct.pack("=Q", int(rate))) \
+            + _rtattr(TCA_HTB_CEIL64, struct.pack("=Q", int(rate)))
+    out = [
+        # version 3, rate2quantum 10, default class 1:1, debug 0, direct packets 0
+        _tc_request(RTM_NEWQDISC, ROOT, TC_H_ROOT, "htb", _rtattr(TCA_HTB_INIT, struct.pack("=5I", 3, 10, 1, 0, 0))),
+        _tc_request(RTM_NEWTCLASS, CLASS, ROOT, "htb", options),
+    ]
+    if plan.fifo_bytes is not None:
+        out.append(_tc_request(RTM_NEWQDISC, LEAF, CLASS, "bfifo", struct.pack("=i", plan.fifo_bytes)))
+    return out
+
+
+def _pyroute2_compile(plan: Plan) -> list[bytes]:
+    """pyroute2's own encoding of _install(plan) on a placeholder interface (IPBatch sends nothing)."""
+    from pyroute2.iproute.linux import IPBatch
+
+    ipb = IPBatch()
+    try:
+        _install(ipb, _TEMPLATE_INDEX, plan, "add")
+        data = bytes(ipb.asyncore.batch)
+    finally:
+        ipb.close()
+    out, off = [], 0
+    while off < len(data):
+        length = struct.unpack_from("=I", data, off)[0]
+        msg = data[off:off + length]
+        if length < _TCM_IFINDEX + 4 or struct.unpack_from("=i", msg, _TCM_IFINDEX)[0] != _TEMPLATE_INDEX:
+            raise RuntimeError(f"pyroute2 encoded a tc request of {length} bytes without the interface "
+                               "where testbed.net.shaping patches it: update _TCM_IFINDEX")
+        out.append(msg)
+        off += (length + 3) & ~3
+    return out
 
 
 def apply(ipr: Any, ifname: int | str, profile: LinkProfile, caps: Any, *, fresh: bool = False) -> Plan:
@@ -259,6 +381,7 @@ def apply(ipr: Any, ifname: int | str, profile: LinkProfile, caps: Any, *, fresh
 def change(ipr: Any, ifname: int | str, old: LinkProfile | None, new: LinkProfile, caps: Any) -> Plan:
     """Change a running link's shaping: in place (netlink change) when the layout is the same, else
     clear and reinstall. Either way a few netlink round trips (~1 ms)."""
+    NetlinkError = _pyroute2()
     idx = _index(ipr, ifname)
     new_plan = make_plan(new, caps)
     if old is not None and make_plan(old, caps).layout == new_plan.layout:
@@ -274,6 +397,9 @@ def change(ipr: Any, ifname: int | str, old: LinkProfile | None, new: LinkProfil
 
 def clear(ipr: Any, ifname: int | str) -> None:
     """Remove our shaping (root qdisc and clsact) from `ifname`; quiet when nothing is there."""
+    from testbed.net import lossfilter
+
+    NetlinkError = _pyroute2()
     idx = _index(ipr, ifname)
     # kind-less deletes: pyroute2 would otherwise run the kind's option builder on a delete
     try:
@@ -285,10 +411,11 @@ def clear(ipr: Any, ifname: int | str) -> None:
         if q["parent"] == TC_H_ROOT and kind not in ("noqueue", "pfifo_fast", "mq"):
             _del_qdisc(ipr, idx, q["handle"], TC_H_ROOT)
         elif kind == "clsact":
-            _del_qdisc(ipr, idx, CLSACT, 0xFFFFFFF1)
+            lossfilter.remove(ipr, idx)
 
 
 def _del_qdisc(ipr: Any, idx: int, handle: int, parent: int) -> None:
+    NetlinkError = _pyroute2()
     try:
         ipr.tc("del", index=idx, handle=handle, parent=parent)
     except NetlinkError:
@@ -297,6 +424,9 @@ def _del_qdisc(ipr: Any, idx: int, handle: int, parent: int) -> None:
 
 def describe(ipr: Any, ifname: int | str) -> dict[str, Any]:
     """What is installed on `ifname` (qdiscs, classes, egress filters) with counters."""
+    from testbed.net.lossfilter import EGRESS
+
+    NetlinkError = _pyroute2()
     idx = _index(ipr, ifname)
 
     def h(x: int) -> str:
@@ -347,77 +477,3 @@ def describe(ipr: Any, ifname: int | str) -> dict[str, Any]:
     except NetlinkError:
         pass
     return out
-
-
-# -- loss without netem: a hand-assembled cls_bpf program ------------------------------
-
-_BPF_SYSCALL = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x": 351}
-BPF_PROG_LOAD = 5
-BPF_PROG_TYPE_SCHED_CLS = 3
-TC_ACT_OK, TC_ACT_SHOT, TC_ACT_STOLEN = 0, 2, 4
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
-    return struct.pack("<BBhi", code, (src << 4) | dst, off, imm)
-
-
-def loss_program(p: float) -> bytes:
-    """BPF bytecode: drop silently (TC_ACT_STOLEN) with probability p, else TC_ACT_OK.
-
-        r0 = bpf_get_prandom_u32(); r0 >>= 1      # 31 random bits (imm32 is signed)
-        if r0 >= T goto pass                       # T = p * 2^31
-        r0 = TC_ACT_STOLEN; exit
-      pass: r0 = TC_ACT_OK; exit
-    """
-    if p >= 1.0:
-        return _insn(0xB7, imm=TC_ACT_STOLEN) + _insn(0x95)
-    t = max(0, min((1 << 31) - 1, int(round(p * (1 << 31)))))
-    return b"".join([
-        _insn(0x85, imm=7),                 # call bpf_get_prandom_u32
-        _insn(0x77, dst=0, imm=1),          # r0 >>= 1 (ALU64 RSH K)
-        _insn(0x35, dst=0, off=2, imm=t),   # if r0 >= t goto +2 (JMP JGE K)
-        _insn(0xB7, dst=0, imm=TC_ACT_STOLEN),
-        _insn(0x95),
-        _insn(0xB7, dst=0, imm=TC_ACT_OK),
-        _insn(0x95),
-    ])
-
-
-def load_loss_program(p: float) -> int:
-    """Load the loss program with bpf(2); returns its fd (the caller closes it)."""
-    nr = _BPF_SYSCALL.get(platform.machine())
-    if nr is None:
-        raise OSError(f"bpf(2) syscall number unknown on {platform.machine()}")
-    code = loss_program(p)
-    insns = ctypes.create_string_buffer(code, len(code))
-    lic = ctypes.create_string_buffer(b"GPL")
-    log = ctypes.create_string_buffer(4096)
-    attr = ctypes.create_string_buffer(128)
-    # prog_type, insn_cnt, insns, license, log_level, log_size, log_buf, kern_version, prog_flags, prog_name
-    struct.pack_into("<IIQQIIQII16s", attr, 0, BPF_PROG_TYPE_SCHED_CLS, len(code) // 8,
-                     ctypes.addressof(insns), ctypes.addressof(lic), 1, len(log), ctypes.addressof(log),
-                     0, 0, b"tb_loss")
-    fd = _libc.syscall(ctypes.c_long(nr), ctypes.c_int(BPF_PROG_LOAD), attr, ctypes.c_uint(128))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"bpf prog load: {os.strerror(err)}: {log.value.decode(errors='replace')}")
-    return fd
-
-
-def _install_loss_filter(ipr: Any, idx: int, p: float, replace: bool = False) -> None:
-    fd = load_loss_program(p)
-    try:
-        try:
-            ipr.tc("add", "clsact", idx)
-        except NetlinkError as exc:
-            if exc.code != 17:  # EEXIST: clsact already there
-                raise
-        ipr.tc("replace-filter" if replace else "add-filter", "bpf", idx, LOSS_HANDLE, parent=EGRESS,
-               prio=LOSS_PRIO, protocol=ETH_P_ALL, fd=fd, name=f"tb_loss_{p:.6f}", direct_action=True)
-    finally:
-        os.close(fd)
-
-
-def _remove_loss_filter(ipr: Any, idx: int) -> None:
-    _del_qdisc(ipr, idx, CLSACT, 0xFFFFFFF1)

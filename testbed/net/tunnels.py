@@ -15,6 +15,10 @@ only the Ethernet end: workers still see only emulated interfaces, and the
 underlay stays out of their reach. The end is gone when either namespace
 goes (the node's deletes it; the host's deletes every end it carries).
 
+Each end takes frames from its peer host's underlay address only: an nftables filter in the
+host's namespace (testbed.net.underlay_filter), installed by create() before the device is ever
+up (a VXLAN device opens its UDP socket when brought up), removed with the end by delete().
+
 The pure part (VNIs, overhead, MTU and delay checks, the end's JSON record)
 has no I/O so the controller can decide and explain before touching a host.
 """
@@ -34,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed.errors import TestbedError
-from testbed.net import netns
+from testbed.net import netns, underlay_filter
 
 VXLAN_PORT = 4789           # IANA's VXLAN port
 VNI_SPACE = (1 << 24) - 1   # VNIs 1 .. 2**24-1 (0 is left out: some stacks treat it as "none")
@@ -137,7 +141,7 @@ def _us(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us"
 
 
-_MAC_RE = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
+_MAC_RE = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}\Z")
 
 
 @dataclass(frozen=True)
@@ -257,7 +261,9 @@ def create(end: TunnelEnd, node_netns: str, ipr: Any = None) -> None:
 
     One netlink request: a device created with a target namespace belongs to that namespace, while
     VXLAN binds its socket in the namespace the request came from, so the node sees only an Ethernet
-    port and never the underlay. Either it is made whole or not at all; TunnelError says why not.
+    port and never the underlay. Then the host's filter lets the end's VNI in from `end.remote` only
+    (underlay_filter), before anything brings the device up. Either it is made whole (device and
+    filter) or not at all; TunnelError says why not.
     ipr: an IPRoute of the host's namespace to send it on (the builder's), else one of our own.
     """
     underlay = ("vxlan_local6", "vxlan_group6") if ":" in end.local else ("vxlan_local", "vxlan_group")
@@ -288,6 +294,12 @@ def create(end: TunnelEnd, node_netns: str, ipr: Any = None) -> None:
             own.close()
         if node_fd >= 0:
             os.close(node_fd)
+    try:
+        underlay_filter.install(end.testbed, underlay_filter.End(end.port, end.vni, end.remote))
+    except Exception as exc:
+        with contextlib.suppress(Exception):   # (its socket never opened: the device is still down)
+            delete(node_netns, end.ifname)
+        raise _create_error(end, node_netns, "let its frames in from its peer only", exc) from exc
 
 
 def _create_error(end: TunnelEnd, node_netns: str, step: str, exc: BaseException,
@@ -311,18 +323,20 @@ def _iproute_in(ns_fd: int) -> Any:
         return IPRoute()
 
 
-def delete(node_netns: str, ifname: str) -> None:
+def delete(node_netns: str, ifname: str, end: TunnelEnd | None = None) -> None:
     """Remove the tunnel end `ifname` from `node_netns`; a missing end or namespace is fine.
-    Refuses (TunnelError) to delete an interface there that is not a VXLAN device."""
+    Refuses (TunnelError) to delete an interface there that is not a VXLAN device. With `end` (the
+    record it was created from), its underlay filter goes too, from the calling thread's namespace
+    (the host's, as for create)."""
     from pyroute2.netlink.exceptions import NetlinkError
 
     try:
         ns_fd = os.open(_ns_path(node_netns), os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
-        return   # the namespace is gone, and its devices with it
+        ns_fd = -1   # the namespace is gone, and its devices with it
     try:
-        with _iproute_in(ns_fd) as ipr:
-            found = ipr.link_lookup(ifname=ifname)
+        with contextlib.nullcontext() if ns_fd < 0 else _iproute_in(ns_fd) as ipr:
+            found = ipr.link_lookup(ifname=ifname) if ipr is not None else []
             for link in ipr.get_links(*found) if found else []:   # get_links() alone lists them all
                 kind = _kind(link)
                 if kind not in _KINDS:
@@ -335,7 +349,14 @@ def delete(node_netns: str, ifname: str) -> None:
                         raise TunnelError(f"{node_netns}: cannot delete tunnel end {ifname}: "
                                           f"{_reason(exc)}") from exc
     finally:
-        os.close(ns_fd)
+        if ns_fd >= 0:
+            os.close(ns_fd)
+    if end is not None:
+        try:
+            underlay_filter.remove(end.testbed, end.port, end.vni)
+        except underlay_filter.FilterError as exc:
+            raise TunnelError(f"tunnel end {ifname} of link {end.link} ({node_netns}) is deleted, but its "
+                              f"underlay filter is not: {exc}") from exc
 
 
 def _kind(link: Any) -> str | None:

@@ -32,7 +32,7 @@ What a capture on one end of a link sees (docs/observability.md has the long for
   sent from the captured end are seen after their rate limit, queueing, netem delay, and only
   if the loss filter let them through; received packets are seen at arrival.
 - A delay line (kernels without netem) replaces the veth by two TAP devices, one per end, with
-  a helper process between them: HTB shapes each TAP's egress as above, then the helper holds
+  a delay-line engine between them: HTB shapes each TAP's egress as above, then the engine holds
   the frame for the delay. On the sending end a packet is seen before the delay, on the
   receiving end after it: the two ends' timestamps differ by the link's delay.
 - Segmentation offload (TSO/GSO) stays on: TCP appears as frames up to 64 KiB, larger than
@@ -95,7 +95,7 @@ class Target:
     peer_ifname: str
     netns: str
     direction: str | None  # None: both; "out": node -> peer; "in": peer -> node
-    delay_line: bool       # the link is a delay line (two TAPs and a helper), not a veth pair
+    delay_line: bool       # the link is a delay line (two TAPs and an engine), not a veth pair
     link_state: str        # "up" | "down"
     dilation: float        # the testbed's time-dilation factor
 
@@ -112,7 +112,7 @@ class Target:
             out.append(f"link {self.a} <-> {self.b} is down: nothing crosses it until `testbed link up {self.a} "
                        f"{self.b}`")
         if self.delay_line:
-            out.append(f"this link is a delay line (a helper between {self.node} {self.ifname} and {self.peer} "
+            out.append(f"this link is a delay line (an engine between {self.node} {self.ifname} and {self.peer} "
                        f"{self.peer_ifname}): packets {self.node} sends are seen here before the link's delay, "
                        f"packets it receives after it")
         if self.dilation != 1.0:

@@ -2,7 +2,7 @@
 
 The page (testbed/observe/static/: graph.html, graph.js, graph.css; vanilla JS and inline SVG,
 nothing fetched from elsewhere) draws the topology in tiers as the report's links.png does
-(testbed.report.draw.layout: workers at the bottom, each switch a row above per hop to its
+(testbed.topology.layout: workers at the bottom, each switch a row above per hop to its
 nearest worker), colours each link by its live utilisation, marks downed links and nodes, shows
 a link's profile and counters or a node's state, CPU and memory on hover or click, the active
 `testbed run`'s step times as a small chart, and the testbed's latest events.
@@ -30,7 +30,7 @@ Endpoints (GET unless said; JSON, fields may be added):
                       "step_s", "max_s"}]), "warming" (no sample yet), "error" (null, or why
                       the last sample failed) and "trouble" (lines "HOST: what: why", one per
                       host of a testbed over several hosts that fails or lags; [] on one host).
-                      Across hosts the document is testbed.observe.top_hosts's (with "hosts").
+                      Across hosts the document is testbed.cluster.top's (with "hosts").
   /api/events?since=T the testbed's events (testbed.events) with "t" > T, oldest first, at most
                       `limit` (default 100, the newest): {"testbed", "events": [...], "t"}.
   POST /api/control   only with --allow-control: {"action": "link_down"|"link_up", "a", "b"} or
@@ -38,7 +38,7 @@ Endpoints (GET unless said; JSON, fields may be added):
                       (across hosts: sent to every host, as `testbed link` and `testbed node` do).
 
 Where the documents come from is a source (LocalSource: this host's state file, Top, events file
-and testbed.faults.control; testbed.observe.graph_hosts.HostsSource: a testbed over several hosts,
+and testbed.faults.control; testbed.cluster.graph.HostsSource: a testbed over several hosts,
 from its controller); the server and the page are the same for both.
 
 Sampling: one background thread takes one sample per interval (testbed.observe.top.Top: one
@@ -49,9 +49,13 @@ once).
 Security: bound to 127.0.0.1 unless --bind says otherwise. A random token (secrets.token_urlsafe)
 is required on every request when the address is not a loopback one, and when --allow-control
 is given (the server runs as root: another local user must not reach control through the
-loopback port). The token comes with the printed URL (?token=...); the page's first load moves
-it into a cookie (HttpOnly, SameSite=Strict, per port) and drops it from the address bar; a
-request may also carry it as `Authorization: Bearer TOKEN`. Tokens are compared with
+loopback port). The token comes in the printed URL's fragment (#token=..., which a browser never
+sends); the page keeps it in sessionStorage (scoped to this origin: scheme, host and port, where a
+cookie would go to every port of 127.0.0.1), drops it from the address bar and sends it as
+`Authorization: Bearer TOKEN` with every API request. Nothing else carries it: no cookie, no query
+(which would end up in history and logs). The page's own files (no data) need no token. A --bind
+on an address that is not loopback would carry the token over plain HTTP: refused unless
+--plain-http says the network is trusted (or use `ssh -L`). Tokens are compared with
 hmac.compare_digest. Without a token (loopback, read-only), the Host header must name the
 loopback address and port (DNS rebinding cannot reach the API from another site). POSTs are
 refused (403) without --allow-control, without the header `X-Testbed-Graph: 1` (which a page of
@@ -73,7 +77,6 @@ import sys
 import threading
 import time
 from http import HTTPStatus
-from http.cookies import SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -131,8 +134,9 @@ def addresses(st: Mapping[str, Any]) -> dict[str, list[str]]:
 
 def topology_doc(st: Mapping[str, Any], version: int = 0, control: bool = False) -> dict[str, Any]:
     """The /api/topology document of a (validated) state."""
-    from testbed.faults.control import PROFILE_FIELDS, dilation_of
-    from testbed.report.draw import layout
+    from testbed.faults.control import PROFILE_FIELDS
+    from testbed.running import dilation_of
+    from testbed.topology.layout import layout
     from testbed.topology.model import LinkProfile, Topology
 
     topo = Topology.from_json(st["topology"])
@@ -249,7 +253,7 @@ def _stamp(path: Path) -> tuple[int, int, int] | None:
 
 class LocalSource:
     """A testbed on this host: its state file, testbed.observe.top.Top, its events file and
-    testbed.faults.control. The one interface a Graph reads (testbed.observe.graph_hosts.HostsSource
+    testbed.faults.control. The one interface a Graph reads (testbed.cluster.graph.HostsSource
     is the other, for a testbed over several hosts):
 
       exists()                 the testbed is still up
@@ -307,19 +311,6 @@ class LocalSource:
 
     def close(self) -> None:
         pass
-
-
-def open_source(name: str) -> Any:
-    """The source of testbed `name`: this host's (LocalSource), or, for a testbed over several hosts
-    whose controller this is, its hosts' (testbed.observe.graph_hosts.HostsSource)."""
-    if not store.exists(name):
-        from testbed.cluster import controller
-
-        if controller.exists(name):
-            from testbed.observe.graph_hosts import HostsSource
-
-            return HostsSource(name)
-    return LocalSource(name)
 
 
 # -- the shared state of a server: one topology, one sampler, one event tail -------------------------------
@@ -549,7 +540,6 @@ class Access:
     def __init__(self, bind: str, port: int, token: str | None):
         self.token = token
         self.port = port
-        self.cookie = f"tbgraph-{port}"
         if token is None:
             names_ = {"127.0.0.1", "localhost", "[::1]", bind if ":" not in bind else f"[{bind}]"}
             self.hosts: frozenset[str] | None = frozenset(f"{h}:{port}" for h in names_)
@@ -560,28 +550,19 @@ class Access:
         return given is not None and self.token is not None and hmac.compare_digest(
             given.encode("utf-8", "replace"), self.token.encode())
 
-    def check(self, headers: Mapping[str, str], query: Mapping[str, list[str]]) -> tuple[bool, bool, str]:
-        """(allowed, token came in the query (set the cookie), why not)."""
+    def check(self, headers: Mapping[str, str], query: Mapping[str, list[str]],
+              page: bool = False) -> tuple[bool, bool, str]:
+        """(allowed, False, why not). page: one of the page's own files (no token needed: no data)."""
         host = (headers.get("Host") or "").strip().lower()
         if self.hosts is not None and host not in self.hosts:
             return False, False, f"Host {host!r} is not this server's loopback address"
-        if self.token is None:
+        if self.token is None or page:
             return True, False, ""
-        q = (query.get("token") or [None])[0]
-        if self._token_ok(q):
-            return True, True, ""
         auth = headers.get("Authorization") or ""
         if auth.startswith("Bearer ") and self._token_ok(auth[7:].strip()):
             return True, False, ""
-        jar = SimpleCookie()
-        try:
-            jar.load(headers.get("Cookie") or "")
-        except Exception:
-            jar = SimpleCookie()
-        morsel = jar.get(self.cookie)
-        if morsel is not None and self._token_ok(morsel.value):
-            return True, False, ""
-        return False, False, "a token is required: open the URL `testbed graph` printed (it carries ?token=)"
+        return False, False, ("a token is required (Authorization: Bearer): open the URL `testbed graph` printed "
+                              "(it carries #token=)")
 
 
 # -- HTTP ------------------------------------------------------------------------------------------------------
@@ -621,8 +602,8 @@ class Handler(BaseHTTPRequestHandler):
     def _error(self, status: int, message: str) -> None:
         self._json(status, {"error": message})
 
-    def _allowed(self, query: Mapping[str, list[str]]) -> tuple[bool, bool]:
-        ok, via_query, why = self.access.check(self.headers, query)
+    def _allowed(self, query: Mapping[str, list[str]], page: bool = False) -> tuple[bool, bool]:
+        ok, via_query, why = self.access.check(self.headers, query, page)
         if not ok:
             self._error(HTTPStatus.FORBIDDEN, why)
         return ok, via_query
@@ -630,15 +611,11 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         url = urlsplit(self.path)
         query = parse_qs(url.query)
-        ok, via_query = self._allowed(query)
+        ok, _ = self._allowed(query, page=url.path in FILES)
         if not ok:
             return
         try:
             if url.path in FILES:
-                if via_query and url.path == "/":   # the token goes into a cookie and out of the address bar
-                    cookie = f"{self.access.cookie}={self.access.token}; Path=/; HttpOnly; SameSite=Strict"
-                    self._send(HTTPStatus.SEE_OTHER, b"", "text/plain", {"Location": "/", "Set-Cookie": cookie})
-                    return
                 fname, ctype = FILES[url.path]
                 self._send(HTTPStatus.OK, (STATIC / fname).read_bytes(), ctype)
             elif url.path == "/api/topology":
@@ -775,17 +752,24 @@ def url_of(bind: str, port: int, token: str | None) -> str:
         host = socket.gethostname()
     elif ":" in bind:
         host = f"[{bind}]"
-    return f"http://{host}:{port}/" + (f"?token={token}" if token else "")
+    return f"http://{host}:{port}/" + (f"#token={token}" if token else "")
 
 
 def serve(name: str, *, bind: str = DEFAULT_BIND, port: int | None = None, allow_control: bool = False,
           runs_dir: str | os.PathLike[str] | None = None, interval: float = 1.0,
-          log: Callable[[str], None] = print, ready: Callable[[str], None] | None = None) -> str:
+          log: Callable[[str], None] = print, ready: Callable[[str], None] | None = None,
+          plain_http: bool = False, open_source: Callable[[str], Any] | None = None) -> str:
     """Serve testbed `name`'s page until Ctrl-C (KeyboardInterrupt propagates, after a clean stop) or
-    until the testbed has been down DOWN_GRACE_S seconds (returns "down")."""
+    until the testbed has been down DOWN_GRACE_S seconds (returns "down"). open_source(name): where
+    its documents come from (None: this host's, a LocalSource; testbed.cluster.graph.open_source
+    picks its hosts' for a testbed over several hosts), closed when the server stops."""
     bind = check_bind(bind)
+    if not is_loopback(bind) and not plain_http:
+        raise GraphError(f"--bind {bind}: not a loopback address; the page's token would cross the network in "
+                         "plain HTTP. Bind 127.0.0.1 and reach it through `ssh -L PORT:127.0.0.1:PORT HOST`, or "
+                         "give --plain-http where that network is trusted")
     token = secrets.token_urlsafe(24) if (allow_control or not is_loopback(bind)) else None
-    source = open_source(name)
+    source = (open_source or LocalSource)(name)
     try:
         graph = Graph(name, interval=interval, runs_dir=runs_dir, allow_control=allow_control, source=source)
     except BaseException:

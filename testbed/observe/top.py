@@ -70,7 +70,7 @@ the newest run directory of the testbed whose summary.json says "running" and wh
 directory still exists; else the testbed's exchange directory (<state dir>/NAME/runs/ID/probe,
 present while a run goes).
 
-A testbed over several hosts: each host samples its own part, and testbed.observe.top_hosts merges
+A testbed over several hosts: each host samples its own part, and testbed.cluster.top merges
 the hosts' documents into one of this shape (with each direction's and worker's host added).
 """
 
@@ -85,7 +85,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from testbed import paths, store
+from testbed import paths, safeio, store
 from testbed.errors import StateError
 from testbed.net import names
 
@@ -156,8 +156,8 @@ class Model:
 
 
 def dilation_of(st: Mapping[str, Any]) -> float:
-    """The testbed's factor (testbed.faults.control.dilation_of reads it the same way)."""
-    from testbed.faults.control import dilation_of as of
+    """The testbed's factor, as every change to the running testbed reads it (testbed.running)."""
+    from testbed.running import dilation_of as of
 
     return of(dict(st))
 
@@ -384,8 +384,8 @@ class RunWatch:
         self.runs_dir = Path(runs_dir) if runs_dir is not None else None
         self.dilation = dilation
         self.run: dict[str, Any] | None = None
-        self.probe: Path | None = None
-        self.files: dict[Path, _RankFile] = {}
+        self.probe: tuple[Path, str] | None = None
+        self.files: dict[str, _RankFile] = {}   # by file name in the probe directory
 
     def _mine(self, d: Path) -> bool:
         m = RUN_DIR_RE.match(d.name)
@@ -394,53 +394,67 @@ class RunWatch:
         rest = m["rest"]
         return rest == self.name or (rest.startswith(self.name + ".") and rest[len(self.name) + 1:].isdigit())
 
-    def find(self) -> tuple[dict[str, Any], Path] | None:
-        """(run description, probe directory) of the active run, or None."""
+    def find(self) -> tuple[dict[str, Any], tuple[Path, str]] | None:
+        """(run description, its probe directory as (trusted base, the rest)) of the active run, or
+        None. What lies below the base a job can reach: it is opened without following a link
+        (safeio.open_dir_beneath), so a run directory or probe a job linked elsewhere is passed over."""
         from testbed.jobs import rundir
 
         try:
-            dirs = sorted((d for d in self.runs_dir.iterdir() if self._mine(d)), key=lambda d: d.name,
-                          reverse=True) if self.runs_dir is not None else []
+            dirs = sorted((d for d in self.runs_dir.iterdir() if self._mine(d) and not d.is_symlink()),
+                          key=lambda d: d.name, reverse=True) if self.runs_dir is not None else []
         except OSError:
             dirs = []
+        state = paths.directory(self.name)
         for d in dirs[:20]:
             summary = rundir.read_json(d / "summary.json")
             if not isinstance(summary, dict) or summary.get("status") != "running" \
                     or summary.get("testbed") != self.name:
                 continue
-            probe = d / "probe"
-            if not probe.is_dir():   # the launcher was killed and its exchange dir is gone: not active
+            rid = summary.get("run_id")
+            if (d / "probe").is_symlink():
+                # the live view `testbed run` made points into the exchange folder: read that folder
+                # by the run's id, never where a link in the job's reach points
+                if not isinstance(rid, str) or "/" in rid or rid in ("", ".", ".."):
+                    continue
+                probe = (state, f"runs/{rid}/probe")
+            else:
+                probe = (self.runs_dir, f"{d.name}/probe")
+            if _mtime(*probe) is None:   # the launcher was killed and its exchange dir is gone: not active
                 continue
             factor = (summary.get("time_dilation") or {}).get("factor") if isinstance(
                 summary.get("time_dilation"), dict) else None
-            return ({"run_id": summary.get("run_id"), "dir": str(d), "status": "running",
+            return ({"run_id": rid, "dir": str(d), "status": "running",
                      "world_size": summary.get("world_size"), "factor": float(factor or self.dilation)}, probe)
-        exchange = paths.directory(self.name) / "runs"
         try:
-            probes = [p / "probe" for p in exchange.iterdir() if not p.is_symlink() and (p / "probe").is_dir()]
+            probes = [(m, p.name) for p in (state / "runs").iterdir()
+                      if (m := _mtime(state, f"runs/{p.name}/probe")) is not None]
         except OSError:
             probes = []
         if probes:
-            probe = max(probes, key=lambda p: p.stat().st_mtime)
-            return ({"run_id": probe.parent.name, "dir": None, "status": "unknown", "world_size": None,
-                     "factor": self.dilation}, probe)
+            rid = max(probes)[1]
+            return ({"run_id": rid, "dir": None, "status": "unknown", "world_size": None,
+                     "factor": self.dilation}, (state, f"runs/{rid}/probe"))
         return None
 
-    def _read(self, path: Path, rf: _RankFile) -> None:
-        try:
-            if path.is_symlink() or not path.is_file():   # written by ranks: read defensively
-                return
-            with open(path, "rb") as fh:
-                if rf.offset < 0:   # first look: only the end of a long file
-                    size = fh.seek(0, os.SEEK_END)
-                    rf.offset = max(0, size - PROBE_TAIL_BYTES)
-                    skip_partial = rf.offset > 0
-                else:
-                    skip_partial = False
-                fh.seek(rf.offset)
-                data = fh.read(PROBE_READ_BYTES)
-        except OSError:
+    def _read(self, dfd: int, name: str, rf: _RankFile) -> None:
+        from testbed.jobs import rundir
+
+        try:   # written by ranks: no link followed, no FIFO waited on (checked on the open file), bounded
+            fd = rundir.open_in(dfd, name)
+        except (OSError, safeio.Unsafe):
             return
+        try:
+            if rf.offset < 0:   # first look: only the end of a long file
+                rf.offset = max(0, os.fstat(fd).st_size - PROBE_TAIL_BYTES)
+                skip_partial = rf.offset > 0
+            else:
+                skip_partial = False
+            data = safeio.read_fd_regular(fd, PROBE_READ_BYTES, rf.offset, where=name)
+        except (OSError, safeio.Unsafe):
+            return
+        finally:
+            os.close(fd)
         rf.offset += len(data)
         data = rf.buf + data
         lines = data.split(b"\n")
@@ -477,10 +491,17 @@ class RunWatch:
             self.files = {}
         self.run, self.probe = run, probe
         try:
-            for f in sorted(probe.glob("rank-*.jsonl")):
-                self._read(f, self.files.setdefault(f, _RankFile()))
+            dfd = safeio.open_dir_beneath(*probe)
+        except (OSError, safeio.Unsafe):   # gone (the run ended) or replaced by a link since find
+            return self.document(now)
+        try:
+            for name in sorted(os.listdir(dfd)):
+                if name.startswith("rank-") and name.endswith(".jsonl"):
+                    self._read(dfd, name, self.files.setdefault(name, _RankFile()))
         except OSError:
             pass
+        finally:
+            os.close(dfd)
         return self.document(now)
 
     def document(self, now: float | None = None) -> dict[str, Any] | None:
@@ -507,6 +528,19 @@ class RunWatch:
                 "last_step_s": statistics.median(last_dt) if last_dt else None,
                 "last_step_max_s": max(last_dt) if last_dt else None,
                 "last_step_age_s": max(0.0, now - max(last_t)) if last_t else None}
+
+
+def _mtime(base: Path, rel: str) -> float | None:
+    """When base/rel, a directory reached without following a link below base, last changed; None
+    when there is none (or a link is there)."""
+    try:
+        fd = safeio.open_dir_beneath(base, rel)
+    except (OSError, safeio.Unsafe):
+        return None
+    try:
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
 
 
 # -- the sampler a view drives --------------------------------------------------------------------------

@@ -7,33 +7,66 @@ All times are divided by the run's time dilation factor (summary.json
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
+from testbed import safeio
 from testbed.jobs import rundir
 
 PROBE_FILE_MAX_BYTES = 512 << 20
 PROBE_LINE_MAX_BYTES = 1 << 20
+EVENTS_FILE_MAX_BYTES = 64 << 20   # testbed-events.jsonl of one run: a few KiB; a job may have grown it
+LATENCY_OP = "latency_burst"   # the probe's own small all_reduces (_testbed_probe.py): not the job's
+
+
+def run_events(run: Path) -> list[dict[str, Any]]:
+    """The testbed's events of the run's span (testbed-events.jsonl, kept by `testbed run`): link and
+    node changes, captures, scenario steps. Lines that are not events are passed over."""
+    from testbed import events
+
+    try:   # in the run directory, which a job can reach: never a FIFO waited on, never unbounded
+        data = safeio.read_regular(run / "testbed-events.jsonl", EVENTS_FILE_MAX_BYTES)
+    except (OSError, safeio.Unsafe):
+        return []
+    return [e for e in map(events.parse, data.splitlines()) if e is not None]
 
 
 def load_probe(run: Path) -> dict[str, list[dict[str, Any]]]:
-    """rank label -> its records, in file order."""
+    """rank label -> its records, in file order. RUN/probe is opened without following a link
+    (rundir.open_probe): one a job put there, or at the run directory, is safeio.Unsafe naming it."""
+    try:
+        dfd = rundir.open_probe(Path(run))
+    except FileNotFoundError:   # a run without the probe
+        return {}
     out = {}
-    for f in sorted((Path(run) / "probe").glob("rank-*.jsonl")):
-        if f.is_symlink() or not f.is_file() or f.stat().st_size > PROBE_FILE_MAX_BYTES:
-            continue   # written by ranks: read defensively
-        recs = []
-        with open(f, "rb") as fh:
-            for line in fh:
-                if len(line) > PROBE_LINE_MAX_BYTES:
+    try:
+        for name in sorted(os.listdir(dfd)):
+            if not (name.startswith("rank-") and name.endswith(".jsonl")):
+                continue
+            try:   # written by ranks: no link followed, no FIFO waited on, neither file nor line unbounded
+                fd = rundir.open_in(dfd, name)
+            except (OSError, safeio.Unsafe):
+                continue
+            recs = []
+            try:
+                if os.fstat(fd).st_size > PROBE_FILE_MAX_BYTES:
                     continue
-                try:
-                    rec = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    continue
-                if isinstance(rec, dict):
-                    recs.append(rec)
-        out[f.stem.removeprefix("rank-")] = recs
+                # (a line cut at the bound is no JSON: passed over)
+                for line in safeio.lines_of_fd(fd, PROBE_LINE_MAX_BYTES + 1, max_bytes=PROBE_FILE_MAX_BYTES):
+                    if len(line) > PROBE_LINE_MAX_BYTES:
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except (json.JSONDecodeError, UnicodeDecodeError):
+                        continue
+                    if isinstance(rec, dict):
+                        recs.append(rec)
+            finally:
+                os.close(fd)
+            out[name.removeprefix("rank-").removesuffix(".jsonl")] = recs
+    finally:
+        os.close(dfd)
     return dict(sorted(out.items(), key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0, kv[0])))
 
 
@@ -66,7 +99,7 @@ def analyze(run: str | Path) -> dict[str, Any]:
     for label, recs in probe.items():
         start = next((r for r in recs if r.get("ev") == "start"), {})
         steps = [r for r in recs if r.get("ev") == "step"]
-        colls = [r for r in recs if r.get("ev") == "coll"]
+        colls = [r for r in recs if r.get("ev") == "coll" and r.get("op") != LATENCY_OP]
         ends = [r["t"] for r in steps]
         iters = [(b - a) / s for a, b in zip(ends, ends[1:])]  # first step: warm-up, no predecessor
         window = (ends[0], ends[-1]) if len(ends) >= 2 else None
@@ -91,7 +124,8 @@ def analyze(run: str | Path) -> dict[str, Any]:
     # Utilisation is over the window the job communicated (first collective's start to the last
     # one's end, over all ranks), not the whole wall time (start-up, imports, rendezvous, teardown
     # would dilute it); without collectives in the probe, over the run's wall time.
-    colls = [r for recs in probe.values() for r in recs if r.get("ev") == "coll" and "t" in r]
+    colls = [r for recs in probe.values() for r in recs
+             if r.get("ev") == "coll" and "t" in r and r.get("op") != LATENCY_OP]
     if colls:
         w0 = min(c["t"] for c in colls)
         w1 = max(c["t"] + (c.get("dur") or 0.0) for c in colls)

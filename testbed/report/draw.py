@@ -1,10 +1,7 @@
 """Draw a topology as a layered picture (PNG, matplotlib's Agg backend: no display needed).
 
-Workers sit at the bottom, each switch one row above per hop of distance to
-its nearest worker (edge/leaf, then aggregation/spine, then core), nodes no
-worker reaches on a row of their own at the top. Within a row nodes are
-ordered by the mean position of their neighbours below (a barycentre sweep),
-so a fat-tree's pods come out as columns.
+Nodes sit where testbed.topology.layout puts them: workers at the bottom, each switch one row
+above per hop of distance to its nearest worker, a fat-tree's pods as columns.
 
 Edges are coloured by link rate (the slower direction; grey when unshaped)
 or, when `utilisation` is given, by utilisation (0..1, green to red; grey
@@ -19,55 +16,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
+from testbed.topology.layout import layout
 from testbed.topology.model import Topology
-from testbed.topology.analysis import switch_layers
 from testbed.topology.units import format_bandwidth
 
-__all__ = ["draw_topology", "layout", "LABEL_NODES", "LABEL_EDGES"]
+__all__ = ["draw_topology", "LABEL_NODES", "LABEL_EDGES"]
 
 LABEL_NODES = 120   # draw node names up to this many nodes
 LABEL_EDGES = 64    # draw edge labels up to this many links
-
-
-def _layers(topo: Topology) -> dict[str, int]:
-    """Drawing row of every node: hops to the nearest worker; unreachable nodes on top."""
-    dist = switch_layers(topo)
-    top = max(dist.values(), default=0) + 1
-    for n in topo.nodes:
-        dist.setdefault(n, top)
-    return dist
-
-
-def layout(topo: Topology) -> dict[str, tuple[float, float]]:
-    """Node -> (x, y): y is the layer (0 = workers), x in [0, 1] within the layer."""
-    layer = _layers(topo)
-    rows: dict[int, list[str]] = {}
-    for n in topo.nodes:  # topology order first: generators number nodes rack by rack
-        rows.setdefault(layer[n], []).append(n)
-    adj: dict[str, list[str]] = {n: [] for n in topo.nodes}
-    for link in topo.links:
-        adj[link.a].append(link.b)
-        adj[link.b].append(link.a)
-    pos: dict[str, tuple[float, float]] = {}
-
-    def place(row: list[str], y: int) -> None:
-        m = len(row)
-        for i, n in enumerate(row):
-            pos[n] = ((i + 0.5) / m if m else 0.5, float(y))
-
-    levels = sorted(rows)
-    place(rows[levels[0]], levels[0])
-    for y in levels[1:]:
-        row = rows[y]
-        index = {n: i for i, n in enumerate(row)}
-
-        def key(n: str) -> tuple[float, int]:
-            below = [pos[v][0] for v in adj[n] if v in pos and pos[v][1] < y]
-            return (sum(below) / len(below) if below else 2.0, index[n])
-
-        rows[y] = sorted(row, key=key)
-        place(rows[y], y)
-    return pos
 
 
 def _edge_key(utilisation: Mapping | None, a: str, b: str):

@@ -25,7 +25,7 @@ def step_times(a: dict[str, Any], out: Path) -> Path:
         ax.legend(fontsize=6, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    _save(fig, out)
     plt.close(fig)
     return out
 
@@ -85,6 +85,17 @@ def links(a: dict[str, Any], topo: dict[str, Any], out: Path) -> Path:
     ax.set_title(f"link utilisation {over} ({a['summary'].get('testbed')})")
     ax.axis("off")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    _save(fig, out)
     plt.close(fig)
     return out
+
+
+def _save(fig, out) -> None:
+    """The figure into the run directory, through no link a job planted there (rundir.write_bytes)."""
+    import io
+
+    from testbed.jobs import rundir
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    rundir.write_bytes(out, buf.getvalue())

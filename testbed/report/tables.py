@@ -49,13 +49,16 @@ def render(a: dict[str, Any]) -> str:
     v = a.get("verdict")
     if v is not None:
         if v.classes:
-            lines += ["", "collectives against the reference model (emulated time, mean instance)",
-                      f"{'collective':>15} {'size':>10} {'count':>6} {'measured ms':>12} {'model ms':>10} "
-                      f"{'error':>7} {'share':>6}  limited by"]
+            lines += ["", "collectives against the reference model (emulated time, mean instance; links: the links "
+                          "alone, the textbook time; model: with this machine's per-message cost and the declared hosts)",
+                      f"{'collective':>15} {'size':>10} {'count':>6} {'links ms':>9} {'model ms':>9} {'measured ms':>12} "
+                      f"{'error':>7} {'tol':>5} {'share':>6} {'status':>7}  limited by"]
             for c in v.classes:
-                lines.append(f"{c.op:>15} {format_size(c.nbytes):>10} {c.count:>6} {c.measured_s * 1e3:>12.3f} "
-                             f"{c.model_s * 1e3:>10.3f} {100 * c.error:>+6.1f}% {100 * c.share:>5.0f}%  "
-                             f"{c.bottleneck}")
+                lines.append(f"{c.op:>15} {format_size(c.nbytes):>10} {c.count:>6} {c.links_s * 1e3:>9.3f} "
+                             f"{c.model_s * 1e3:>9.3f} {c.measured_s * 1e3:>12.3f} {100 * c.error:>+6.1f}% "
+                             f"{100 * c.tolerance:>4.0f}% {100 * c.share:>5.0f}% {c.status:>7}  {c.bottleneck}")
+            for u in v.unjudged:
+                lines.append(f"{u.op:>15} {format_size(u.nbytes):>10} {u.count:>6}  not judged: {u.why}")
             if v.constants:
                 lines.append(f"model constants: {v.constants}")
         lines += [""] + v.lines()

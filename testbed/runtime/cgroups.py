@@ -26,76 +26,16 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+# where the hierarchies are and where our groups go: a leaf below the state's schema (read here as cgroups.X too)
+from testbed.cgroupfs import CGROUP_ROOT, TOP, V1_CONTROLLERS, Hierarchy, detect, hierarchy  # noqa: F401
 from testbed.errors import CapabilityError, StateError
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-TOP = "testbed"
 CFS_PERIOD_US = 10_000     # short: a throttled worker waits at most this long (dilated workers get ~1/s)
 CFS_MIN_QUOTA_US = 1_000   # the kernel's smallest quota
-# the v1 hierarchies a worker joins (those mounted; cpuset deliberately not)
-V1_CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer")
-
-
-@dataclass(frozen=True)
-class Hierarchy:
-    version: int                    # 1 or 2
-    mounts: dict[str, Path]         # v1: controller -> mount point; v2: {"": mount}
-
-
-def _parse_mountinfo(text: str) -> list[tuple[str, str, list[str]]]:
-    """(mount point, fstype, super options) of each cgroup mount in a mountinfo text."""
-    out = []
-    for line in text.splitlines():
-        left, _, right = line.partition(" - ")
-        fields = left.split()
-        rfields = right.split()
-        if len(fields) < 5 or len(rfields) < 3:
-            continue
-        fstype = rfields[0]
-        if fstype not in ("cgroup", "cgroup2"):
-            continue
-        mnt = fields[4].replace("\\040", " ")
-        out.append((mnt, fstype, rfields[2].split(",")))
-    return out
-
-
-def detect(mountinfo: str | None = None) -> Hierarchy | None:
-    """Which cgroup layout this machine has (None: no usable cgroup filesystem)."""
-    if mountinfo is None:
-        try:
-            mountinfo = Path("/proc/self/mountinfo").read_text()
-        except OSError:
-            return None
-    mounts = _parse_mountinfo(mountinfo)
-    v1: dict[str, Path] = {}
-    v2: Path | None = None
-    for mnt, fstype, opts in mounts:
-        if fstype == "cgroup2":
-            # a pure v2 system mounts it at /sys/fs/cgroup; hybrid systems at .../unified
-            if v2 is None or mnt == str(CGROUP_ROOT):
-                v2 = Path(mnt)
-        else:
-            for ctrl in V1_CONTROLLERS:
-                if ctrl in opts and ctrl not in v1:
-                    v1[ctrl] = Path(mnt)
-    if "cpu" in v1 or "memory" in v1:
-        return Hierarchy(1, v1)
-    if v2 is not None:
-        return Hierarchy(2, {"": v2})
-    return None
-
-
-_hier_cache: list[Hierarchy | None] = []
-
-
-def hierarchy() -> Hierarchy | None:
-    if not _hier_cache:
-        _hier_cache.append(detect())
-    return _hier_cache[0]
+CFS_MAX_PERIOD_US = 1_000_000   # the kernel's longest period (a longer one is EINVAL)
 
 
 def _write(p: Path, value: str) -> None:
@@ -244,8 +184,11 @@ def set_limits(paths: Sequence[str | Path], *, cpus: float | None = None, memory
 
 def cfs(cpus: float) -> tuple[int, int]:
     """(quota, period) in microseconds for a limit of `cpus` cores: a 10 ms period, longer only
-    where the quota would fall under the kernel's 1 ms minimum (below 0.1 core)."""
-    period = max(CFS_PERIOD_US, math.ceil(CFS_MIN_QUOTA_US / cpus)) if cpus > 0 else CFS_PERIOD_US
+    where the quota would fall under the kernel's 1 ms minimum (below 0.1 core), and 1 s at most:
+    below 0.001 core the group gets 0.001 (a k=16 fat-tree at auto asks for 1/1447; the kernel
+    refused its 1.45 s period, and `up` failed; testbed.topology.dilation says what it means)."""
+    period = min(CFS_MAX_PERIOD_US, max(CFS_PERIOD_US, math.ceil(CFS_MIN_QUOTA_US / cpus))) if cpus > 0 \
+        else CFS_PERIOD_US
     return max(CFS_MIN_QUOTA_US, int(round(cpus * period))), period
 
 

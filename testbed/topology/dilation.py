@@ -16,7 +16,7 @@ from typing import Any
 
 from testbed.topology.model import LinkProfile, Topology
 from testbed.topology.plan import NetworkPlan
-from testbed.topology.reference import MachineConstants, predict
+from testbed.topology.reference import MachineConstants, describe_hosts, for_hosts, host_beta, predict
 
 
 def dilate(profile: LinkProfile, s: float) -> LinkProfile:
@@ -41,6 +41,12 @@ def dilate(profile: LinkProfile, s: float) -> LinkProfile:
 # up with the links (docs/fidelity.md), so a margin would only slow every run down.
 HEADROOM = 1.0
 BIG_MESSAGE = 256 << 20
+# Declared hosts (Topology.host_rate) are emulated by dilating until this machine's host work per byte
+# takes at most 1/HOST_MARGIN of the time the model gives the bytes: the model's smooth maximum then
+# adds (1 + 1.5^-6)^(1/6) - 1 = 1.4%. Measured here (2026-12-02, 4 ranks on a 10 Gbit/s star, all_reduce
+# of 16 MiB, against the links and this machine's per-message cost): host-bound at s = 2 (+53%), -14%
+# to +15% at s = 4-12, and at auto (4.7) -8%, -4% and +10.4%; 64 MiB stays 14-32% over at auto.
+HOST_MARGIN = 1.5
 
 
 def auto_factor(n_ranks: int, n_gpus: int, n_cpus: int) -> float:
@@ -61,23 +67,31 @@ def network_factor(topo: Topology, plan: NetworkPlan, rank_workers: list[str], n
                    constants: MachineConstants) -> tuple[float, float]:
     """What the traffic needs: (factor, cores of host work) for data-parallel traffic at full rate.
 
-    Every rank runs a ring all_reduce of a large message at the rate the reference model gives
-    it on this topology (its links' shares, its host's calibrated per-byte cost). That keeps
-    load = sum over ranks of rate x beta cores busy moving bytes (copies, the reduction, the
-    kernel's TCP path through every hop: all of it is in beta, measured through a bridge; more
-    hops add little: 16 unshaped ranks all_reduced 16 MiB in 285 ms on a star and 291 ms on the
-    k=4 fat-tree here). At dilation s the links run s times slower, so the machine must supply
-    load / s cores, within HEADROOM of its n_cpus.
+    Every rank runs a ring all_reduce of a large message at the rate the reference model gives it
+    on this topology with its declared hosts (Topology.host_rate). Moving those bytes keeps
+    load = sum over ranks of rate x beta cores of this machine busy (beta: this machine's
+    calibrated cost per byte: copies, the reduction, the kernel's TCP path through every hop,
+    measured through a bridge). At dilation s the links run s times slower, so the machine must
+    supply load / s cores. For declared hosts (network-bound, or a rate) that host work must stay
+    HOST_MARGIN times below the bytes' time, so that the hosts measured are the hosts declared;
+    for "this-machine" it may take all of it (the model charges it).
     """
     n = len(rank_workers)
     if n < 2 or constants.beta_s_per_byte <= 0:
         return 1.0, 0.0
-    p = predict(topo, plan, "all_reduce", BIG_MESSAGE, rank_workers, constants, placements=1)   # `up` waits
+    declared = for_hosts(constants, topo.host_rate)
+    p = predict(topo, plan, "all_reduce", BIG_MESSAGE, rank_workers, declared, placements=1)   # `up` waits
     if p.bandwidth_s <= 0:
         return 1.0, 0.0
-    per_rank_bytes = 2 * (n - 1) / n * BIG_MESSAGE
-    load = n * per_rank_bytes / p.bandwidth_s * constants.beta_s_per_byte
-    return max(1.0, load / (max(1, n_cpus) * HEADROOM)), load
+    load = _host_load(n, n, p.bandwidth_s, constants)
+    margin = 1.0 if host_beta(topo.host_rate) is None else HOST_MARGIN
+    return max(1.0, margin * load / (max(1, n_cpus) * HEADROOM)), load
+
+
+def _host_load(ranks_here: int, n: int, bandwidth_s: float, constants: MachineConstants) -> float:
+    """Cores of this machine's host work that `ranks_here` of n ranks need to all_reduce BIG_MESSAGE
+    in bandwidth_s (what the model gives the bytes)."""
+    return ranks_here * 2 * (n - 1) / n * BIG_MESSAGE / bandwidth_s * constants.beta_s_per_byte
 
 
 @dataclass(frozen=True)
@@ -157,9 +171,10 @@ def choose(setting: float | str | None, topo: Topology, plan: NetworkPlan, n_gpu
         else:
             network, load = network_factor(topo, plan, rank_workers, n_cpus, constants)
             reasons.append(f"data-parallel traffic at full rate keeps {load:.2g} core(s) busy moving bytes "
-                           f"(host {8 / constants.beta_s_per_byte / 1e9:.2f} Gbit/s per rank, calibrated) "
-                           f"against {n_cpus} core(s) x {HEADROOM:.0%} headroom: the network needs "
-                           f"s >= {network:.3g}")
+                           f"(this machine: {8 / constants.beta_s_per_byte / 1e9:.2f} Gbit/s per rank, calibrated) "
+                           f"against {n_cpus} core(s); to emulate {describe_hosts(topo.host_rate)}"
+                           f"{'' if host_beta(topo.host_rate) is None else f' with a {HOST_MARGIN:g}x margin'}"
+                           f": the network needs s >= {network:.3g}")
         s = _round_up(max(1.0, compute, network or 1.0))
         return _with_cap_reason(Choice(s, "auto", compute, network, tuple(reasons)))
     try:
@@ -213,11 +228,13 @@ def choose_over_machines(setting: float | str | None, topo: Topology, plan: Netw
                 continue
             if n < 2 or m.constants.beta_s_per_byte <= 0:
                 continue
-            p = predict(topo, plan, "all_reduce", BIG_MESSAGE, workers, m.constants, placements=1)
+            p = predict(topo, plan, "all_reduce", BIG_MESSAGE, workers, for_hosts(m.constants, topo.host_rate),
+                        placements=1)
             if p.bandwidth_s <= 0:
                 continue
-            load = len(m.workers) * 2 * (n - 1) / n * BIG_MESSAGE / p.bandwidth_s * m.constants.beta_s_per_byte
-            need = max(1.0, load / (max(1, m.cores) * HEADROOM))
+            load = _host_load(len(m.workers), n, p.bandwidth_s, m.constants)
+            margin = 1.0 if host_beta(topo.host_rate) is None else HOST_MARGIN
+            need = max(1.0, margin * load / (max(1, m.cores) * HEADROOM))
             reasons.append(f"{m.name}: its ranks' data-parallel traffic at full rate keeps {load:.2g} core(s) busy "
                            f"against {m.cores} core(s): the network needs s >= {need:.3g}")
             network = max(network or 1.0, need)
@@ -232,11 +249,19 @@ def choose_over_machines(setting: float | str | None, topo: Topology, plan: Netw
     return _with_cap_reason(Choice(s, "fixed", compute, None, (f"fixed at {s:g}", *loaded)))
 
 
+CPU_CAP_FLOOR = 0.001   # cores: the kernel's least CPU quota, 1 ms per 1 s period (runtime/cgroups.cfs)
+
+
 def _with_cap_reason(choice: Choice) -> Choice:
     if not choice.cap_cpu:
         return choice
     why = (f"s = {choice.factor:g} is above the {choice.compute:.3g} that sharing the CPUs gives: each worker's "
            f"CPU is capped at 1/{choice.factor:g} of its cores so that compute slows by {choice.factor:g} too")
+    if 1 / choice.factor < CPU_CAP_FLOOR:
+        why += (f"; but the kernel caps a group at {CPU_CAP_FLOOR:g} core at the least, so a one-core worker's "
+                f"compute slows by {1 / CPU_CAP_FLOOR:g}, not {choice.factor:g}: it runs "
+                f"{choice.factor * CPU_CAP_FLOOR:.2f}x faster than the emulated cluster's (fewer workers, or "
+                "more CPUs per worker, keep it exact)")
     return replace(choice, reasons=choice.reasons + (why,))
 
 

@@ -28,14 +28,14 @@ import yaml
 import testbed
 from testbed.errors import TopologyError
 from testbed.topology.generators import GENERATORS
-from testbed.topology.model import NODE_KINDS, Link, LinkProfile, Node, Topology
+from testbed.topology.model import HOST_RATE_KINDS, NODE_KINDS, Link, LinkProfile, Node, Topology
 from testbed.topology.units import parse_bandwidth, parse_loss, parse_size, parse_time
 
 __all__ = ["load_topology", "load_topology_text", "topology_from_data", "apply_overrides", "parse_yaml",
            "resolve_spec", "topology_dirs"]
 
 TOP_FIELDS = ("name", "description", "generator", "params", "tiers", "defaults", "nodes", "links",
-              "runtime", "time_dilation", "gpu_policy", "gpu_sharing", "addressing")
+              "runtime", "time_dilation", "host_rate", "gpu_policy", "gpu_sharing", "addressing")
 DEFAULTS_FIELDS = ("link", "worker")
 PROFILE_FIELDS = ("bandwidth", "delay", "jitter", "loss", "queue", "mtu")
 DIRECTIONS = ("forward", "reverse")
@@ -45,7 +45,7 @@ WORKER_DEFAULT_FIELDS = ("gpus", "cpus", "memory", "image")
 ADDRESSING_FIELDS = ("pool", "fabric_pool")
 
 # Names end up in namespace, container and interface names and in dotted override paths.
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*\Z")
 
 
 def _repo_topologies() -> Path:
@@ -458,8 +458,19 @@ def topology_from_data(data: Any, source: str | None = None) -> Topology:
         if isinstance(td, bool) or not isinstance(td, (int, float)) or not td >= 1:
             raise ctx.error("time_dilation must be a number >= 1, 'auto' or 'none'", "time_dilation", td)
 
+    host_rate = data.get("host_rate")
+    if host_rate is not None and host_rate not in HOST_RATE_KINDS:
+        if isinstance(host_rate, bool) or not isinstance(host_rate, (str, int, float)):
+            raise ctx.error(f"host_rate must be a rate per rank (e.g. 25gbit), {' or '.join(HOST_RATE_KINDS)}",
+                            "host_rate", host_rate)
+        try:
+            host_rate = float(parse_bandwidth(host_rate))
+        except ValueError as exc:
+            raise ctx.error(f"{exc}; or {' or '.join(HOST_RATE_KINDS)}", "host_rate", host_rate) from None
+
     topo = Topology(
         name=name, nodes=nodes, links=links, source=source, generator=generator, params=params,
+        host_rate=host_rate,
         runtime=_choice(ctx, data, "runtime", ("netns", "docker")),
         time_dilation=td,
         gpu_policy=_choice(ctx, data, "gpu_policy", ("round-robin", "packed")) or "round-robin",

@@ -14,6 +14,7 @@ from testbed.errors import TopologyError
 
 NodeKind = Literal["worker", "switch"]
 NODE_KINDS: tuple[str, ...] = ("worker", "switch")
+HOST_RATE_KINDS: tuple[str, ...] = ("network-bound", "this-machine")   # besides a rate in bit/s
 
 DEFAULT_MTU = 1500
 
@@ -143,6 +144,10 @@ class Topology:
     gpu_sharing: str | None = None     # None | "mps"
     address_pool: str | None = None    # worker subnets come from here (None: the plan's default)
     fabric_pool: str | None = None     # switch-to-switch /31s come from here
+    # What the workers' hosts cost per byte a rank sends (the reference model's host term): a rate in
+    # bit/s per rank, "network-bound" (GPU servers, whose host cost is far below their links': the
+    # default) or "this-machine" (the calibrated cost of a rank with one core of this machine).
+    host_rate: float | str | None = None
 
     # -- views ---------------------------------------------------------------
 
@@ -239,6 +244,11 @@ class Topology:
                                 value=self.gpu_sharing)
         if self.runtime not in (None, "netns", "docker"):
             raise TopologyError("runtime must be netns or docker", file=f, path="runtime", value=self.runtime)
+        hr = self.host_rate
+        if hr is not None and hr not in HOST_RATE_KINDS and (isinstance(hr, bool) or not isinstance(hr, (int, float))
+                                                             or not 0 < hr < float("inf")):
+            raise TopologyError(f"host_rate must be a rate (e.g. 25gbit), {' or '.join(HOST_RATE_KINDS)}", file=f,
+                                path="host_rate", value=hr)
         td = self.time_dilation
         if td is not None and td not in ("auto", "none") and (not isinstance(td, (int, float)) or td < 1):
             raise TopologyError("time_dilation must be a number >= 1, 'auto' or 'none'", file=f,
@@ -259,6 +269,7 @@ class Topology:
             "gpu_sharing": self.gpu_sharing,
             "address_pool": self.address_pool,
             "fabric_pool": self.fabric_pool,
+            "host_rate": self.host_rate,
             "nodes": [n.to_json() for n in self.nodes.values()],
             "links": [link.to_json() for link in self.links],
         }
@@ -268,7 +279,7 @@ class Topology:
         nodes = {n["name"]: Node.from_json(n) for n in data["nodes"]}
         links = [Link.from_json(link) for link in data["links"]]
         keep = {k: data.get(k) for k in ("source", "generator", "runtime", "time_dilation", "gpu_sharing",
-                                         "address_pool", "fabric_pool")}
+                                         "address_pool", "fabric_pool", "host_rate")}
         return cls(name=data["name"], nodes=nodes, links=links, params=data.get("params") or {},
                    gpu_policy=data.get("gpu_policy") or "round-robin", **keep)
 

@@ -35,7 +35,8 @@ hash gives most often.
 
 Algorithms (what the backends do, from their sources):
   gloo  all_reduce: ring, reduce-scatter then all-gather, rank r sends to r-1,
-        2(n-1) steps of S/n. all_gather: ring to r+1, n-1 steps of S/n (S is
+        2(n-1) steps of S/n (fewer messages for fewer than 2(n-1) elements:
+        _gloo_ring_messages). all_gather: ring to r+1, n-1 steps of S/n (S is
         the gathered size). reduce_scatter: gloo runs a full all_reduce of the
         input S. broadcast: binomial tree, ceil(log2 n) rounds of the whole S.
         all_to_all: every rank posts its n-1 sends of S/n at once. barrier:
@@ -92,6 +93,7 @@ class MachineConstants:
     beta_s_per_byte: float         # host cost per byte one rank sends, s/B (0: the host is never the limit)
     source: str = "uncalibrated"   # where the numbers come from, printed with every prediction
     ops: tuple[tuple[str, float, float], ...] = ()   # (collective, alpha_s, beta_s_per_byte)
+    spread: float = 0.0            # the calibration's relative standard error over its repetitions (0: unknown)
 
     def for_op(self, op: str) -> tuple[float, float]:
         for name, a, b in self.ops:
@@ -100,24 +102,65 @@ class MachineConstants:
         return self.alpha_s, self.beta_s_per_byte
 
     def describe(self) -> str:
-        rate = "unbounded" if self.beta_s_per_byte <= 0 else f"{8 / self.beta_s_per_byte / 1e9:.2f} Gbit/s"
+        rate = "no host cost" if self.beta_s_per_byte <= 0 else f"host {8 / self.beta_s_per_byte / 1e9:.2f} Gbit/s per rank"
         more = f", {len(self.ops)} collectives measured" if self.ops else ""
-        return f"all_reduce: alpha {self.alpha_s * 1e6:.0f} us/message, host {rate} per rank{more} ({self.source})"
+        spread = f", spread +-{100 * self.spread:.0f}%" if self.spread else ""
+        return f"all_reduce: alpha {self.alpha_s * 1e6:.0f} us/message, {rate}{more}{spread} ({self.source})"
 
     def to_json(self) -> dict[str, Any]:
         return {"alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte, "source": self.source,
-                "ops": {name: {"alpha_s": a, "beta_s_per_byte": b} for name, a, b in self.ops}}
+                "ops": {name: {"alpha_s": a, "beta_s_per_byte": b} for name, a, b in self.ops},
+                "spread": self.spread}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "MachineConstants":
         ops = tuple((str(k), float(v["alpha_s"]), float(v["beta_s_per_byte"]))
                     for k, v in (data.get("ops") or {}).items())
+        spread = data.get("spread") or 0.0
         return cls(alpha_s=float(data["alpha_s"]), beta_s_per_byte=float(data["beta_s_per_byte"]),
-                   source=str(data.get("source", "uncalibrated")), ops=ops)
+                   source=str(data.get("source", "uncalibrated")), ops=ops,
+                   spread=float(spread) if isinstance(spread, (int, float)) and 0 <= spread < 10 else 0.0)
 
 
 # A network-only model (no software cost, no host limit): what the links alone allow.
 NETWORK_ONLY = MachineConstants(alpha_s=0.0, beta_s_per_byte=0.0, source="links only")
+
+
+def host_beta(host_rate: float | str | None) -> float | None:
+    """The host cost per byte a topology declares (Topology.host_rate): 0 for network-bound hosts
+    (the default), 8 / rate for a rate per rank, None for "this-machine" (the calibrated cost)."""
+    if host_rate is None or host_rate == "network-bound":
+        return 0.0
+    if host_rate == "this-machine":
+        return None
+    return 8.0 / float(host_rate)
+
+
+def describe_hosts(host_rate: float | str | None) -> str:
+    if host_rate is None or host_rate == "network-bound":
+        return "network-bound hosts (no host cost per byte)"
+    if host_rate == "this-machine":
+        return "hosts like this machine (one core per rank, calibrated)"
+    return f"hosts moving {float(host_rate) / 1e9:.3g} Gbit/s per rank"
+
+
+def for_hosts(constants: MachineConstants, host_rate: float | str | None) -> MachineConstants:
+    """The constants the model judges with on a topology's declared hosts: this machine's per-message
+    cost (alpha: what every message costs here, dilated or not), the declared host cost per byte."""
+    beta = host_beta(host_rate)
+    if beta is None:
+        return constants
+    return MachineConstants(constants.alpha_s, beta, f"{constants.source}; {describe_hosts(host_rate)}",
+                            tuple((op, a, beta) for op, a, _ in constants.ops), constants.spread)
+
+
+def with_alpha(constants: MachineConstants, alpha_s: float, spread: float, source: str) -> MachineConstants:
+    """The constants with all_reduce's per-message cost replaced (a run's own measurement); each other
+    collective's alpha keeps its calibrated ratio to all_reduce's."""
+    scale = alpha_s / constants.alpha_s if constants.alpha_s > 0 else 1.0
+    ops = tuple((op, (a * scale if constants.alpha_s > 0 else alpha_s), b) for op, a, b in constants.ops)
+    where = f"alpha {source}; {constants.source}" if source else constants.source
+    return MachineConstants(alpha_s, constants.beta_s_per_byte, where, ops, spread)
 
 
 @dataclass(frozen=True)
@@ -136,7 +179,8 @@ class Flow:
 class Phase:
     flows: tuple[Flow, ...]
     count: int = 1         # how many times the phase repeats (ring steps)
-    messages: int = 1      # messages a rank sends in the phase (alpha is paid per message)
+    messages: float = 1.0  # messages a rank sends per repetition (alpha is paid per message; gloo's
+    #                        small all_reduce sends fewer than one per step: see _gloo_ring_messages)
 
 
 @dataclass(frozen=True)
@@ -219,7 +263,10 @@ def phases(op: str, nbytes: float, n: int, backend: str = "gloo", root: int = 0)
         return [Phase(flows, messages=n - 1)]
     if backend == "gloo":
         if op in ("all_reduce", "reduce_scatter"):
-            return [ring(-1, S / n, 2 * (n - 1))]
+            if S <= 0:
+                return []   # gloo returns at once for an empty buffer
+            return [Phase(ring(-1, S / n, 2 * (n - 1)).flows, count=2 * (n - 1),
+                          messages=_gloo_ring_messages(S, n))]
         if op == "all_gather":   # host work: copies of the whole output, whatever n (measured here)
             return [Phase(tuple(Flow(r, (r + 1) % n, S / n, S / (n - 1)) for r in range(n)), count=n - 1)]
         if op == "broadcast":
@@ -234,6 +281,21 @@ def phases(op: str, nbytes: float, n: int, backend: str = "gloo", root: int = 0)
             return [Phase(chain), Phase(tuple(Flow(f.src, f.dst, 0.0) for f in chain[:1]), count=n - 2)] \
                 if n > 2 else [Phase(chain)]
     raise ModelError(f"{op} is not modelled for {backend}")
+
+
+GLOO_ELEMENT_BYTES = 4   # float32, what DDP and the benchmarks reduce (the model sees bytes, not dtypes)
+
+
+def _gloo_ring_messages(S: float, n: int) -> float:
+    """Messages per ring step a rank of gloo's all_reduce sends, relative to one per step.
+
+    gloo cuts the buffer into 2n segments (two in flight per rank), sends 2(n-1) of them per
+    phase, and sends nothing for a segment past the buffer's end. A buffer of e < 2(n-1) elements
+    has e segments of one element, so its busiest rank sends e per phase, not 2(n-1): on 16 ranks
+    an 8-byte all_reduce measured 1.2-2.2 ms where a message per step gave 23 ms. The data still
+    passes every hop of the ring in turn, so the path delays stay 2(n-1)."""
+    elements = math.ceil(S / GLOO_ELEMENT_BYTES)
+    return min(elements, 2 * (n - 1)) / (2 * (n - 1))
 
 
 def _binomial_broadcast(S: float, n: int, root: int) -> list[Phase]:

@@ -88,12 +88,14 @@ class _Checker:
         self.count: dict = {}
 
     def _read(self, deadline: float) -> dict:
+        import math
         import select
 
         while b"\n" not in self.buf:
             left = deadline - time.monotonic()
-            ready = select.select([self.fd], [], [], max(0.0, left))[0] if left > 0 else []
-            if not ready:
+            waiter = select.poll()   # (not select: a rank of a big job can hold descriptors above 1,024)
+            waiter.register(self.fd, select.POLLIN)
+            if left <= 0 or not waiter.poll(math.ceil(left * 1000)):
                 raise TimeoutError
             try:
                 self.buf += os.read(self.fd, 1 << 16)

@@ -51,6 +51,12 @@ _installed = False
 _seq: dict = {}
 _pending: list = []   # DDP bucket records waiting to be written (list.append/pop are atomic under the GIL)
 _clock = {"emulated": False, "factor": 1.0}
+_distributed = False   # init_process_group ran in this process
+# At exit, a moment with the GIL released for the backend's worker threads: one may not yet have dropped
+# its reference to a finished collective (a tensor whose Python object it then frees). Done once the
+# interpreter is finalizing, that takes a GIL that is gone, and the rank aborts with "terminate called
+# without an active exception" after all its work (seen rarely, under load; a torch teardown race).
+EXIT_SETTLE_S = 0.1
 
 COLLECTIVES = (
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
@@ -103,6 +109,8 @@ def _emit(obj: dict, flush: bool = False) -> None:
 
 def _close() -> None:
     global _file
+    if _distributed:
+        _real_sleep(EXIT_SETTLE_S)
     _flush_pending()
     with _lock:
         if _file is not None:
@@ -215,17 +223,94 @@ def _wrap_collective(name, fn):
         finally:
             _tls.inside = False
         dur = _real_perf() - t0
+        is_async = bool(kwargs.get("async_op")) or name in ("isend", "irecv")
         rec = {"ev": "coll", "op": name, "bytes": _size_of(name, args, kwargs), "t": t, "dur": dur,
-               "async": bool(kwargs.get("async_op")) or name in ("isend", "irecv"), "src": "api",
-               "g": g, "gn": gn, "seq": seq, "be": be}
+               "async": is_async, "src": "api", "g": g, "gn": gn, "seq": seq, "be": be}
         if name in _P2P:
             peer = args[1] if len(args) > 1 else kwargs.get(_P2P[name])
             rec["peer"] = peer if isinstance(peer, int) else None
+        if is_async and _time_completion(out, rec, t0):
+            return out
         _emit(rec)
         return out
 
     wrapper.__testbed_probe__ = True
     return wrapper
+
+
+def _time_completion(work, rec, t0) -> bool:
+    """An asynchronous collective is timed to its completion: the record waits for the work's future
+    (written later, like DDP's buckets). False when the work has no future to wait on."""
+    try:
+        fut = work.get_future()
+    except Exception:
+        return False
+
+    def done(_f):   # on the backend's thread: note the time only
+        rec["dur"] = _real_perf() - t0
+        rec["done"] = True
+        _pending.append(rec)
+
+    try:
+        fut.add_done_callback(done)
+    except Exception:
+        return False
+    return True
+
+
+# -- this run's own per-message cost --------------------------------------------
+
+LATENCY_OP = "latency_burst"   # the verdict's name for these records (report/verdict.py reads it)
+LATENCY_BYTES = 4096
+
+
+def _latency_burst() -> None:
+    """TESTBED_LATENCY_BURST small all_reduces on the whole world right after init_process_group:
+    what one message costs in this run's own conditions (its ranks per core, its dilation, the
+    machine as it is now), which a calibration taken elsewhere cannot say. The launcher asks for it
+    on every rank or on none (a rank alone in a collective would wait forever)."""
+    n = _int_env("TESTBED_LATENCY_BURST") or 0
+    if n <= 0:
+        return
+    try:
+        import torch
+        import torch.distributed as dist
+
+        g, gn, be = _group(None)
+        if not gn or gn < 2 or be != "gloo":   # nccl would need a device buffer; one rank has no messages
+            return
+        buf = torch.zeros(LATENCY_BYTES // 4)
+        _tls.inside = True   # not a job collective: the wrapper passes it through unrecorded
+        try:
+            for i in range(n):
+                seq = _next_seq(g)
+                t, t0 = _real_time(), _real_perf()
+                dist.all_reduce(buf)
+                _emit({"ev": "coll", "op": LATENCY_OP, "bytes": LATENCY_BYTES, "t": t, "dur": _real_perf() - t0,
+                       "async": False, "src": "probe", "g": g, "gn": gn, "seq": seq, "be": be, "i": i})
+        finally:
+            _tls.inside = False
+    except Exception as exc:
+        sys.stderr.write(f"testbed probe: the per-message measurement failed ({exc!r})\n")
+
+
+def _patch_init(c10d, dist) -> None:
+    fn = getattr(c10d, "init_process_group", None)
+    if fn is None or getattr(fn, "__testbed_probe__", False):
+        return
+
+    @functools.wraps(fn)
+    def init_process_group(*args, **kwargs):
+        global _distributed
+        out = fn(*args, **kwargs)
+        _distributed = True
+        _latency_burst()
+        return out
+
+    init_process_group.__testbed_probe__ = True
+    c10d.init_process_group = init_process_group
+    if getattr(dist, "init_process_group", None) is fn:
+        dist.init_process_group = init_process_group
 
 
 def _patch_collectives(torch) -> None:
@@ -236,6 +321,7 @@ def _patch_collectives(torch) -> None:
         return
     if not dist.is_available():
         return
+    _patch_init(c10d, dist)
     for name in COLLECTIVES:
         fn = getattr(c10d, name, None)
         if fn is None or getattr(fn, "__testbed_probe__", False):
@@ -330,7 +416,8 @@ def _patch_torch(torch) -> None:
     except Exception as exc:
         sys.stderr.write(f"testbed probe: optimizer steps not recorded ({exc!r})\n")
     _patch_collectives(torch)
-    _patch_ddp(torch)
+    if os.environ.get("TESTBED_PROBE_DDP", "1") != "0":   # 0: DDP's buckets untimed (their comm hook costs)
+        _patch_ddp(torch)
     lead = os.environ.get("TESTBED_PHANTOM_LEADER_LOCAL_RANK")   # under torchrun: one local rank announces
     if os.environ.get("TESTBED_PHANTOM_CHECK") or ((os.environ.get("TESTBED_PHANTOM_OUT")
                                                     or os.environ.get("TESTBED_OPS_TRACE"))

@@ -51,8 +51,21 @@
     const v = Math.max(0, Math.min(1, u));
     return "hsl(" + (120 * (1 - v)).toFixed(0) + ", 75%, 42%)";
   }
+  // the token comes in the URL's fragment (never sent); kept in sessionStorage, which is this origin's
+  // (port included) where a cookie would reach every port of the host; sent only as a header
+  const TOKEN = (function () {
+    const m = /(?:^#|&)token=([^&]+)/.exec(location.hash || "");
+    if (m) {
+      sessionStorage.setItem("tbgraph-token", decodeURIComponent(m[1]));
+      history.replaceState(null, "", location.pathname + location.search);
+    }
+    return sessionStorage.getItem("tbgraph-token");
+  })();
+  function auth(headers) {
+    return TOKEN ? Object.assign({ Authorization: "Bearer " + TOKEN }, headers || {}) : (headers || {});
+  }
   async function getJSON(url) {
-    const r = await fetch(url, { credentials: "same-origin", cache: "no-store" });
+    const r = await fetch(url, { credentials: "omit", cache: "no-store", headers: auth() });
     const doc = await r.json().catch(() => ({}));
     if (!r.ok) throw new Error(doc.error || (r.status + " " + r.statusText));
     return doc;
@@ -355,8 +368,8 @@
     if (S.selected) showDetails(S.selected);
     try {
       const r = await fetch("api/control", {
-        method: "POST", credentials: "same-origin", cache: "no-store",
-        headers: { "Content-Type": "application/json", "X-Testbed-Graph": "1" }, body: JSON.stringify(body),
+        method: "POST", credentials: "omit", cache: "no-store",
+        headers: auth({ "Content-Type": "application/json", "X-Testbed-Graph": "1" }), body: JSON.stringify(body),
       });
       const doc = await r.json().catch(() => ({}));
       S.message = r.ok ? body.action.replace("_", " ") + ": done" +

@@ -38,8 +38,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from testbed import events as tb_events
-from testbed.faults.player import PlayResult, outcome_of, plot, preflight, sayer
+from testbed.cluster import hostside
+from testbed.faults.player import PlayResult, expectations_text, judge_run, outcome_of, plot, preflight, sayer
 from testbed.faults.scenario import Plan, Scenario, ScenarioError, Step, plan_scenario
+from testbed.jobs import rundir
 
 POLL_S = 0.5          # how often the master host's step records are read (the watchdog)...
 FIRST_POLL_S = 0.1    # ... and until the first step is seen (t0: the first steps are sent then)
@@ -65,7 +67,11 @@ def plan_for(name: str, scenario: Scenario, doc: dict[str, Any] | None = None) -
 
     doc = doc if doc is not None else controller.load(name)
     topo = Topology.from_json(doc["topology"])
-    return plan_scenario(scenario, topo, float(doc.get("time_dilation") or 1.0))
+    plan = plan_scenario(scenario, topo, float(doc.get("time_dilation") or 1.0))
+    if scenario.job.groups is not None:   # one launcher starts and restarts them (testbed.jobs.run)
+        raise ScenarioError(f"testbed {name} spans several hosts: a job of groups (job.groups) runs on a "
+                            "testbed of one host only", file=scenario.source, path="job.groups")
+    return plan
 
 
 # -- steps as JSON (they travel to the hosts) -------------------------------------------------------------
@@ -145,13 +151,13 @@ def apply_here(name: str, data: dict[str, Any]) -> dict[str, Any]:
 
 def follow_here(name: str, data: dict[str, Any]) -> dict[str, Any]:
     """`host-follow` on a host: batches of steps as host-apply takes them, one JSON line each on the
-    lifeline (cli.common.on_lifeline_input), applied in order; one JSON line out per batch, {"id",
+    lifeline (testbed.lifeline.on_input), applied in order; one JSON line out per batch, {"id",
     "results"}, as it is done; {"end": true} ends it. {"ready": true} once it can take steps."""
     import queue
 
-    from testbed.cli import common
+    from testbed import lifeline
 
-    if not common.lifeline:
+    if not lifeline.active:
         raise ScenarioError("scenario host-follow takes its steps from the controller's lifeline "
                             "(TESTBED_LIFELINE=stdin): it is the controller's, not a command to run by hand")
     _warm_up()
@@ -164,7 +170,7 @@ def follow_here(name: str, data: dict[str, Any]) -> dict[str, Any]:
             lines.put(bytes(buf[:i]))
             del buf[:i + 1]
 
-    common.on_lifeline_input(sink)
+    lifeline.on_input(sink)
     print(json.dumps({"ready": True}), flush=True)
     n = 0
     while True:
@@ -304,14 +310,9 @@ def _batches(plan: Plan, lead: float) -> list[list[Step]]:
     return out
 
 
-# The master host's step records since the last read: the host's clock first, then one line per
-# rank file: its name, the offset read from, and what follows (base64; at most 4 MiB a time).
-_POLL_SH = r"""d=$1; shift; date +%s.%N; [ -d "$d/probe" ] || exit 0
-for f in "$d"/probe/rank-*.jsonl; do
-  [ -f "$f" ] || continue; b=${f##*/}; off=0
-  for a in "$@"; do case $a in "$b="*) off=${a#*=};; esac; done
-  printf '%s %s ' "$b" "$off"; tail -c +$((off + 1)) -- "$f" | head -c 4194304 | base64 -w0; echo
-done"""
+# The master host's step records since the last read: a shell program, sent as text (what it is
+# given and what it answers: testbed/cluster/hostside/poll_steps.sh).
+_POLL_SH = hostside.text("poll_steps.sh")
 
 
 class RemoteSteps:
@@ -374,14 +375,9 @@ class RemoteSteps:
             if end < 0:
                 continue
             self.offsets[f] = off + end + 1
-            for line in data[: end + 1].splitlines():
-                try:
-                    ev = json.loads(line)
-                    t = float(ev.get("t", 0.0)) if ev.get("ev") == "step" else None
-                    if ev.get("ev") == "end":
-                        self._ended.add(f)
-                except (ValueError, TypeError, AttributeError):
-                    continue
+            for kind, t in rundir.step_events(data[: end + 1]):
+                if kind == "end":
+                    self._ended.add(f)
                 if t is not None:
                     self.steps += 1
                     self.last_step_t = max(self.last_step_t or 0.0, t)
@@ -492,7 +488,7 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
                 else:   # start-up (imports, rendezvous) gets its own allowance
                     quiet = now - ctx["t_start"] > max(hang_s, startup_s)
                 if quiet and not hung:
-                    hung.update(steps=reader.steps if reader else 0)
+                    hung.update(steps=reader.steps if reader else 0, wall=time.time())
                     why = f" ({steps_host}'s step records could not be read: {reader.error})" \
                         if reader is not None and reader.error else ""
                     if say:
@@ -558,16 +554,25 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
             _verb(name, "host-restore", {"scenario": scenario.name, "say": f"{scenario.name} ended: not run"},
                   timeout=600)
     rd = Path(result["run_dir"])
-    summary = json.loads((rd / "summary.json").read_text()) if (rd / "summary.json").is_file() else {}
+    summary = rundir.read_json(rd / "summary.json") or {}
     interrupted = not hung and summary.get("status") == "interrupted"
     if interrupted:   # a Ctrl-C here (run_job passed it on): reported, restored, then passed up
         outcome, error = "failed", "interrupted"
     else:
         outcome, error = outcome_of(rd, summary, result["rc"], hung, events, hang_s=hang_s, startup_s=startup_s,
                                     timeout_s=timeout_s, dilation=s)
-    ended_text = f"{scenario.name} ended: {outcome}" + (f" ({error})" if error else "")
+    out = {"scenario": scenario.name, "source": scenario.source, "seed": scenario.seed, "testbed": name,
+           "outcome": outcome, "error": error, "rc": result["rc"], "dilation": s, "hang_after_s": hang_s / s,
+           "timeout_s": timeout_s / s, "events": events, "restored": [], "plan": plan.to_json(),
+           "job_status": summary.get("status"), "first_failure": summary.get("first_failure"),
+           # the events' clock: t0 is the first step's time as the steps host's record says
+           "t0_wall": ctx.get("t0_wall"), "started_wall": ctx["t_start"],
+           "watchdog": {"detected_wall": hung["wall"], "steps": hung.get("steps")} if hung else None}
+    verdicts = judge_run(rd, out, scenario)   # before the hosts are told it ended (the line says how it did)
+    ended_text = f"{scenario.name} ended: {outcome}" + (f" ({error})" if error else "") + expectations_text(verdicts)
     back_res = _verb(name, "host-restore", {"scenario": scenario.name, "say": ended_text}, timeout=600)
     restored, problems = _restored(back_res)
+    out["restored"] = restored
     if say:
         if restored:
             say(f"[scenario] testbed restored: {'; '.join(restored)}")
@@ -577,22 +582,16 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
         for host, why in (result.get("problems") or {}).items():
             say(f"[scenario] host {host}: {why}")
     if ctx["stacks"]:
-        (rd / "stacks.txt").write_text(ctx["stacks"])
-    with open(rd / "events.jsonl", "w") as f:
-        for rec in events:
-            f.write(json.dumps(rec) + "\n")
-    (rd / "scenario-plan.json").write_text(json.dumps(plan.to_json(), indent=1))
-    out = {"scenario": scenario.name, "source": scenario.source, "seed": scenario.seed, "testbed": name,
-           "outcome": outcome, "error": error, "rc": result["rc"], "dilation": s, "hang_after_s": hang_s / s,
-           "timeout_s": timeout_s / s, "events": events, "restored": restored, "plan": plan.to_json(),
-           "job_status": summary.get("status"), "first_failure": summary.get("first_failure"),
-           "over_hosts": {"hosts": list(answers), "master_host": placement[plan.workers[0]],
+        rundir.write_bytes(rd / "stacks.txt", ctx["stacks"].encode())
+    rundir.write_bytes(rd / "events.jsonl", "".join(json.dumps(rec) + "\n" for rec in events).encode())
+    rundir.write_bytes(rd / "scenario-plan.json", json.dumps(plan.to_json(), indent=1).encode())
+    out |= {"over_hosts": {"hosts": list(answers), "master_host": placement[plan.workers[0]],
                           "steps_host": steps_host, "t0_wall": ctx.get("t0_wall"),
                           "t0_seen_after_s": ctx.get("t0_seen_after_s"),
                           "lead_s": lead,
                           "clock_skew_s": skews, "restore_problems": problems,
                           "run_problems": result.get("problems") or {}}}
-    (rd / "scenario.json").write_text(json.dumps(out, indent=1))
+    rundir.write_bytes(rd / "scenario.json", json.dumps(out, indent=1).encode())
     try:
         plot(rd, out, ctx.get("t0_wall") or summary.get("started"))
     except Exception as exc:  # a missing plot must not hide the outcome
@@ -600,7 +599,7 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
             say(f"[scenario] plot failed: {exc}")
     if interrupted:
         raise KeyboardInterrupt
-    return PlayResult(outcome, error, rd, events, restored, result["rc"], plan)
+    return PlayResult(outcome, error, rd, events, restored, result["rc"], plan, verdicts, bool(scenario.expect))
 
 
 def _event_record(step: Step, plan: Plan, t0: float, res: dict[str, Any], k: int,

@@ -39,7 +39,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from testbed.errors import TopologyError
-from testbed.state_schema import build_without_plugins
+from testbed.state_schema import build_without_plugins, field_path
 from testbed.topology.loader import NAME_RE, parse_yaml
 from testbed.topology.units import parse_size
 
@@ -50,10 +50,10 @@ _ERROR = "testbed_hosts"   # our own errors: ctx carries why, the value and wher
 DEFAULT_SSH_PORT = 22
 
 # A DNS name (RFC 1123 labels) or an IPv4 address; IPv6 goes in brackets.
-_HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-                          r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
-_USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?$")
-_LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}$")
+_HOSTNAME_RE = re.compile(r"^(?=.{1,253}\Z)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                          r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\Z")
+_USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?\Z")
+_LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}\Z")
 
 
 def _fail(why: str, value: Any, at: str = "") -> PydanticCustomError:
@@ -285,17 +285,6 @@ build_without_plugins(_HostsFile)   # as the state's schema is built: no third-p
 # -- errors ----------------------------------------------------------------------------------------------
 
 
-def _dotted(loc: tuple[Any, ...], at: str = "") -> str:
-    out = ""
-    for part in loc:
-        if part == "[key]":        # a dict key was refused: the path already ends with it
-            continue
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    if at:
-        out = at if not out else out + (at if at.startswith("[") else f".{at}")
-    return out
-
-
 def _allowed(loc: tuple[Any, ...]) -> tuple[str, ...]:
     """The field names allowed where an unknown field `loc` was found."""
     model = _MODELS.get(next((p for p in reversed(loc[:-1]) if isinstance(p, str)), ""), _HostsFile)
@@ -313,9 +302,9 @@ def _error(exc: ValidationError, source: str | None) -> TopologyError:
     e = exc.errors(include_url=False)[0]
     loc, kind, ctx = tuple(e["loc"]), e["type"], e.get("ctx") or {}
     if kind == _ERROR:
-        return TopologyError(ctx["why"], file=source, path=_dotted(loc, ctx.get("at", "")) or None,
+        return TopologyError(ctx["why"], file=source, path=field_path(loc, ctx.get("at", "")) or None,
                              value=ctx.get("value", e["input"]))
-    path = _dotted(loc) or None
+    path = field_path(loc) or None
     if kind == "missing":
         return TopologyError("missing (required)", file=source, path=path)
     if kind == "extra_forbidden":

@@ -12,12 +12,12 @@ documents come from differs, behind the interface of testbed.observe.graph.Local
   every REFRESH_S seconds while a page watches, and at once after a control action. A node is
   down when a link is held down by it ("node:NAME" in its down_by); a worker's own state (up,
   down, crashed) comes with each sample;
-- samples: testbed.observe.top_hosts.HostsTop (every host's `top --json`, merged): each link
+- samples: testbed.cluster.top.HostsTop (every host's `top --json`, merged): each link
   direction's utilisation measured where it is shaped, each worker's CPU and memory, the run's
   ranks and steps added up over the hosts (the step chart works as on one host). The sample keeps
   HostsTop's "hosts" (host -> state, why, t);
 - events: every host's `events --json`, at the same pace, merged in time order, each with its
-  "host" (testbed.cli.events.merge; the latest answer of a host that fails now is kept);
+  "host" (testbed.observe.answers.merge; the latest answer of a host that fails now is kept);
 - control (--allow-control): the action sent to every host at once, as `testbed link down|up`
   and `testbed node down|up` do from the controller; an unknown node or link is refused (400)
   before any host is asked; a host that fails is answered 502, naming it and why.
@@ -36,8 +36,10 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+from testbed import store
 from testbed.errors import StateError
-from testbed.observe.graph import EVENTS_KEEP, EVENTS_LIMIT, IDLE_S, GraphRequestError, topology_doc
+from testbed.observe import answers
+from testbed.observe.graph import EVENTS_KEEP, EVENTS_LIMIT, IDLE_S, GraphRequestError, LocalSource, topology_doc
 
 REFRESH_S = 3.0            # the hosts' link records and events are asked for this often while a page watches
 STALE_S = 5.0              # a host whose top lags behind the newest reading this long is named in the banner
@@ -45,6 +47,17 @@ ASK_TIMEOUT_S = 60.0
 CONTROL_TIMEOUT_S = 120.0
 CONTROL_ARGV = {"link_down": ("link", "down"), "link_up": ("link", "up"), "node_down": ("node", "down"),
                 "node_up": ("node", "up")}
+
+
+def open_source(name: str) -> Any:
+    """The source of testbed `name`'s page (testbed.observe.graph.serve's `source`): this host's
+    (LocalSource), or, for a testbed over several hosts whose controller this is, its hosts'."""
+    if not store.exists(name):
+        from testbed.cluster import controller
+
+        if controller.exists(name):
+            return HostsSource(name)
+    return LocalSource(name)
 
 
 # -- pure ----------------------------------------------------------------------------------------------------
@@ -108,9 +121,7 @@ def hosts_topology_doc(record: Mapping[str, Any], links: Sequence[Mapping[str, A
 
 def why(res: Any) -> str:
     """One line: why a host's command failed (its exception, or its last line of stderr)."""
-    from testbed.cli.events import why as why_events
-
-    return "no answer" if res is None else why_events(res)
+    return "no answer" if res is None else answers.why(res)
 
 
 def link_answers(results: Mapping[str, Any], hosts: Sequence[str]) -> tuple[list[dict[str, Any]] | None,
@@ -188,7 +199,7 @@ def still_down(results: Mapping[str, Any]) -> list[str] | None:
 
 
 class HostsSampler:
-    """testbed.observe.top_hosts.HostsTop, started again when a host whose top failed (it could not
+    """testbed.cluster.top.HostsTop, started again when a host whose top failed (it could not
     be reached, its session dropped) answers the source's questions again: a host that comes back
     is watched again."""
 
@@ -233,7 +244,7 @@ class HostsSource:
     stream_on_every_host (a test may give others)."""
 
     overlay_states = False   # a sample's link states are the hosts' own, newer than the records asked for here
-    close_wait_s = 25.0      # HostsTop.close waits up to top_hosts.CLOSE_WAIT_S for the hosts' tops
+    close_wait_s = 25.0      # HostsTop.close waits up to testbed.cluster.top.CLOSE_WAIT_S for the hosts' tops
 
     def __init__(self, name: str, *, record: Mapping[str, Any] | None = None,
                  run_every: Callable[..., dict[str, Any]] | None = None, stream: Callable[..., Any] | None = None,
@@ -269,8 +280,6 @@ class HostsSource:
     # -- asking the hosts
     def refresh(self) -> None:
         """Every host's `link show --json` and `events --json`, at once."""
-        from testbed.cli import events as events_cli
-
         with self._asking:
             out: dict[str, dict[str, Any]] = {}
 
@@ -288,14 +297,14 @@ class HostsSource:
             for t in asks:
                 t.join()
             links, links_failed = link_answers(out.get("links") or {}, self.hosts)
-            got, events_failed, _said = events_cli.parse_answers({h: (out.get("events") or {}).get(h)
+            got, events_failed, _said = answers.parse_answers({h: (out.get("events") or {}).get(h)
                                                                   for h in self.hosts})
             with self.lock:
                 if links is not None and links != self.links:
                     self.links = links
                     self.version += 1
                 self.host_events.update(got)
-                self.events.records = events_cli.merge({h: self.host_events[h] for h in self.hosts
+                self.events.records = answers.merge({h: self.host_events[h] for h in self.hosts
                                                         if h in self.host_events})[-EVENTS_KEEP:]
                 failed: dict[str, dict[str, str]] = {}
                 for what, bad in (("link show", links_failed), ("events", events_failed)):
@@ -351,9 +360,9 @@ class HostsSource:
 
     def new_top(self, interval: float, runs_dir: str | None) -> Any:
         """A HostsTop of the testbed (its hosts' tops stopped by close(), too)."""
-        from testbed.observe import top_hosts
+        from testbed.cluster import top as hosts_top
 
-        top = top_hosts.HostsTop(self.name, interval, runs_dir, first_wait=top_hosts.LIVE_FIRST_WAIT_S,
+        top = hosts_top.HostsTop(self.name, interval, runs_dir, first_wait=hosts_top.LIVE_FIRST_WAIT_S,
                                  stream=self._stream, record=self.record)
         self._samplers = [t for t in self._samplers if not t.stop.is_set()] + [top]
         if self._stop.is_set():

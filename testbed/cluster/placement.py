@@ -45,8 +45,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from testbed.cluster.hosts import Hosts
 from testbed.errors import TopologyError
-from testbed.topology.hosts import Hosts
 from testbed.topology.model import Topology
 
 __all__ = ["CutLink", "HostLoad", "Placement", "place", "parse_pins", "METHODS"]

@@ -1,0 +1,175 @@
+"""What ranks and hosts say, on its way to the operator's terminal (issue #23).
+
+A rank's line or a remote host's stdout and stderr can hold Rich markup (`[/tmp]` is a closing tag
+to Rich: printed as markup it raises MarkupError and the command dies in its error handler) and
+escape sequences (OSC to retitle the terminal or fill the clipboard, CSI to clear the screen, a
+carriage return to overwrite what was said). Every verb that shows such text shows it as written
+and inert (testbed.terminal). The consoles here are real Rich consoles writing as to a terminal;
+only the hosts' answers are stand-ins (pure logic: what a verb does with a host's text).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import typer
+from rich.console import Console
+
+# a host's or a rank's words: markup, an OSC title, a bell, a screen clear, a carriage return
+HOSTILE = "boom [/tmp] [bold red]x[/] \x1b]0;pwned\x07 \x1b[2J\rdone"
+SENT = ("\x1b]", "\x07", "\x1b[2J", "\r")   # what must never reach the terminal as sent
+
+
+def _console() -> Console:
+    return Console(file=io.StringIO(), force_terminal=True, color_system="truecolor", width=300)
+
+
+def _shown(*consoles: Console) -> str:
+    return "".join(c.file.getvalue() for c in consoles)
+
+
+def _assert_inert(text: str) -> None:
+    for seq in SENT:
+        assert seq not in text, (seq, text)
+    # shown as written: the markup as text, the control characters as \xNN
+    # (a carriage return may also have ended a line: str.splitlines() cuts there)
+    assert "[/tmp] [bold red]x[/]" in text and "\\x1b]0;pwned\\x07" in text and "\\x1b[2J" in text, text
+
+
+@pytest.fixture
+def consoles(monkeypatch):
+    """A real Rich console for stdout and one for stderr, in place of the CLI's, in every module here."""
+    from testbed.cli import cleanup, common, events, node, run, scenario
+
+    out, err = _console(), _console()
+    for mod in (common, cleanup, events, node, run, scenario):
+        if hasattr(mod, "console"):
+            monkeypatch.setattr(mod, "console", out)
+        if hasattr(mod, "err_console"):
+            monkeypatch.setattr(mod, "err_console", err)
+    monkeypatch.setattr(common, "err_console", err)
+    return out, err
+
+
+def test_a_scenario_error_from_a_rank_is_shown_as_written(consoles):
+    from testbed.cli import scenario
+    from testbed.faults.expect import Verdict
+
+    verdict = Verdict(expect=f"no rank says {HOSTILE}", ok=False, measured=None, detail=HOSTILE)
+    scenario._print_outcome(SimpleNamespace(outcome="failed", error=HOSTILE, expectations=[verdict]))
+    text = _shown(*consoles)
+    assert "failed\x1b[0m: boom [/tmp]" in text and "\\x1b[2J\\x0ddone" in text
+    _assert_inert(text)
+
+
+def test_hosts_answers_to_node_are_shown_as_written(consoles, monkeypatch):
+    from testbed.cli import node
+    from testbed.cluster import controller
+
+    monkeypatch.setattr(node, "_check", lambda name, n, verb: "h1")
+    monkeypatch.setattr(controller, "run_on_every_host", lambda *a, **k: {
+        "h1": SimpleNamespace(rc=0, stdout=HOSTILE, stderr=""),
+        "h2": SimpleNamespace(rc=1, stdout="", stderr=f"error: {HOSTILE}")})
+    with pytest.raises(typer.Exit):
+        node._across_hosts("tb", "w0", "down")
+    _assert_inert(_shown(*consoles))
+    monkeypatch.setattr(controller, "run_on_every_host", lambda *a, **k: {
+        "h1": SimpleNamespace(rc=0, stdout=HOSTILE, stderr=""), "h2": SimpleNamespace(rc=0, stdout="", stderr="")})
+    out, err = consoles
+    out.file.truncate(0), err.file.truncate(0)
+    node._across_hosts("tb", "w0", "down")
+    _assert_inert(_shown(*consoles))
+
+
+def test_hosts_answers_to_cleanup_are_shown_as_written(consoles):
+    from testbed.cli import cleanup
+
+    assert cleanup._print_host("h1 (tb)", SimpleNamespace(rc=0, stdout=f"removed {HOSTILE}\n", stderr=""))
+    assert not cleanup._print_host("h2 (tb)", SimpleNamespace(rc=1, stdout="", stderr=HOSTILE))
+    assert not cleanup._print_host("h3 (tb)", RuntimeError(HOSTILE))
+    text = _shown(*consoles)
+    assert text.count("[/tmp]") == 3
+    _assert_inert(text)
+
+
+def test_hosts_events_are_shown_as_written(consoles, monkeypatch):
+    from testbed.cli import events
+    from testbed.cluster import controller
+
+    rec = json.dumps({"t": 1.0, "kind": "link", "what": HOSTILE})
+    rec3 = json.dumps({"t": 2.0, "kind": "link", "what": HOSTILE})
+    monkeypatch.setattr(events, "_host_names", lambda tb: ["h1", "h2", "h3"])
+    monkeypatch.setattr(controller, "run_on_every_host", lambda *a, **k: {
+        "h1": SimpleNamespace(rc=0, stdout=rec + "\n", stderr=HOSTILE),
+        "h2": SimpleNamespace(rc=1, stdout="", stderr=HOSTILE),
+        "h3": SimpleNamespace(rc=0, stdout=rec3 + "\n", stderr="")})
+    assert events._across_hosts("tb", None, False)   # (h2 failed)
+    text = _shown(*consoles)
+    assert text.count("[/tmp]") == 3   # two events, h1's note (h2's failure: its last line)
+    _assert_inert(text)
+
+
+def test_ranks_lines_of_a_run_over_hosts_are_shown_as_written(consoles):
+    from testbed.cli import run
+
+    run._show_line("h1", f"[w0:r0] {HOSTILE}")
+    run._show_line("h1", f"[testbed] {HOSTILE}")
+    text = _shown(*consoles)
+    assert "[w0:r0] boom" in text and "[testbed h1] boom" in text
+    _assert_inert(text)
+
+
+def test_cp_and_logs_on_one_remote_host_pass_its_words_on_inert(monkeypatch, capsys):
+    from testbed.cli import attach, cp, logs
+    from testbed.cluster import controller
+
+    said = SimpleNamespace(rc=0, stdout=HOSTILE + "\n", stderr=HOSTILE + "\n")
+    monkeypatch.setattr(controller, "load", lambda tb: {"placement": {"a": "h1", "b": "h1"}})
+    monkeypatch.setattr(controller, "run_on_node_host", lambda *a, **k: said)
+    monkeypatch.setattr(attach, "node_host", lambda tb, n: "h1")
+    cp._across_hosts("tb", "a:/x", "b:/y")
+    logs._across_hosts("tb", "a", False, None)
+
+    def streamed(tb, node, argv, *, lifeline=False, on_stdout=None):   # logs -f: the output in pieces
+        data = ("é" + HOSTILE).encode()
+        for i in range(len(data)):
+            on_stdout(data[i:i + 1])   # (a character cut in two comes out whole)
+        return SimpleNamespace(rc=0, stdout="", stderr=HOSTILE)
+    monkeypatch.setattr(controller, "run_on_node_host", streamed)
+    with pytest.raises(typer.Exit):
+        logs._across_hosts("tb", "a", True, None)
+    got = capsys.readouterr()
+    text = got.out + got.err
+    assert text.count("[/tmp]") == 6 and "é" in got.out
+    _assert_inert(text)
+
+
+def test_logs_shows_plain_files_only_and_what_they_hold_inert(tmp_path):
+    """testbed logs NODE reads the job's log folder, which the job can fill: a link to a file of
+    root's is not followed, a FIFO not waited on, and what the job printed is shown inert."""
+    import threading
+
+    from testbed.cli import logs
+
+    d = tmp_path / "logs"
+    d.mkdir()
+    secret = tmp_path / "secret"
+    secret.write_text("root's secret\n")
+    (d / "a.log").write_text(f"hello {HOSTILE}\n")
+    (d / "b.log").symlink_to(secret)
+    os.mkfifo(d / "c.log")
+    out = io.BytesIO()
+    done = threading.Event()
+    box: dict = {}
+    threading.Thread(target=lambda: (box.update(n=logs.show(d, out=out)), done.set()), daemon=True).start()
+    if not done.wait(20):
+        fd = os.open(d / "c.log", os.O_RDWR | os.O_NONBLOCK)   # (releases the blocked reader)
+        os.close(fd)
+        pytest.fail("testbed logs waited on a FIFO the job made")
+    text = out.getvalue().decode()
+    assert box["n"] == 1 and "secret" not in text and "hello boom" in text
+    _assert_inert(text)
