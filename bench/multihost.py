@@ -18,7 +18,7 @@ over SSH like real hosts) are made out of this machine at the start and removed 
    are up at once and sampled alternately: iperf3 TCP goodput w0 -> w2 (3 s, median of 3) and
    ping RTT (20 pings at 50 ms, the mean; median of 3 rounds). The link has delay 1ms, as the
    issue's target says: netem's where the kernel has it, else delay lines (on one host a line
-   between the two switches; across the hosts one at each end, bridged with the tunnel).
+   between the two switches; across the hosts one at each end, steered to the tunnel).
 3. A table of the ratios against the targets (up < 2x single-host, down < 2 s, goodput within
    5%, RTT within 10%), and bench/results/multihost.json with every sample, the machine, the
    dates and the command line.

@@ -41,5 +41,5 @@ CUT_MARK = "~"   # never in a node's name ([A-Za-z0-9_-]): a link's namespace ca
 
 def cut_netns(testbed: str, link_index: int) -> str:
     """The namespace of this host's end of a delayed cut link on a kernel without sch_netem (the
-    delay line's far TAP, bridged with the VXLAN device): tb-<testbed>-~l<index>."""
+    node's port's other end, the delay line's TAPs, the VXLAN device): tb-<testbed>-~l<index>."""
     return f"{PREFIX}{testbed}-{CUT_MARK}l{link_index}"

@@ -232,7 +232,7 @@ def _worker_netns(v: str, info: ValidationInfo) -> str:
 
 
 def _delay_line_end(v: str, info: ValidationInfo) -> str:
-    """A node's namespace, or a delayed cut link's own (its delay line's far end)."""
+    """A node's namespace, or a delayed cut link's own (where its delay line's TAPs are)."""
     prefix = names.netns_prefix(_topology(info).name)
     return _cut_netns(v, info) if v.startswith(prefix + names.CUT_MARK) else _testbed_netns(v, info)
 
@@ -452,7 +452,7 @@ class DelayLine(_Record):
     pid: Pid
     start: Ticks
     link_id: StrictStr
-    ns_a: TestbedNetns
+    ns_a: DelayLineEnd
     if_a: IfName
     ns_b: DelayLineEnd
     if_b: IfName
@@ -469,9 +469,11 @@ class DelayLine(_Record):
             raise _fail(f"not the id of link {self.link}", self.link_id, "link_id")
         a, b = ctx.link_ends[self.link]
         cut = names.cut_netns(ctx.name, self.link)
-        if self.ns_b == cut:   # a delayed cut link: from this host's end to the link's own namespace
-            if self.ns_a not in (ctx.netns(a), ctx.netns(b)):
-                raise _fail(f"not the namespace of {a} or {b}, the ends of link {self.link}", self.ns_a, "ns_a")
+        if cut in (self.ns_a, self.ns_b):   # a delayed cut link: both TAPs in the link's own namespace
+            for key in ("ns_a", "ns_b"):
+                if getattr(self, key) != cut:
+                    raise _fail(f"not the namespace of link {self.link} ({cut}), as its other TAP's is",
+                                getattr(self, key), key)
         else:
             for key, node in (("ns_a", a), ("ns_b", b)):
                 if getattr(self, key) != ctx.netns(node):

@@ -126,8 +126,8 @@ def test_a_cut_link_is_shaped_like_a_local_one_and_takes_faults(emu, name, tmp_p
 
 def test_a_delayed_cut_link_without_netem_matches_a_local_one(emu, name, tmp_path):
     """Without sch_netem (this machine's kernel): the cut link s0-s1 at 1 Gbit/s and 1 ms each way is
-    a delay line on each host, whose far TAP is bridged with the VXLAN end in a namespace of the
-    link's own. Its RTT is the same link's on one host (a local delay line) within 10% and its
+    on each host a veth to a namespace of the link's own, where tc steers what the node sends
+    through a delay line to the VXLAN end and what comes in straight back. Its RTT is the same link's on one host (a local delay line) within 10% and its
     goodput within 5%; the nodes see only their port; `link set --delay` reaches both hosts' lines;
     `down` leaves nothing on either host."""
     from testbed.net import capabilities, names
@@ -142,9 +142,11 @@ def test_a_delayed_cut_link_without_netem_matches_a_local_one(emu, name, tmp_pat
     for host, switch in (("h1", "s0"), ("h2", "s1")):
         assert cut in host_netns(emu, host)
         devices = on_host(emu, host, "ip", "-n", cut, "-br", "link").stdout
-        assert {ln.split()[0].split("@")[0] for ln in devices.splitlines()} == {"lo", "br", "dl", "tunnel"}, devices
+        assert {ln.split()[0].split("@")[0] for ln in devices.splitlines()} == {
+            "lo", "port", "line-in", "line-out", "tunnel"}, devices
         ports = on_host(emu, host, "ip", "-n", names.netns(name, switch), "-d", "link").stdout
-        assert "vxlan" not in ports and "tun type tap" in ports, ports   # the switch has only its port
+        # the switch has only its port: a veth into the link's namespace
+        assert "vxlan" not in ports and "tun type tap" not in ports and f"link-netns {cut}" in ports, ports
     tb("link", "set", "s0", "s1", "--delay", "5ms", "--name", name)
     rtt_set = _rtt_ms(name, "w0", "w2")
     assert 9.5 < rtt_set < 11.5, rtt_set   # 5 ms each way, each host's line holding its own direction

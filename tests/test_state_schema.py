@@ -437,20 +437,21 @@ def test_a_record_names_only_its_own_things(full, tbdir):
 
 def test_a_delayed_cut_links_namespace_and_line_are_its_own(full, tbdir):
     """Over several hosts without netem: a delayed cut link's own namespace (tb-NAME-~lINDEX) and
-    its line from this host's end to it validate; another link's namespace, or one outside the
-    topology, is refused by name, and so is a line from a node that is not an end of its link."""
+    its line, both TAPs in it, validate; another link's namespace, or one outside the topology, is
+    refused by name, and so is a line with one TAP in a node's namespace."""
     dl = full["resources"]["delay_lines"][0]
-    i, (a, _b) = dl["link"], full["topology"]["links"][dl["link"]]["endpoints"]
+    i, a = dl["link"], full["topology"]["links"][dl["link"]]["endpoints"][0]
     doc = copy.deepcopy(full)
     doc["resources"]["cut_netns"] = [names.cut_netns(NAME, i)]
-    doc["resources"]["delay_lines"][0].update(ns_a=names.netns(NAME, a), ns_b=names.cut_netns(NAME, i), if_b="dl")
+    doc["resources"]["delay_lines"][0].update(ns_a=names.cut_netns(NAME, i), if_a="line-in",
+                                              ns_b=names.cut_netns(NAME, i), if_b="line-out")
     assert check(doc, NAME, tbdir) == []
     for path, value in ((("resources", "cut_netns", 0), names.cut_netns(NAME, 999)),
                         (("resources", "cut_netns", 0), names.cut_netns(NAME, 0) + "0"),
                         (("resources", "cut_netns", 0), "tb-other-~l0"),
                         (("resources", "delay_lines", 0, "ns_b"), names.cut_netns(NAME, i + 1)),
-                        (("resources", "delay_lines", 0, "ns_a"), names.netns(NAME, next(
-                            w for w in full["topology"]["nodes"] if w not in full["topology"]["links"][i]["endpoints"])))):
+                        (("resources", "delay_lines", 0, "ns_a"), names.netns(NAME, a)),
+                        (("resources", "delay_lines", 0, "ns_b"), names.netns(NAME, a))):
         bad = copy.deepcopy(doc)
         put(bad, path, value)
         found = check(bad, NAME, tbdir)

@@ -279,10 +279,7 @@ def _apply_profiles(h: Handle, i: int, new_ab: LinkProfile, new_ba: LinkProfile)
 
         if dl.get("ns_b") == names.cut_netns(h.name, i):
             # a cut link's line on this host delays what this end sends; what comes in, the far host did
-            from testbed.net.tunnels import sending_line_delay
-
-            sends = sent(new_ab if dl.get("ns_a") == h.netns(link.a) else new_ba)
-            delayline.update(dl.get("control"), sends.with_changes(delay_s=sending_line_delay(sends.delay_s)), None)
+            delayline.update(dl.get("control"), sent(new_ab if h.here(link.a) else new_ba), None)
         else:
             delayline.update(dl.get("control"), dilate(new_ab, s), dilate(new_ba, s))
     if (new_ab, new_ba) == (link.ab, link.ba):

@@ -16,8 +16,9 @@ switch namespaces are made here. Then, phase by phase (timed, see
              and the kernel has no netem, all of a build's lines handed to the
              engines together once the veths exist.
              Over several hosts a cut link's end is a VXLAN device; with a
-             delay and no netem, a delay line's TAP whose far TAP is bridged
-             with the VXLAN device in a namespace of the link's own.
+             delay and no netem, a veth to a namespace of the link's own, where
+             tc steers what the node sends through a delay line to the VXLAN
+             device, and what comes in straight back.
   configure  per namespace, with one netlink socket opened inside it and its
              requests sent in three batches (testbed.net.rtnl: many requests a
              send, one ack each): lo up, the bridge with the gateway address
@@ -75,8 +76,9 @@ SWITCH_SYSCTLS = {
 WORKER_SYSCTLS = dict(COMMON_SYSCTLS)
 FIRST_IFINDEX = 16
 LOOPBACK_IFINDEX = 1   # the kernel's, in every namespace
-# in a delayed cut link's own namespace (no sch_netem: Builder._delayed_tunnel_end)
-CUT_TAP, CUT_TUNNEL, CUT_BRIDGE = "dl", "tunnel", "br"
+# in a delayed cut link's own namespace (no sch_netem: Builder._delayed_tunnel_end): the node's
+# port's other end, the delay line's TAPs (what it reads, what it writes) and the VXLAN device
+CUT_PORT, CUT_LINE_IN, CUT_LINE_OUT, CUT_TUNNEL = "port", "line-in", "line-out", "tunnel"
 
 Recorder = Callable[[str, Any], None]
 """record(kind, item): called right after something outside our namespaces is created
@@ -307,25 +309,25 @@ class Builder:
 
     def _delayed_tunnel_end(self, lp: LinkPlan, port: Any, ipr: Any) -> None:
         """This host's end of a cut link with a delay on a kernel without sch_netem. The node's port
-        is a delay line's TAP, with the port's name (and, in configure(), MAC), shaped like any port;
-        the line's far TAP sits in a namespace of the link's own (names.cut_netns), bridged there with
-        the VXLAN device: the node still sees one Ethernet port, and the underlay stays out of its
-        reach. Each host's line delays what its own end sends (less the underlay's latency, as netem
-        would, and less the far line's pass: tunnels.sending_line_delay) and passes what comes in at
-        once: the far host has delayed it."""
-        from testbed.net import delayline, tunnels
+        is a veth like any port (the port's name, MAC, shaping); its other end, a delay line's two
+        TAPs and the VXLAN device sit in a namespace of the link's own (names.cut_netns), where tc
+        steers frames between them (testbed.net.steer): what the node sends goes through the line,
+        which delays it (less the underlay's latency, as netem would), then out by the tunnel; what
+        the tunnel brings goes straight to the node, the far host's line having delayed it. So each
+        frame passes through one line, as on a link on one host, and the underlay stays out of the
+        node's reach."""
+        from testbed.net import delayline, steer, tunnels
 
         link = self.topo.links[lp.index]
         end = self._tunnel(lp)
         ns = names.cut_netns(self.testbed, lp.index)   # (recorded by lifecycle before the build)
-        netns.create(ns, COMMON_SYSCTLS)   # (IPv6 off: its bridge and TAP send nothing of their own)
-        # a MAC of its own: with the port's, the bridge would take frames for the node as its own
+        netns.create(ns, COMMON_SYSCTLS)   # (IPv6 off: its devices send nothing of their own)
         tunnels.create(dataclasses.replace(end, ifname=CUT_TUNNEL, mac=names.mac_for(self.testbed, f"l{lp.index}/cut")),
                        ns, ipr)
+        self._cut_port(lp, port, ns)
         sends = self._egress(lp.index, link.ab if port is lp.a else link.ba)
-        sends = sends.with_changes(delay_s=tunnels.sending_line_delay(sends.delay_s))
-        dl = delayline.start_delay_link(self.testbed, lp.index, self.ns(port.node), port.ifname, ns, CUT_TAP,
-                                        sends, None, max(link.ab.mtu, link.ba.mtu), paths.directory(self.testbed))
+        dl = delayline.start_delay_link(self.testbed, lp.index, ns, CUT_LINE_IN, ns, CUT_LINE_OUT, sends, None,
+                                        max(link.ab.mtu, link.ba.mtu), paths.directory(self.testbed))
         rec = dl.to_json()
         rec["link"] = lp.index
         self.delay_lines.append(rec)
@@ -336,14 +338,34 @@ class Builder:
             try:
                 lo = cut.link_lookup(ifname="lo")[0]
                 cut.link("set", index=lo, state="up", **({"ifalias": self.owner_label} if self.owner_label else {}))
-                cut.link("add", ifname=CUT_BRIDGE, kind="bridge", br_stp_state=0, br_forward_delay=0,
-                         br_mcast_snooping=0)
-                br = cut.link_lookup(ifname=CUT_BRIDGE)[0]
-                for ifname in (CUT_TUNNEL, CUT_TAP):
-                    cut.link("set", index=cut.link_lookup(ifname=ifname)[0], master=br, state="up")
-                cut.link("set", index=br, state="up")
+                index = {ifname: cut.link_lookup(ifname=ifname)[0]
+                         for ifname in (CUT_PORT, CUT_LINE_IN, CUT_LINE_OUT, CUT_TUNNEL)}
+                for i in index.values():
+                    cut.link("set", index=i, state="up")
+                what = f"link {link.a}-{link.b} (namespace {ns})"
+                for src, dst in ((CUT_PORT, CUT_LINE_IN), (CUT_LINE_OUT, CUT_TUNNEL), (CUT_TUNNEL, CUT_PORT)):
+                    steer.steer(cut, index[src], index[dst], f"{what}: {src} -> {dst}")
             finally:
                 cut.close()
+
+    def _cut_port(self, lp: LinkPlan, port: Any, ns: str) -> None:
+        """The node's port of a delayed cut link: a veth whose other end is CUT_PORT in the link's
+        namespace `ns` (its ifindex the one a local link's end would have had)."""
+        link = self.topo.links[lp.index]
+        side = "a" if port is lp.a else "b"
+        index = FIRST_IFINDEX + 2 * lp.index + (side == "b")
+        fds = [os.open(netns.path(n), os.O_RDONLY | os.O_CLOEXEC) for n in (self.ns(port.node), ns)]
+        try:
+            with rtnl.Batch() as batch:
+                batch.add(rtnl.RTM_NEWLINK, rtnl.CREATE,
+                          rtnl.veth(port.ifname, index, fds[0], self.mac(lp, side), max(link.ab.mtu, link.ba.mtu),
+                                    CUT_PORT, FIRST_IFINDEX, fds[1], names.mac_for(self.testbed, f"l{lp.index}/port")),
+                          f"link {link.a}-{link.b} (veth {port.ifname} in {self.ns(port.node)}, {CUT_PORT} in {ns})")
+                batch.commit()
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.veth_index[(port.node, port.ifname)] = index
 
     def _line_spec(self, lp: LinkPlan) -> Any:
         from testbed.net import delayline

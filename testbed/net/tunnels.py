@@ -128,15 +128,6 @@ def netem_delay_for(configured_delay_s: float, underlay_one_way_s: float) -> flo
     return max(0.0, configured_delay_s - underlay_one_way_s)
 
 
-def sending_line_delay(delay_s: float) -> float:
-    """What the sending host's delay line of a delayed cut link holds a frame for (its delay already
-    less the underlay's latency): less one more pass through a line, since the far host's line
-    passes each frame once more, where a link on one host has a single line."""
-    from testbed.net.capabilities import DELAY_LINE_OVERHEAD_S
-
-    return max(0.0, delay_s - DELAY_LINE_OVERHEAD_S)
-
-
 def _us(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us"
 
