@@ -228,7 +228,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     from testbed.runtime import gpu
     from testbed.runtime.env import worker_env
     from testbed.topology.dilation import choose as choose_dilation, dilate_topology
-    from testbed.net.builder import Builder, delayed_cut_links, no_delay_element
+    from testbed.net.builder import Builder, cut_lines_here, no_delay_element
     from testbed.topology.plan import plan_network
 
     t_start = time.perf_counter()
@@ -331,8 +331,8 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         "resources": {
             "switch_netns": [names.netns(name, s) for s in topo.switches if here(s)],
             "worker_netns": [names.netns(name, w) for w in local_workers],
-            # (over several hosts, without netem) a namespace per delayed cut link of this host's part
-            "cut_netns": [names.cut_netns(name, i) for i in delayed_cut_links(topo, caps, part)],
+            # (over several hosts, without netem) a namespace per delayed cut link whose line is here
+            "cut_netns": [names.cut_netns(name, i) for i in cut_lines_here(topo, caps, part)],
             "delay_lines": [],
         },
         "timings": timings,

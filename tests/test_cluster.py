@@ -125,10 +125,11 @@ def test_a_cut_link_is_shaped_like_a_local_one_and_takes_faults(emu, name, tmp_p
 
 
 def test_a_delayed_cut_link_without_netem_matches_a_local_one(emu, name, tmp_path):
-    """Without sch_netem (this machine's kernel): the cut link s0-s1 at 1 Gbit/s and 1 ms each way is
-    on each host a veth to a namespace of the link's own, where tc steers what the node sends
-    through a delay line to the VXLAN end and what comes in straight back. Its RTT is the same link's on one host (a local delay line) within 10% and its
-    goodput within 5%; the nodes see only their port; `link set --delay` reaches both hosts' lines;
+    """Without sch_netem (this machine's kernel): the cut link s0-s1 at 1 Gbit/s and 1 ms each way
+    has one delay line, both directions, on end A's host (h1), in a namespace of the link's own
+    where tc patches the node's port through the line to the VXLAN end; end B (h2) is a plain
+    tunnel end. Its RTT is the same link's on one host (a local delay line) within 10% and its
+    goodput within 5%; the nodes see only their port; `link set --delay` reaches the line;
     `down` leaves nothing on either host."""
     from testbed.net import capabilities, names
 
@@ -138,18 +139,19 @@ def test_a_delayed_cut_link_without_netem_matches_a_local_one(emu, name, tmp_pat
     import yaml
 
     links = yaml.safe_load(LINE)["links"]
-    cut = names.cut_netns(name, next(i for i, ln in enumerate(links) if set(ln["endpoints"]) == {"s0", "s1"}))
-    for host, switch in (("h1", "s0"), ("h2", "s1")):
-        assert cut in host_netns(emu, host)
-        devices = on_host(emu, host, "ip", "-n", cut, "-br", "link").stdout
-        assert {ln.split()[0].split("@")[0] for ln in devices.splitlines()} == {
-            "lo", "port", "line-in", "line-out", "tunnel"}, devices
-        ports = on_host(emu, host, "ip", "-n", names.netns(name, switch), "-d", "link").stdout
-        # the switch has only its port: a veth into the link's namespace
-        assert "vxlan" not in ports and "tun type tap" not in ports and f"link-netns {cut}" in ports, ports
+    cut = names.cut_netns(name, next(i for i, ln in enumerate(links) if ln["endpoints"] == ["s0", "s1"]))
+    assert cut in host_netns(emu, "h1") and cut not in host_netns(emu, "h2")
+    devices = on_host(emu, "h1", "ip", "-n", cut, "-br", "link").stdout
+    assert {ln.split()[0].split("@")[0] for ln in devices.splitlines()} == {
+        "lo", "port", "line-port", "line-tunnel", "tunnel"}, devices
+    # each switch has only its port: on h1 a veth into the link's namespace, on h2 the VXLAN end
+    ports = on_host(emu, "h1", "ip", "-n", names.netns(name, "s0"), "-d", "link").stdout
+    assert "vxlan" not in ports and "tun type tap" not in ports and f"link-netns {cut}" in ports, ports
+    ports = on_host(emu, "h2", "ip", "-n", names.netns(name, "s1"), "-d", "link").stdout
+    assert "vxlan id" in ports and "tun type tap" not in ports, ports
     tb("link", "set", "s0", "s1", "--delay", "5ms", "--name", name)
     rtt_set = _rtt_ms(name, "w0", "w2")
-    assert 9.5 < rtt_set < 11.5, rtt_set   # 5 ms each way, each host's line holding its own direction
+    assert 9.5 < rtt_set < 11.5, rtt_set   # 5 ms each way, both held by h1's line
     tb("link", "reset", "s0", "s1", "--name", name)
     assert abs(_rtt_ms(name, "w0", "w2") / rtt_cut - 1) <= 0.10   # reset puts the link back as it was
     tb("down", name)

@@ -443,8 +443,8 @@ def test_a_delayed_cut_links_namespace_and_line_are_its_own(full, tbdir):
     i, a = dl["link"], full["topology"]["links"][dl["link"]]["endpoints"][0]
     doc = copy.deepcopy(full)
     doc["resources"]["cut_netns"] = [names.cut_netns(NAME, i)]
-    doc["resources"]["delay_lines"][0].update(ns_a=names.cut_netns(NAME, i), if_a="line-in",
-                                              ns_b=names.cut_netns(NAME, i), if_b="line-out")
+    doc["resources"]["delay_lines"][0].update(ns_a=names.cut_netns(NAME, i), if_a="line-port",
+                                              ns_b=names.cut_netns(NAME, i), if_b="line-tunnel")
     assert check(doc, NAME, tbdir) == []
     for path, value in ((("resources", "cut_netns", 0), names.cut_netns(NAME, 999)),
                         (("resources", "cut_netns", 0), names.cut_netns(NAME, 0) + "0"),

@@ -244,8 +244,11 @@ def _apply_profiles(h: Handle, i: int, new_ab: LinkProfile, new_ba: LinkProfile)
     dl = _delay_line_of(h, i)
     under = ((h.st.get("part") or {}).get("underlay_s") or {}).get(str(i))   # a cut link: its underlay's latency
     # Refuse before touching anything.
+    # end B of a cut link built with a delay line: end A's host holds both directions' delay
+    held_there = (dl is None and under is not None and not h.here(link.a)
+                  and shaping.link_needs_delay_line(dilate(link.ab, s), dilate(link.ba, s), caps))
     for direction, prof in (("A->B", new_ab), ("B->A", new_ba)):
-        if dl is None and shaping.needs_delay_line(prof, caps):
+        if dl is None and not held_there and shaping.needs_delay_line(prof, caps):
             raise CapabilityError(
                 f"link {link.a}-{link.b} {direction}: delay {prof.delay_s * 1e3:g}ms needs sch_netem, which this "
                 "kernel lacks; without netem only links built with a delay (delay lines) can change their delay")
@@ -278,8 +281,8 @@ def _apply_profiles(h: Handle, i: int, new_ab: LinkProfile, new_ba: LinkProfile)
         from testbed.net import delayline
 
         if dl.get("ns_b") == names.cut_netns(h.name, i):
-            # a cut link's line on this host delays what this end sends; what comes in, the far host did
-            delayline.update(dl.get("control"), sent(new_ab if h.here(link.a) else new_ba), None)
+            # a cut link's one line (on end A's host): both directions, less the underlay's latency
+            delayline.update(dl.get("control"), sent(new_ab), sent(new_ba))
         else:
             delayline.update(dl.get("control"), dilate(new_ab, s), dilate(new_ba, s))
     if (new_ab, new_ba) == (link.ab, link.ba):

@@ -16,9 +16,9 @@ switch namespaces are made here. Then, phase by phase (timed, see
              and the kernel has no netem, all of a build's lines handed to the
              engines together once the veths exist.
              Over several hosts a cut link's end is a VXLAN device; with a
-             delay and no netem, a veth to a namespace of the link's own, where
-             tc steers what the node sends through a delay line to the VXLAN
-             device, and what comes in straight back.
+             delay and no netem, end A's is a veth to a namespace of the link's
+             own, where tc patches it through the link's one delay line to the
+             VXLAN device.
   configure  per namespace, with one netlink socket opened inside it and its
              requests sent in three batches (testbed.net.rtnl: many requests a
              send, one ack each): lo up, the bridge with the gateway address
@@ -77,8 +77,8 @@ WORKER_SYSCTLS = dict(COMMON_SYSCTLS)
 FIRST_IFINDEX = 16
 LOOPBACK_IFINDEX = 1   # the kernel's, in every namespace
 # in a delayed cut link's own namespace (no sch_netem: Builder._delayed_tunnel_end): the node's
-# port's other end, the delay line's TAPs (what it reads, what it writes) and the VXLAN device
-CUT_PORT, CUT_LINE_IN, CUT_LINE_OUT, CUT_TUNNEL = "port", "line-in", "line-out", "tunnel"
+# port's other end, the delay line's TAP on the port's side and on the tunnel's, the VXLAN device
+CUT_PORT, CUT_LINE_PORT, CUT_LINE_TUNNEL, CUT_TUNNEL = "port", "line-port", "line-tunnel", "tunnel"
 
 Recorder = Callable[[str, Any], None]
 """record(kind, item): called right after something outside our namespaces is created
@@ -139,11 +139,18 @@ def needs_delay_line(profile: LinkProfile, caps: Any) -> bool:
 
 def delayed_cut_links(topo: Topology, caps: Any, part: Any) -> list[int]:
     """The cut links of this host's part whose delay needs a delay line (a kernel without
-    sch_netem): each gets a namespace of its own here (names.cut_netns; Builder._delayed_tunnel_end)."""
+    sch_netem). Each has one line, both directions, on the host of its end A
+    (cut_lines_here); on the other host its end is a plain tunnel end, shaped without delay."""
     if part is None:
         return []
     return [i for i, link in enumerate(topo.links) if part.local(link.a) != part.local(link.b)
             and (needs_delay_line(link.ab, caps) or needs_delay_line(link.ba, caps))]
+
+
+def cut_lines_here(topo: Topology, caps: Any, part: Any) -> list[int]:
+    """The delayed cut links whose line this host holds (those whose end A is here): each gets a
+    namespace of its own here (names.cut_netns; Builder._delayed_tunnel_end)."""
+    return [i for i in delayed_cut_links(topo, caps, part) if part.local(topo.links[i].a)]
 
 
 def shape(ipr: Any, index: int, profile: LinkProfile, caps: Any) -> None:
@@ -246,9 +253,9 @@ class Builder:
                         pass   # another host's link
                     elif a_here != b_here:
                         ipr = ipr or self._root_iproute()
-                        if lp.index in delayed_cut:
-                            self._delayed_tunnel_end(lp, lp.a if a_here else lp.b, ipr)
-                        else:
+                        if lp.index in delayed_cut and a_here:
+                            self._delayed_tunnel_end(lp, ipr)
+                        else:   # (with a delay and no netem, end B's delay is held by end A's line)
                             self._tunnel_end(lp, lp.a if a_here else lp.b, ipr)
                     elif needs_delay_line(link.ab, self.caps) or needs_delay_line(link.ba, self.caps):
                         lines.append(self._line_spec(lp))
@@ -307,15 +314,16 @@ class Builder:
 
         tunnels.create(self._tunnel(lp), self.ns(port.node), ipr)
 
-    def _delayed_tunnel_end(self, lp: LinkPlan, port: Any, ipr: Any) -> None:
-        """This host's end of a cut link with a delay on a kernel without sch_netem. The node's port
-        is a veth like any port (the port's name, MAC, shaping); its other end, a delay line's two
-        TAPs and the VXLAN device sit in a namespace of the link's own (names.cut_netns), where tc
-        steers frames between them (testbed.net.steer): what the node sends goes through the line,
-        which delays it (less the underlay's latency, as netem would), then out by the tunnel; what
-        the tunnel brings goes straight to the node, the far host's line having delayed it. So each
-        frame passes through one line, as on a link on one host, and the underlay stays out of the
-        node's reach."""
+    def _delayed_tunnel_end(self, lp: LinkPlan, ipr: Any) -> None:
+        """End A of a cut link with a delay, on a kernel without sch_netem: the link's one delay
+        line, for both directions, as on one host. The node's port is a veth like any port (the
+        port's name, MAC, shaping); its other end, the line's two TAPs and the VXLAN device sit in a
+        namespace of the link's own (names.cut_netns), where tc patches them together in the kernel
+        (testbed.net.steer): port <-> line-port, line-tunnel <-> tunnel. Each direction is held for
+        its delay less the underlay's latency (the tunnel adds it), as netem would; end B, on the
+        other host, is a plain tunnel end. A frame passes through one line, as on one host, and a
+        reply that comes back at once finds the line awake, as on one host. The underlay stays out
+        of the node's reach."""
         from testbed.net import delayline, steer, tunnels
 
         link = self.topo.links[lp.index]
@@ -324,9 +332,9 @@ class Builder:
         netns.create(ns, COMMON_SYSCTLS)   # (IPv6 off: its devices send nothing of their own)
         tunnels.create(dataclasses.replace(end, ifname=CUT_TUNNEL, mac=names.mac_for(self.testbed, f"l{lp.index}/cut")),
                        ns, ipr)
-        self._cut_port(lp, port, ns)
-        sends = self._egress(lp.index, link.ab if port is lp.a else link.ba)
-        dl = delayline.start_delay_link(self.testbed, lp.index, ns, CUT_LINE_IN, ns, CUT_LINE_OUT, sends, None,
+        self._cut_port(lp, ns)
+        dl = delayline.start_delay_link(self.testbed, lp.index, ns, CUT_LINE_PORT, ns, CUT_LINE_TUNNEL,
+                                        self._egress(lp.index, link.ab), self._egress(lp.index, link.ba),
                                         max(link.ab.mtu, link.ba.mtu), paths.directory(self.testbed))
         rec = dl.to_json()
         rec["link"] = lp.index
@@ -339,21 +347,21 @@ class Builder:
                 lo = cut.link_lookup(ifname="lo")[0]
                 cut.link("set", index=lo, state="up", **({"ifalias": self.owner_label} if self.owner_label else {}))
                 index = {ifname: cut.link_lookup(ifname=ifname)[0]
-                         for ifname in (CUT_PORT, CUT_LINE_IN, CUT_LINE_OUT, CUT_TUNNEL)}
+                         for ifname in (CUT_PORT, CUT_LINE_PORT, CUT_LINE_TUNNEL, CUT_TUNNEL)}
                 for i in index.values():
                     cut.link("set", index=i, state="up")
                 what = f"link {link.a}-{link.b} (namespace {ns})"
-                for src, dst in ((CUT_PORT, CUT_LINE_IN), (CUT_LINE_OUT, CUT_TUNNEL), (CUT_TUNNEL, CUT_PORT)):
-                    steer.steer(cut, index[src], index[dst], f"{what}: {src} -> {dst}")
+                for x, y in ((CUT_PORT, CUT_LINE_PORT), (CUT_LINE_TUNNEL, CUT_TUNNEL)):
+                    steer.steer(cut, index[x], index[y], f"{what}: {x} -> {y}")
+                    steer.steer(cut, index[y], index[x], f"{what}: {y} -> {x}")
             finally:
                 cut.close()
 
-    def _cut_port(self, lp: LinkPlan, port: Any, ns: str) -> None:
-        """The node's port of a delayed cut link: a veth whose other end is CUT_PORT in the link's
-        namespace `ns` (its ifindex the one a local link's end would have had)."""
-        link = self.topo.links[lp.index]
-        side = "a" if port is lp.a else "b"
-        index = FIRST_IFINDEX + 2 * lp.index + (side == "b")
+    def _cut_port(self, lp: LinkPlan, ns: str) -> None:
+        """End A's port of a delayed cut link: a veth whose other end is CUT_PORT in the link's
+        namespace `ns` (its ifindex the one a local link's end A would have had)."""
+        link, port, side = self.topo.links[lp.index], lp.a, "a"
+        index = FIRST_IFINDEX + 2 * lp.index
         fds = [os.open(netns.path(n), os.O_RDONLY | os.O_CLOEXEC) for n in (self.ns(port.node), ns)]
         try:
             with rtnl.Batch() as batch:

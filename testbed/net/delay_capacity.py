@@ -32,12 +32,12 @@ PIDS_SLACK = 64                 # the build's own short-lived processes (ip, tc,
 
 def lines_needed(topo: Any, caps: Any, part: Any = None) -> int:
     """How many delay lines this host builds for `topo` (already dilated) on a kernel with `caps`."""
-    from testbed.net.builder import delayed_cut_links, needs_delay_line
+    from testbed.net.builder import cut_lines_here, needs_delay_line
 
     here = (lambda n: True) if part is None else part.local
     local = sum(1 for link in topo.links if here(link.a) and here(link.b)
                 and (needs_delay_line(link.ab, caps) or needs_delay_line(link.ba, caps)))
-    return local + len(delayed_cut_links(topo, caps, part))
+    return local + len(cut_lines_here(topo, caps, part))
 
 
 def engines_needed(lines: int, files: int, cpus: int) -> int:
