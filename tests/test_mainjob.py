@@ -26,7 +26,8 @@ def test_the_main_job_reports_and_judges(root, state_dir, tb_name, tmp_path):
         assert out.returncode == 0, text[-3000:]
         assert f"bringing up {tb_name} (2 workers, 1 switches, 2 links)" in text
         assert re.search(r"time dilation: [\d.]+ \(auto\)", text), text
-        assert re.search(r"compute per step on one dedicated rank .*\n\s+[\d.]+ ms per step", text), text
+        # the compute term is the ranks' own (each one's median step less its all_reduce)
+        assert re.search(r"^compute per step [\d.]+ ms \(the median of 2 ranks' own, [\d.]+-[\d.]+ ms", text, re.M), text
         # the three numbers of every class: the links alone, the model, the measurement
         assert re.search(r"collective\s+size\s+count\s+links ms\s+model ms\s+measured ms", text), text
         row = re.search(r"all_reduce\s+22\.6 MiB\s+\d+\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", text)
@@ -46,3 +47,29 @@ def test_the_main_job_reports_and_judges(root, state_dir, tb_name, tmp_path):
         assert st.returncode == 0 and json.loads(st.stdout)["name"] == tb_name
     finally:
         subprocess.run([sys.executable, "-m", "testbed", "down", tb_name], env=env, capture_output=True, timeout=120)
+
+
+def test_the_compute_term_is_each_ranks_step_less_its_all_reduce(tmp_path):
+    """ranks_compute: per rank, the median over steps (the first is warm-up) of the step less its
+    own DDP all_reduces, in emulated time; the median over ranks, with the lowest and highest.
+    A rank that waited longer for the last one (rank 1 here) has more all_reduce, the same compute."""
+    from testbed.mainjob import measured_split, ranks_compute
+
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    s = 2.0
+    for rank, (compute, wait) in enumerate(((0.4, 0.0), (0.3, 0.1), (0.5, 0.0))):
+        recs, t = [], 0.0
+        for _ in range(5):
+            t += compute
+            recs.append({"ev": "coll", "op": "all_reduce", "src": "ddp", "t": t, "dur": 0.2 + wait})
+            recs.append({"ev": "coll", "op": "barrier", "src": "probe", "t": t, "dur": 5.0})   # not DDP's: not counted
+            t += 0.2 + wait
+            recs.append({"ev": "step", "t": t})
+        (probe / f"rank-{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    c = ranks_compute(tmp_path, s)
+    assert c is not None and c["ranks"] == 3
+    assert (round(c["compute_s"], 6), round(c["low_s"], 6), round(c["high_s"], 6)) == (0.2, 0.15, 0.25)
+    split = measured_split(tmp_path, s)
+    assert split is not None and (round(split["comm_s"], 6), round(split["rest_s"], 6)) == (0.1, 0.2)
+    assert ranks_compute(tmp_path / "nothing", s) is None

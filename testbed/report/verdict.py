@@ -188,7 +188,7 @@ def instances(probe: dict[str, list[dict[str, Any]]], world: int, recording: int
 
 def _arrival_spread(probe: dict[str, list[dict[str, Any]]], summary: dict[str, Any], s: float) -> str:
     """How far apart the ranks reached their collectives (mean, emulated): the expected iteration has
-    every rank compute in a dedicated rank's time, and ranks that share CPUs come out uneven; the wait
+    every rank compute in the ranks' typical time, and ranks that share CPUs come out uneven; the wait
     for the last one is in every step but in no collective's time (2026-12-02, k=4 fat-tree main job:
     rank 0's median step held 77 ms of all_reduce against the class's 60 ms)."""
     world = int(summary.get("world_size") or 1)

@@ -24,7 +24,6 @@ from testbed.topology.model import LinkProfile, Topology
 # Guesses before a sweep has measured anything (this project's 2-core machine, the main job on the
 # k=4 fat-tree: README "A short tour"); the estimate uses the sweep's own times once it has them.
 GUESS_UP_S_PER_NODE = 0.05       # `up` of 36 nodes ~1 s, `down` about as long
-GUESS_DEDICATED_S = 25.0         # the main job's compute on one dedicated rank (8 steps, torch import)
 GUESS_RUN_S_PER_RANK_STEP = 0.4  # 16 ranks x 20 steps of the main job at auto dilation: ~130 s
 GUESS_COMMAND_RUN_S = 60.0       # a command we know nothing of
 
@@ -226,8 +225,8 @@ def guess_run_s(point: Point, topo: Topology) -> float:
 
 
 def guess_build_s(point: Point, topo: Topology) -> float:
-    """A fresh `up` (and `down` of the one before), with the main job's dedicated compute."""
-    return 2 * GUESS_UP_S_PER_NODE * len(topo.nodes) + (GUESS_DEDICATED_S if point.job.main else 0.0)
+    """A fresh `up` (and `down` of the one before)."""
+    return 2 * GUESS_UP_S_PER_NODE * len(topo.nodes)
 
 
 def estimate_seconds(plan: Plan, left: Sequence[Run], builds: Sequence[bool],

@@ -8,8 +8,8 @@ For every run of the plan (points in order, a point's repeats one after the othe
    (or has one it would not get) rules that out. Otherwise the testbed is brought down and up
    again (testbed.lifecycle). A point with a scenario always starts from its topology's own
    profiles (the scenario's end restores them).
-2. The job runs: the main job (testbed.mainjob: compute on one dedicated rank, once per testbed
-   built, then the training on every worker; the expected iteration from it), a command
+2. The job runs: the main job (testbed.mainjob: the training on every worker; the expected
+   iteration from the ranks' own compute and the model's all_reduce), a command
    (testbed.jobs.run) or the point's scenario (testbed.faults.player). The run's topology is the
    one its links run at (the state's profiles), so the model judges what ran.
 3. testbed.report judges it; the row goes to results/RUN.json, the table and plots are made again.
@@ -215,7 +215,6 @@ class Runner:
         self.workdir = workdir or os.getcwd()
         self.name = plan.sweep.testbed
         self.machine: Any = None
-        self.compute_s: float | None = None     # the main job's dedicated compute on the testbed up now
         self.run_s: list[float] = []
         self.build_s: list[float] = []
         self.made: str | None = None            # the `created` stamp of the testbed this sweep brought up
@@ -231,14 +230,12 @@ class Runner:
         if store.exists(self.name):
             lifecycle.down(self.name)
         self.made = None
-        self.compute_s = None
 
     def _up(self, point: Point) -> None:
         from testbed import lifecycle
 
         st = lifecycle.up(self.plan.topology(point), self.name, time_dilation=point.dilation, machine=self.machine)
         self.made = st.get("created")
-        self.compute_s = None
         self.dir.write_state(testbed={"name": self.name, "created": self.made})
 
     def reach(self, point: Point) -> str:
@@ -374,18 +371,15 @@ class Runner:
         cmd = [sys.executable, str(mainjob.REPO / "examples" / "train_ddp.py"), "--steps", str(job.steps),
                "--batch-size", str(job.batch_size), "--log-every", str(max(1, job.steps // 4)),
                *mainjob.MODEL_ARGS, *job.args]
-        if self.compute_s is None:
-            self.say(f"  compute per step on one dedicated rank ({cluster.workers[0]} alone, "
-                     f"{mainjob.DEDICATED_STEPS} steps) ...")
-            dedicated = cmd[:]
-            dedicated[dedicated.index("--steps") + 1] = str(mainjob.DEDICATED_STEPS)
-            self.compute_s = mainjob.dedicated_compute(cluster, dedicated, lifecycle.load(self.name))
-            self.say(f"    {self.compute_s * 1e3:.1f} ms per step")
         res = run_job(cluster, cmd, workers=job.workers, echo=self.echo or False, on_start=on_start,
                       workdir=str(mainjob.REPO), base_dir=str(self.dir.path), timeout=job.timeout_s,
                       machine=self.machine)
-        exp = mainjob.expected_iteration(res.run_dir, cluster, self.compute_s, self.machine, predict, plan_network) \
-            if res.rc == 0 else None
+        s = float(lifecycle.load(self.name).get("time_dilation") or 1.0)
+        compute = mainjob.ranks_compute(res.run_dir, s) if res.rc == 0 else None
+        if compute:
+            self.say(f"  {mainjob.compute_line(compute)}")
+        exp = mainjob.expected_iteration(res.run_dir, cluster, compute["compute_s"], self.machine, predict,
+                                         plan_network) if compute else None
         return res.run_dir, res.rc, (exp or {}).get("iteration_s")
 
     # the whole sweep
