@@ -52,8 +52,9 @@ def trial(topo: str, fresh: bool, burners: int, burn_s: float) -> dict:
     t0 = time.perf_counter()
     for p in procs:
         p.start()
+    # COLUMNS: the console's lines unwrapped, so that the ones read below are whole
     r = subprocess.run([py, "-m", "testbed.mainjob", topo, "--name", NAME], cwd=REPO, capture_output=True,
-                       text=True, timeout=1800)
+                       text=True, timeout=1800, env={**os.environ, "COLUMNS": "1000"})
     wall = time.perf_counter() - t0
     for p in procs:
         p.join()
@@ -80,6 +81,8 @@ def trial(topo: str, fresh: bool, burners: int, burn_s: float) -> dict:
     for line in r.stdout.splitlines():
         if "expected iteration on the emulated cluster" in line and "measured" in line:
             out["iteration_line"] = line.strip()
+        if line.startswith("compute per step"):   # the slowest rank's own work, what it was made of
+            out["compute_line"] = line.strip()
         if line.startswith("rank 0's median step:"):   # all_reduce against the model, the rest against one rank
             out["step_split_line"] = line.strip()
         if line.startswith("time dilation") or "dilation" in line.lower() and " s=" in line:

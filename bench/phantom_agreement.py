@@ -6,7 +6,7 @@ Agreement: a 4-worker star and a 2x2 leaf-spine (10 Gbit/s host links, 2 us), br
 calibrated `auto` dilation for 4 ranks; examples/train_ddp.py with the main job's MLP (~23 MiB
 of gradients, one DDP bucket) on all 4 workers, then with w0 real and w1..w3 phantoms
 (`testbed run --real w0`). For each: iteration p50 (emulated, from the real ranks' probe),
-the expected iteration (the real ranks' own compute + the reference model's all_reduce) and
+the expected iteration (the slowest real rank's own compute + the reference model's all_reduce) and
 the verdict.
 
 Scale (--scale): a 64-worker leaf-spine (8 leaves x 8 workers), w0 real and 63 phantoms, at
@@ -82,7 +82,7 @@ def _rss_mb_of_phantoms(run_id: str) -> float | None:
 def case(key: str, steps: int, machine, scale: bool = False, dilation: str = "auto") -> dict:
     from testbed import lifecycle
     from testbed.jobs.run import cluster_from_state, run
-    from testbed.mainjob import expected_iteration, ranks_compute
+    from testbed.mainjob import expected_iteration, step_compute
     from testbed.topology.loader import load_topology_text
     from testbed.topology.plan import plan_network
     from testbed.topology.reference import predict
@@ -117,7 +117,7 @@ def case(key: str, steps: int, machine, scale: bool = False, dilation: str = "au
             res = run(cl, _train(steps), echo=False, machine=machine, real=real, workdir=str(REPO),
                       base_dir="/var/tmp/testbed-bench", timeout=1800, on_start=sample if real else None)
             wall = time.time() - t
-            compute = ranks_compute(res.run_dir, float(st.get("time_dilation") or 1.0)) if res.rc == 0 else None
+            compute = step_compute(res.run_dir, float(st.get("time_dilation") or 1.0)) if res.rc == 0 else None
             exp = expected_iteration(res.run_dir, cl, compute["compute_s"], machine, predict, plan_network) \
                 if compute else None
             out.setdefault("compute_s", {})[mode] = compute["compute_s"] if compute else None

@@ -26,8 +26,11 @@ def test_the_main_job_reports_and_judges(root, state_dir, tb_name, tmp_path):
         assert out.returncode == 0, text[-3000:]
         assert f"bringing up {tb_name} (2 workers, 1 switches, 2 links)" in text
         assert re.search(r"time dilation: [\d.]+ \(auto\)", text), text
-        # the compute term is the ranks' own (each one's median step less its all_reduce)
-        assert re.search(r"^compute per step [\d.]+ ms \(the median of 2 ranks' own, [\d.]+-[\d.]+ ms", text, re.M), text
+        # the compute term: the slowest rank's own work per step, what it was made of, and any wait for a CPU
+        assert re.search(r"compute per step [\d.]+ ms: the slowest of 2 ranks' own work .*median of \d+ steps; "
+                         r"the median rank [\d.]+ ms; the slowest one's kernel time [\d.]+ ms, \d+ page faults, "
+                         r"garbage collection [\d.]+ ms; the last arrival -?[\d.]+ ms later than that work "
+                         r"explains\)", text.replace("\n", " ")), text
         # the three numbers of every class: the links alone, the model, the measurement
         assert re.search(r"collective\s+size\s+count\s+links ms\s+model ms\s+measured ms", text), text
         row = re.search(r"all_reduce\s+22\.6 MiB\s+\d+\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", text)
@@ -49,27 +52,56 @@ def test_the_main_job_reports_and_judges(root, state_dir, tb_name, tmp_path):
         subprocess.run([sys.executable, "-m", "testbed", "down", tb_name], env=env, capture_output=True, timeout=120)
 
 
-def test_the_compute_term_is_each_ranks_step_less_its_all_reduce(tmp_path):
-    """ranks_compute: per rank, the median over steps (the first is warm-up) of the step less its
-    own DDP all_reduces, in emulated time; the median over ranks, with the lowest and highest.
-    A rank that waited longer for the last one (rank 1 here) has more all_reduce, the same compute."""
-    from testbed.mainjob import measured_split, ranks_compute
+def _ddp_records(steps: list[tuple[float, float, list[float]]], s: float) -> list[dict]:
+    """A rank's probe records: per step (compute wall seconds, all_reduce seconds, the work it did in
+    that compute: [cpu, sys, faults, gc]), in real seconds (s times the emulated ones)."""
+    recs, t, w = [], 0.0, [0.0, 0.0, 0, 0.0]
+    for compute, comm, work in steps:
+        t += compute * s
+        w = [a + b for a, b in zip(w, work)]
+        recs.append({"ev": "coll", "op": "all_reduce", "src": "ddp", "t": t, "dur": comm * s, "w": list(w),
+                     "w_done": list(w)})
+        recs.append({"ev": "coll", "op": "barrier", "src": "api", "t": t, "dur": 5.0, "w": list(w)})   # not DDP's
+        t += comm * s
+        recs.append({"ev": "step", "t": t, "w": list(w)})
+    return recs
+
+
+def test_the_compute_term_is_the_slowest_ranks_own_work_per_step(tmp_path):
+    """step_compute: per step, the own work (CPU seconds from one DDP completion to the next launch)
+    of the rank that did the most; the median over steps, from step 3 (two warm-up steps). Rank 1
+    is the slowest in steps 3 and 5, rank 0 in step 4: the term is the slowest per step, not one
+    rank's, and not the median rank's. Rank 2 waited for a CPU in steps 4 and 5 (wall > CPU) and
+    came last: the lag is the last arrival's wall less the slowest work, per step (0, 0.3, 0.1)."""
+    from testbed.mainjob import measured_split, own_work, step_compute
 
     probe = tmp_path / "probe"
     probe.mkdir()
     s = 2.0
-    for rank, (compute, wait) in enumerate(((0.4, 0.0), (0.3, 0.1), (0.5, 0.0))):
-        recs, t = [], 0.0
-        for _ in range(5):
-            t += compute
-            recs.append({"ev": "coll", "op": "all_reduce", "src": "ddp", "t": t, "dur": 0.2 + wait})
-            recs.append({"ev": "coll", "op": "barrier", "src": "probe", "t": t, "dur": 5.0})   # not DDP's: not counted
-            t += 0.2 + wait
-            recs.append({"ev": "step", "t": t})
-        (probe / f"rank-{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    c = ranks_compute(tmp_path, s)
-    assert c is not None and c["ranks"] == 3
-    assert (round(c["compute_s"], 6), round(c["low_s"], 6), round(c["high_s"], 6)) == (0.2, 0.15, 0.25)
+    warm = [(1.0, 0.1, [1.0, 0.5, 9000, 0.3])] * 2
+    ranks = {
+        0: warm + [(0.40, 0.2, [0.40, 0.0, 0, 0.0]), (0.50, 0.1, [0.50, 0.1, 1152, 0.0]),
+                   (0.40, 0.2, [0.40, 0.0, 0, 0.0])],
+        1: warm + [(0.60, 0.05, [0.60, 0.2, 2304, 0.0]), (0.40, 0.2, [0.40, 0.0, 0, 0.0]),
+                   (0.70, 0.05, [0.70, 0.3, 2304, 0.1])],
+        2: warm + [(0.40, 0.2, [0.40, 0.0, 0, 0.0]), (0.80, 0.05, [0.45, 0.0, 0, 0.0]),
+                   (0.80, 0.05, [0.45, 0.0, 0, 0.0])],
+    }
+    for rank, steps in ranks.items():
+        (probe / f"rank-{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _ddp_records(steps, s)))
+    w = own_work(_ddp_records(ranks[1], s), s)
+    assert sorted(w) == [3, 4, 5]
+    assert {k: round(v, 6) for k, v in w[3].items()} == {"wall_s": 0.6, "cpu_s": 0.6, "sys_s": 0.2, "faults": 2304,
+                                                          "gc_s": 0.0}
+    c = step_compute(tmp_path, s)
+    assert c is not None and (c["ranks"], c["steps"]) == (3, 3)
+    # the slowest per step: 0.6 (rank 1), 0.5 (rank 0), 0.7 (rank 1): median 0.6; the median rank: 0.4, 0.45, 0.45
+    assert round(c["compute_s"], 6) == 0.6 and round(c["typical_s"], 6) == 0.45
+    assert (round(c["sys_s"], 6), c["faults"], round(c["lag_s"], 6)) == (0.2, 2304, 0.1)
     split = measured_split(tmp_path, s)
-    assert split is not None and (round(split["comm_s"], 6), round(split["rest_s"], 6)) == (0.1, 0.2)
-    assert ranks_compute(tmp_path / "nothing", s) is None
+    assert split is not None
+    # a probe without work readings (an older run): no term, and the main job then states no expected iteration
+    (probe / "rank-0.jsonl").write_text("".join(
+        json.dumps({k: v for k, v in r.items() if k not in ("w", "w_done")}) + "\n" for r in _ddp_records(ranks[0], s)))
+    assert step_compute(tmp_path, s)["ranks"] == 2
+    assert step_compute(tmp_path / "nothing", s) is None

@@ -9,7 +9,7 @@ For every run of the plan (points in order, a point's repeats one after the othe
    again (testbed.lifecycle). A point with a scenario always starts from its topology's own
    profiles (the scenario's end restores them).
 2. The job runs: the main job (testbed.mainjob: the training on every worker; the expected
-   iteration from the ranks' own compute and the model's all_reduce), a command
+   iteration from the slowest rank's own compute and the model's all_reduce), a command
    (testbed.jobs.run) or the point's scenario (testbed.faults.player). The run's topology is the
    one its links run at (the state's profiles), so the model judges what ran.
 3. testbed.report judges it; the row goes to results/RUN.json, the table and plots are made again.
@@ -375,7 +375,7 @@ class Runner:
                       workdir=str(mainjob.REPO), base_dir=str(self.dir.path), timeout=job.timeout_s,
                       machine=self.machine)
         s = float(lifecycle.load(self.name).get("time_dilation") or 1.0)
-        compute = mainjob.ranks_compute(res.run_dir, s) if res.rc == 0 else None
+        compute = mainjob.step_compute(res.run_dir, s) if res.rc == 0 else None
         if compute:
             self.say(f"  {mainjob.compute_line(compute)}")
         exp = mainjob.expected_iteration(res.run_dir, cluster, compute["compute_s"], self.machine, predict,

@@ -2,7 +2,7 @@
 
 A row holds the point's parameter values, how the testbed got there (a fresh `up` or the links
 reconfigured in place), the iteration time (emulated, the median of the ranks' p50), the expected
-iteration (the main job's: the ranks' own compute plus the model's all_reduce), every
+iteration (the main job's: the slowest rank's own compute plus the model's all_reduce), every
 collective class against the reference model, and the verdict. Rows are kept one file per run
 in the sweep directory (results/RUN.json, written when the run is judged); the table is made
 from them after every run, so an interrupted sweep leaves a whole table of what it finished.

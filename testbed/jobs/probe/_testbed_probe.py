@@ -2,12 +2,18 @@
 
 Writes one JSON object per line to $TESTBED_PROBE_DIR/rank-<RANK>.jsonl:
   {"ev": "start", "t": wall, "pid", "rank", "world_size", "local_rank", "worker", "argv", "clock"}
-  {"ev": "step", "t": wall end, "dur": seconds, "n": step number, "samples": batch or null}
+  {"ev": "step", "t": wall end, "dur": seconds, "n": step number, "samples": batch or null, "w": work}
   {"ev": "coll", "op", "bytes", "t": wall start, "dur": seconds, "async": bool, "src": "api"|"ddp",
+   "w": work at its start, "w_done": work at a DDP bucket's completion,
    "g": process group name, "gn": its size, "seq": this rank's count of collectives on that group,
    "be": its backend, "peer": the other rank of a send or recv}
   {"ev": "end", "t": wall}
 Times are real (undilated) whatever the emulated clock does; the report divides by the run's factor.
+"w", the work the process did so far, [cpu, sys, faults, gc]: CPU seconds of all its threads (which
+under a 1/s CPU cap take 1 emulated second each when the rank waits for nothing else), of them in
+the kernel, minor page faults, and CPU seconds in Python's garbage collections. The difference
+between two records is what a rank did between them: the main job's expected iteration waits for
+the rank that did the most (docs/fidelity.md: its extra work was kernel time in page faults).
 "bytes" follows nccl-tests: all_gather's output, reduce_scatter's and all_to_all's input.
 
 The emulated clock: under time dilation s (TESTBED_TIME_DILATION > 1, unless
@@ -21,7 +27,7 @@ patch). Functions bound before the probe loaded keep real time too.
 
 torch is patched only when the user's program imports it (an import hook
 that runs after torch's own import finished), so programs without torch pay
-nothing. Overhead per event: two clock reads and one buffered write.
+nothing. Overhead per event: two clock reads, one getrusage and one buffered write.
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ import atexit
 import functools
 import json
 import os
+try:
+    import resource
+except ImportError:   # not on every platform; the records then say None for sys and faults
+    pass
 import sys
 import threading
 import time
@@ -39,6 +49,7 @@ _real_time = time.time
 _real_perf = time.perf_counter
 _real_mono = time.monotonic
 _real_sleep = time.sleep
+_cpu = time.process_time
 
 _lock = threading.Lock()
 _tls = threading.local()
@@ -52,6 +63,7 @@ _seq: dict = {}
 _pending: list = []   # DDP bucket records waiting to be written (list.append/pop are atomic under the GIL)
 _clock = {"emulated": False, "factor": 1.0}
 _distributed = False   # init_process_group ran in this process
+_gc = {"cpu": 0.0, "t0": None}   # CPU seconds in garbage collections (one thread collects at a time: the GIL)
 # At exit, a moment with the GIL released for the backend's worker threads: one may not yet have dropped
 # its reference to a finished collective (a tensor whose Python object it then frees). Done once the
 # interpreter is finalizing, that takes a GIL that is gone, and the rank aborts with "terminate called
@@ -148,7 +160,8 @@ def _step_post(opt, args, kwargs):
     now = _real_perf()
     dur = now - _step_t0 if _step_t0 is not None else None
     _flush_pending()
-    _emit({"ev": "step", "t": _real_time(), "dur": dur, "n": _steps, "samples": _last_samples}, flush=True)
+    _emit({"ev": "step", "t": _real_time(), "dur": dur, "n": _steps, "samples": _last_samples, "w": _work()},
+          flush=True)
 
 
 def _flush_pending() -> None:
@@ -215,6 +228,7 @@ def _wrap_collective(name, fn):
             return fn(*args, **kwargs)
         g, gn, be = _group(kwargs.get("group"))
         seq = _next_seq(g)
+        work = _work()
         t = _real_time()
         t0 = _real_perf()
         _tls.inside = True
@@ -225,7 +239,7 @@ def _wrap_collective(name, fn):
         dur = _real_perf() - t0
         is_async = bool(kwargs.get("async_op")) or name in ("isend", "irecv")
         rec = {"ev": "coll", "op": name, "bytes": _size_of(name, args, kwargs), "t": t, "dur": dur,
-               "async": is_async, "src": "api", "g": g, "gn": gn, "seq": seq, "be": be}
+               "async": is_async, "src": "api", "g": g, "gn": gn, "seq": seq, "be": be, "w": work}
         if name in _P2P:
             peer = args[1] if len(args) > 1 else kwargs.get(_P2P[name])
             rec["peer"] = peer if isinstance(peer, int) else None
@@ -338,6 +352,7 @@ def _timed_hook(hook, pg=None):
     def timed(state, bucket):
         g, gn, be = _group(pg)
         seq = _next_seq(g)
+        work = _work()
         t = _real_time()
         t0 = _real_perf()
         nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
@@ -349,7 +364,8 @@ def _timed_hook(hook, pg=None):
 
         def done(f):   # on the backend's thread: note the time only; the record is written later
             _pending.append({"ev": "coll", "op": "all_reduce", "bytes": nbytes, "t": t, "dur": _real_perf() - t0,
-                             "async": True, "src": "ddp", "g": g, "gn": gn, "seq": seq, "be": be})
+                             "async": True, "src": "ddp", "g": g, "gn": gn, "seq": seq, "be": be, "w": work,
+                             "w_done": _work()})
             return f.value()
 
         return fut.then(done)
@@ -521,12 +537,33 @@ def _dilation() -> float:
     return s if s > 1 and s == s and s != float("inf") else 1.0
 
 
+def _work() -> list:
+    """[cpu, sys, faults, gc]: see the module text. One getrusage call (0.8 us here), whose user and
+    system times add up to the scheduler's exact runtime."""
+    try:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+    except (OSError, NameError):
+        return [_cpu(), None, None, _gc["cpu"]]
+    return [ru.ru_utime + ru.ru_stime, ru.ru_stime, ru.ru_minflt, _gc["cpu"]]
+
+
+def _gc_timer(phase, info) -> None:
+    if phase == "start":
+        _gc["t0"] = _cpu()
+    elif _gc["t0"] is not None:
+        _gc["cpu"] += _cpu() - _gc["t0"]
+        _gc["t0"] = None
+
+
 def install() -> None:
     global _installed
     if _installed:
         return
     _installed = True
     atexit.register(_close)
+    import gc
+
+    gc.callbacks.append(_gc_timer)
     s = _dilation()
     if s > 1 and os.environ.get("TESTBED_EMULATED_CLOCK", "1") != "0":
         _install_clock(s)
