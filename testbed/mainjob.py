@@ -17,11 +17,11 @@
 
 Why the slowest rank's CPU seconds (since 2026-12-06): every step waits for
 the last rank to reach the all_reduce. In the k=4 fat-tree main job that rank
-did more work than the others (75-83 ms against a median of 42 ms, most of
-the extra kernel time in page faults), and its wall time matched its CPU
-time within 1.3 ms, so the wait is the rank's own work, not this machine's
-scheduling. The median rank's compute (the term until then) left that wait
-out: iterations came out +12-23% (docs/fidelity.md). Before 2026-12-03 the
+had done the most work in 14-18 of 18 steps (31-77 ms against the median
+rank's 29-42 ms, the extra kernel time in page faults), and its wall time was
+within 2.6 ms of its CPU time, so the wait is the rank's own work, not this
+machine's scheduling. The median rank's compute (the term until then) left
+that wait out: iterations came out +12-23% (docs/fidelity.md). Before 2026-12-03 the
 term was one rank alone, whose compute depends on whether this VM's CPUs
 idle.
 
