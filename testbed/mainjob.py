@@ -21,9 +21,9 @@ had done the most work in 14-18 of 18 steps (31-77 ms against the median
 rank's 29-42 ms, the extra kernel time in page faults), and its wall time was
 within 2.6 ms of its CPU time, so the wait is the rank's own work, not this
 machine's scheduling. The median rank's compute (the term until then) left
-that wait out: iterations came out +12-23% (docs/fidelity.md). Before 2026-12-03 the
-term was one rank alone, whose compute depends on whether this VM's CPUs
-idle.
+that wait out: iterations came out +12-23% (docs/fidelity.md). Before
+2026-12-03 the term was one rank alone, whose compute depends on whether this
+VM's CPUs idle.
 
 The testbed stays up (it says how to attach and how to tear down). Layer:
 above testbed.jobs and testbed.report, beside the CLI.
@@ -32,6 +32,7 @@ above testbed.jobs and testbed.report, beside the CLI.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import threading
@@ -83,8 +84,10 @@ def own_work(recs: list[dict[str, Any]], s: float) -> dict[int, dict[str, float]
     in the kernel, minor page faults, Python's garbage collector (the probe's "w" readings; steps
     without them are left out). From step 3: the first two are warm-up (the optimizer's first
     step makes its state: 45 MiB of page faults in the main job)."""
-    ends = sorted(float(r["t"]) for r in recs if r.get("ev") == "step" and isinstance(r.get("t"), (int, float)))
-    colls = [r for r in recs if r.get("ev") == "coll" and r.get("src") == "ddp"]
+    ends = sorted(float(r["t"]) for r in recs if r.get("ev") == "step" and _finite(r.get("t")))
+    # records come from ranks: one without a finite time and duration is left out, not trusted
+    colls = [r for r in recs if r.get("ev") == "coll" and r.get("src") == "ddp" and _finite(r.get("t"))
+             and _finite(r.get("dur"))]
     out: dict[int, dict[str, float]] = {}
     for n in range(3, len(ends) + 1):
         prev = [c for c in colls if ends[n - 3] < c["t"] < ends[n - 2]]
@@ -95,12 +98,18 @@ def own_work(recs: list[dict[str, Any]], s: float) -> dict[int, dict[str, float]
             done = max(prev, key=lambda c: float(c["t"]) + float(c["dur"]))
             launch = min(cur, key=lambda c: float(c["t"]))
             a, b = done["w_done"], launch["w"]
-            out[n] = {"wall_s": (float(launch["t"]) - float(done["t"]) - float(done["dur"])) / s,
-                      "cpu_s": float(b[0]) - float(a[0]), "sys_s": float(b[1]) - float(a[1]),
-                      "faults": float(b[2]) - float(a[2]), "gc_s": float(b[3]) - float(a[3])}
+            x = {"wall_s": (float(launch["t"]) - float(done["t"]) - float(done["dur"])) / s,
+                 "cpu_s": float(b[0]) - float(a[0]), "sys_s": float(b[1]) - float(a[1]),
+                 "faults": float(b[2]) - float(a[2]), "gc_s": float(b[3]) - float(a[3])}
         except (KeyError, IndexError, TypeError, ValueError):
             continue
+        if all(math.isfinite(v) for v in x.values()):
+            out[n] = x
     return out
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def step_compute(run_dir: Path, s: float) -> dict[str, float] | None:

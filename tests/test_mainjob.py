@@ -105,3 +105,8 @@ def test_the_compute_term_is_the_slowest_ranks_own_work_per_step(tmp_path):
         json.dumps({k: v for k, v in r.items() if k not in ("w", "w_done")}) + "\n" for r in _ddp_records(ranks[0], s)))
     assert step_compute(tmp_path, s)["ranks"] == 2
     assert step_compute(tmp_path / "nothing", s) is None
+    # a rank's records are not trusted: bad times and readings drop their steps, they never raise
+    bad = _ddp_records(ranks[1], s)
+    bad[3]["t"], bad[6]["w"], bad[9]["w_done"], bad[12]["dur"] = "x", [float("nan")] * 4, None, float("inf")
+    # step 3: no step-2 launch, a NaN reading; step 5: no completion reading, no finite duration
+    assert set(own_work(bad, s)) == {4}
