@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from testbed.mainjob import own_work, step_compute   # noqa: E402
 from testbed.report.analyze import load_probe          # noqa: E402
+from testbed.report.verdict import instances           # noqa: E402
 
 BURST = 1000   # page faults in one rank's step that count as a burst (the bursts seen: 1,152 and 2,304)
 SPREADS_MS = ((0, 5), (5, 10), (10, 20), (20, 40), (40, 1e9))
@@ -34,21 +35,16 @@ def dilation(run: Path) -> float:
 
 
 def arrivals(probe: dict, s: float) -> list[tuple[float, float]]:
-    """Per step (from step 3) on which every rank launched DDP's all_reduce: (how far apart the ranks
-    launched, from the last launch to the last completion), emulated ms."""
-    by: dict[int, list[tuple[float, float]]] = {}
-    for recs in probe.values():
-        ends = sorted(r["t"] for r in recs if r.get("ev") == "step")
-        for c in recs:
-            if c.get("ev") == "coll" and c.get("src") == "ddp":
-                n = sum(1 for e in ends if e < c["t"]) + 1
-                by.setdefault(n, []).append((c["t"], c["t"] + c["dur"]))
-    out = []
-    for n, v in sorted(by.items()):
-        if n >= 3 and len(v) == len(probe):
-            last = max(a for a, _ in v)
-            out.append(((last - min(a for a, _ in v)) / s * 1e3, (max(b for _, b in v) - last) / s * 1e3))
-    return out
+    """Per all_reduce of the size of DDP's bucket (the verdict's instances, less the first two: the
+    warm-up steps): (how far apart the ranks launched it, from the last launch to the last
+    completion), emulated ms."""
+    world = len(probe)
+    sizes = {int(c.get("bytes") or 0) for recs in probe.values() for c in recs
+             if c.get("ev") == "coll" and c.get("src") == "ddp"}
+    found = [i for (op, nbytes, ranks), xs in instances(probe, world).items()
+             if op == "all_reduce" and nbytes in sizes and ranks == () for i in xs]
+    found.sort(key=lambda i: i["start"])
+    return [(i["skew"] / s * 1e3, (i["end"] - i["start"]) / s * 1e3) for i in found[2:]]
 
 
 def main(argv: list[str]) -> int:
