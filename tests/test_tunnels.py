@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import uuid
@@ -392,6 +393,9 @@ def test_underlay_mtu_and_round_trips(hosts):
         in_ns(hosts.nA, lambda: tunnels.underlay_mtu(HOST_B))
 
 
+IFA_F_TENTATIVE = 0x40   # linux/if_addr.h
+
+
 @pytest.mark.root
 def test_tunnel_over_an_ipv6_underlay(hosts):
     from pyroute2 import IPRoute
@@ -400,8 +404,19 @@ def test_tunnel_over_an_ipv6_underlay(hosts):
         netns.write_sysctls({"net/ipv6/conf/u0/accept_dad": "0"})   # usable at once, no DAD wait
         with IPRoute() as ipr:
             ipr.addr("add", index=ipr.link_lookup(ifname="u0")[0], address=ip, prefixlen=64)
+    def usable(ip: str) -> bool:
+        """The address is there and no longer tentative: with DAD off, an address stays tentative
+        until the kernel has seen the veth's carrier come up, which it notes asynchronously (under a
+        parallel suite's load, connect() then failed with EADDRNOTAVAIL, 2026-12-06)."""
+        with IPRoute() as ipr:
+            flags = [a.get_attr("IFA_FLAGS") or a["flags"] for a in ipr.get_addr(family=socket.AF_INET6)
+                     if a.get_attr("IFA_ADDRESS") == ip]
+        return bool(flags) and not flags[0] & IFA_F_TENTATIVE
+
     in_ns(hosts.hA, lambda: address(HOST_A6))
     in_ns(hosts.hB, lambda: address(HOST_B6))
+    wait_for(lambda: in_ns(hosts.hA, lambda: usable(HOST_A6)) and in_ns(hosts.hB, lambda: usable(HOST_B6)),
+             timeout=10, what="both IPv6 underlay addresses to leave the tentative state")
     assert in_ns(hosts.hA, lambda: tunnels.underlay_mtu(HOST_B6)) == 9000
 
     a, b = hosts.end("A", local=HOST_A6, remote=HOST_B6), hosts.end("B", local=HOST_B6, remote=HOST_A6)
