@@ -125,8 +125,8 @@ class StateContext:
         of files in a few directories (k=16: 8,192), and realpath walks every part of every one.
         Its last part is resolved only when the listing shows a link there (a missing file is kept
         as it is, after its resolved directory, as realpath does)."""
-        head, tail = os.path.split(path)
-        if tail in ("", ".", ".."):
+        head, _, tail = path.rpartition("/")
+        if tail in ("", ".", "..") or not head or head.endswith("/"):   # (what os.path.split would strip)
             return os.path.realpath(path)
         links = self._links_in.get(head)
         if links is None:
@@ -141,7 +141,7 @@ class StateContext:
         real = self._real_dirs.get(head)
         if real is None:
             real = self._real_dirs[head] = os.path.realpath(head)
-        return os.path.join(real, tail)
+        return f"{real}/{tail}" if real != "/" else f"/{tail}"
 
 
 def _context(info: ValidationInfo) -> StateContext:
@@ -174,8 +174,11 @@ def _node_name(v: str) -> str:
     return v
 
 
+_IFNAME_BAD = re.compile(r"[/: \t\n\0]")
+
+
 def _ifname(v: str) -> str:
-    if not (0 < len(v) <= names.IFNAMSIZ) or v in (".", "..") or any(c in v for c in "/: \t\n\0"):
+    if not (0 < len(v) <= names.IFNAMSIZ) or v in (".", "..") or _IFNAME_BAD.search(v):
         raise _fail(f"not an interface name (1 to {names.IFNAMSIZ} characters, no '/', ':' or blanks)", v)
     return v
 
@@ -191,10 +194,12 @@ def _cgroup_dir(v: str, info: ValidationInfo) -> str:
     """<mount>/testbed/NAME[.faults]/NODE, the mount one of this machine's, under /sys/fs/cgroup.
     (Which NODE and which of NAME, NAME.faults: the record holding it checks.)"""
     ctx = _context(info)
-    # (string operations, not Path: a k=16 state holds 5,120 of these)
-    group_dir, node = os.path.split(os.path.normpath(_absolute(v)))
-    top_dir, group = os.path.split(group_dir)
-    mount_dir, top = os.path.split(top_dir)
+    # (string operations, not Path or normpath: a k=16 state holds 5,120 of these; testbed writes
+    # them normalised, so a '//', '.' part or trailing '/' is refused rather than normalised)
+    parts = _absolute(v).rsplit("/", 3)
+    if len(parts) < 4 or "//" in v or "/./" in v or v.endswith(("/", "/.")):
+        raise _fail(f"not a cgroup of this testbed ({cgroupfs.TOP}/{ctx.name}/NODE)", v)
+    mount_dir, top, group, node = parts
     if not (group in (ctx.name, f"{ctx.name}.faults") and top == cgroupfs.TOP and NODE_RE.match(node)):
         raise _fail(f"not a cgroup of this testbed ({cgroupfs.TOP}/{ctx.name}/NODE)", v)
     mount = ctx.real_mount(mount_dir)
@@ -297,7 +302,7 @@ ContainerId = Annotated[StrictStr, AfterValidator(_container_id)]
 
 def _path_is(ctx: StateContext, v: str, *rel: str) -> str | None:
     """Why path `v` is not <the testbed's directory>/REL (resolved: no link leads elsewhere), or None."""
-    want = os.path.join(ctx.real_directory, *rel)
+    want = "/".join((ctx.real_directory, *rel))   # (real_directory is absolute and not "/": the state root's own)
     if ctx.realpath(v) != want:
         return f"not {os.path.join(ctx.directory, *rel)}"
     return None

@@ -262,6 +262,11 @@ def _foreign_cgroups(expected: str) -> st.SearchStrategy:
         st.just(f"{cgroups.CGROUP_ROOT}/not-a-mount/{cgroups.TOP}/{group}/{node}"),
         st.just(f"{cgroups.TOP}/{group}/{node}"),
         st.just(f"{mount}/{group}/{node}"),
+        # not as testbed writes it (refused, not normalised: the check is string operations)
+        st.just(f"{mount}//{cgroups.TOP}/{group}/{node}"),
+        st.just(f"{mount}/{cgroups.TOP}/./{group}/{node}"),
+        st.just(f"{mount}/{cgroups.TOP}/{group}/{node}/"),
+        st.just(f"{mount}/{cgroups.TOP}/{group}/{node}/."),
         NOT_STRINGS,
     )
 
