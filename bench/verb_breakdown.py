@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""Where one read-only verb's time goes, inside its own process: prints one JSON object.
+
+    TESTBED_STATE_DIR=... .venv/bin/python bench/verb_breakdown.py status --json NAME
+
+Run by bench/perf_verbs.py as a process of its own (a fresh interpreter, as a user's `testbed`
+is). It times, with perf_counter from the interpreter's start (time.perf_counter at the first
+line of this file, which Python reaches after its own start-up):
+
+- cli imports: `testbed.cli` and the verb's module (testbed.cli.status);
+- argument parsing: typer, until the verb's body starts (its first call, resolve_name); typer
+  >= 0.2x builds a pydantic TypeAdapter per parameter, and imports pydantic the first time;
+- state read: store.load_unchecked (the file and its JSON);
+- state validation: store.validate, including the import of testbed.state_schema (the schema's
+  build happens there);
+- the verb's own work and output: the rest.
+
+Measured through wrappers around those functions: the verb runs unchanged. Only `status` is
+broken down (its body's first call is known).
+"""
+
+from __future__ import annotations
+
+import time
+
+T0 = time.perf_counter()
+
+import contextlib  # noqa: E402 - after the clock starts
+import io  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+
+
+def main(argv: list[str]) -> int:
+    import testbed.cli as cli
+    import testbed.cli.status as verb_module
+    from testbed import store
+
+    t_imports = time.perf_counter()
+    spent = {"state read": 0.0, "state validation": 0.0}
+    body: list[float] = []
+    resolve = verb_module.resolve_name
+
+    def resolve_name(*a, **kw):
+        body.append(time.perf_counter())
+        return resolve(*a, **kw)
+
+    verb_module.resolve_name = resolve_name
+
+    def timed(label: str, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[label] += time.perf_counter() - t
+        return wrapper
+
+    store.load_unchecked = timed("state read", store.load_unchecked)
+    store.validate = timed("state validation", store.validate)
+    sys.argv = ["testbed", *argv]
+    rc = 0
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            cli.main()
+        except SystemExit as exc:
+            rc = exc.code if isinstance(exc.code, int) else 1
+    end = time.perf_counter()
+    if argv[:1] != ["status"] or not body:
+        print(json.dumps({"rc": 2, "error": "only `status` is broken down"}))
+        return 2
+    parsing = body[0] - t_imports
+    verb = end - body[0] - spent["state read"] - spent["state validation"]
+    print(json.dumps({"rc": rc, "cli imports": t_imports - T0, "argument parsing (typer)": parsing, **spent,
+                      "the verb's own work and output": verb, "in process": end - T0}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
