@@ -197,7 +197,7 @@ def _cgroup_dir(v: str, info: ValidationInfo) -> str:
     # (string operations, not Path or normpath: a k=16 state holds 5,120 of these; testbed writes
     # them normalised, so a '//', '.' part or trailing '/' is refused rather than normalised)
     parts = _absolute(v).rsplit("/", 3)
-    if len(parts) < 4 or "//" in v or "/./" in v or v.endswith(("/", "/.")):
+    if len(parts) < 4 or not parts[0] or "//" in v or "/./" in v or v.endswith(("/", "/.")):
         raise _fail(f"not a cgroup of this testbed ({cgroupfs.TOP}/{ctx.name}/NODE)", v)
     mount_dir, top, group, node = parts
     if not (group in (ctx.name, f"{ctx.name}.faults") and top == cgroupfs.TOP and NODE_RE.match(node)):

@@ -267,6 +267,7 @@ def _foreign_cgroups(expected: str) -> st.SearchStrategy:
         st.just(f"{mount}/{cgroups.TOP}/./{group}/{node}"),
         st.just(f"{mount}/{cgroups.TOP}/{group}/{node}/"),
         st.just(f"{mount}/{cgroups.TOP}/{group}/{node}/."),
+        st.just(f"/{cgroups.TOP}/{group}/{node}"),   # no mount at all (an empty one is not the cwd's)
         NOT_STRINGS,
     )
 
@@ -350,6 +351,19 @@ def test_a_wrong_value_in_any_acted_on_field_is_refused_by_name(full, tbdir, dat
     found = check(doc, NAME, tbdir)
     assert found, f"{dotted(path)} = {value!r} was accepted"
     assert found[0][0] == dotted(path), found[:3]
+
+
+@pytest.mark.skipif(not HIER, reason="no cgroup hierarchy on this machine")
+def test_a_cgroup_path_without_its_mount_is_not_read_from_the_working_directory(full, tbdir, monkeypatch):
+    """/testbed/NAME/NODE has an empty mount part; resolved, '' would be the working directory, which
+    may be a cgroup mount."""
+    good = full["runtime"]["workers"]["w0"]["cgroups"][0]
+    mount = str(Path(good).parent.parent.parent)
+    monkeypatch.chdir(mount)
+    doc = copy.deepcopy(full)
+    doc["runtime"]["workers"]["w0"]["cgroups"][0] = good[len(mount):]
+    found = check(doc, NAME, tbdir)
+    assert found and found[0][0] == "runtime.workers.w0.cgroups[0]", found[:3]
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
