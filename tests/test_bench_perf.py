@@ -127,3 +127,60 @@ def test_outputs_follow_the_results_file(tmp_path):
     assert pv.outputs(pv.RESULTS) == (pv.DOC, pv.PLOT)
     page, png = pv.outputs(tmp_path / "x.json")
     assert page == tmp_path / "x.md" and png == tmp_path / "x-up_down.png"
+
+
+def test_dilation_flag():
+    assert pv.parse_dilations("auto,none") == ["auto", "none"]
+    assert pv.parse_dilations("8") == ["8"]
+    for bad in ("", "auto,auto", "fast", "0.5"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            pv.parse_dilations(bad)
+
+
+def _two_settings_doc():
+    rows = [{"tool": "python", "verb": "-c pass", "repeat": 0, "wall_s": 0.03, "rc": 0},
+            {"tool": "testbed", "verb": "--help", "repeat": 0, "wall_s": 0.04, "rc": 0},
+            {"tool": "testbed", "k": 4, "verb": "up", "repeat": 0, "dilation": "auto", "wall_s": 0.5, "rc": 0,
+             "time_dilation": 10.7, "delay_lines": 0, "engines": 0},
+            {"tool": "testbed", "k": 4, "verb": "up", "repeat": 0, "dilation": "none", "wall_s": 0.9, "rc": 0,
+             "time_dilation": 1.0, "delay_lines": 0, "engines": 0},
+            {"tool": "testbed", "k": 4, "verb": "down", "repeat": 0, "dilation": "auto", "wall_s": 0.2, "rc": 0},
+            {"tool": "testbed", "k": 4, "verb": "down", "repeat": 0, "dilation": "none", "wall_s": 0.4, "rc": 0},
+            {"tool": "testbed", "k": 4, "verb": "status --json", "repeat": 0, "dilation": "auto", "wall_s": 0.3,
+             "rc": 0},
+            {"tool": "testbed", "k": 16, "verb": "up", "repeat": 0, "dilation": "auto", "wall_s": 20.0, "rc": 0,
+             "time_dilation": 682.2, "delay_lines": 3072, "engines": 2},
+            {"tool": "breakdown", "k": 4, "verb": "status --json", "repeat": 0, "dilation": "auto", "wall_s": 0.3,
+             "rc": 0, "parts": {"rc": 0, "cli imports": 0.07, "argument parsing (typer)": 0.1, "state read": 0.001,
+                                "state validation": 0.02, "the verb's own work and output": 0.003,
+                                "in process": 0.2}}]
+    return {"schema": 1, "command": "c", "started": "s", "finished": "f", "interrupted": None, "notes": [],
+            "config": {"sizes": [4, 16], "repeats": 1, "mininet": False, "dilations": ["auto", "none"]},
+            "machine": {"cpus": 2, "capabilities": {"netem": False, "htb": True, "delay_line": True,
+                                                    "latency_floor_s": 2.5e-05},
+                        "delay_threshold_s": 1.3e-04},
+            "versions": {}, "sizes": {"4": pv.counts(4), "16": pv.counts(16)}, "rows": rows}
+
+
+def test_each_dilation_setting_is_its_own_row_and_targets_take_the_first():
+    doc = _two_settings_doc()
+    assert pv.stats(doc, "testbed", 4, "up")["median"] == 0.5                # the first setting, auto
+    assert pv.stats(doc, "testbed", 4, "up", "none")["median"] == 0.9
+    assert pv.stats(doc, "testbed", None, "--help")["median"] == 0.04       # --help has no setting
+    page = pv.render(doc, False, "x.png")
+    lines = page.splitlines()
+    auto16 = next(line for line in lines if line.startswith("| k=16 |") and "auto" in line)
+    assert "s = 682.2" in auto16 and "3072 delay line(s) in 2 engine(s)" in auto16
+    assert any(line.startswith("| k=4 |") and "| none; no delay line |" in line for line in lines)
+    assert "| k=4: `up` <= 0.6 s | 0.5 s | met |" in page                 # judged on auto, not on none's 0.9 s
+    assert "| k=4: `down` <= 0.3 s | 0.2 s | met |" in page
+    assert "| `status --json` (k=4) within 3.5x of `python -c pass` (0.03 s) | 0.3 s: 10.0x | missed by 186% |" in page
+    assert "| `--help` within 3.5x of `python -c pass` (0.03 s) | 0.04 s: 1.3x | met |" in page
+    assert "**no sch_netem**" in page and "(130 us)" in page
+    assert "| argument parsing (typer) | 0.1 s |" in page
+
+
+def test_a_results_file_from_before_settings_reads_as_none():
+    doc = _doc()
+    assert pv.settings(doc) == ["none"]
+    assert pv.dilation_of(doc, doc["rows"][2]) == "none"
