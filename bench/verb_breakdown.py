@@ -7,9 +7,11 @@ Run by bench/perf_verbs.py as a process of its own (a fresh interpreter, as a us
 is). It times, with perf_counter from the interpreter's start (time.perf_counter at the first
 line of this file, which Python reaches after its own start-up):
 
-- cli imports: `testbed.cli` and the verb's module (testbed.cli.status);
-- argument parsing: typer, until the verb's body starts (its first call, resolve_name); typer
-  >= 0.2x builds a pydantic TypeAdapter per parameter, and imports pydantic the first time;
+- cli imports: `testbed.cli`, the verb's module (testbed.cli.status) and what its body imports
+  first (testbed.lifecycle), so that the next part holds none of them;
+- argument parsing: typer and the CLI's own start (testbed.cli.common.run_app), until the verb's
+  body reaches its first call (resolve_name); typer >= 0.2x builds a pydantic TypeAdapter per
+  parameter, and imports pydantic the first time;
 - state read: store.load_unchecked (the file and its JSON);
 - state validation: store.validate, including the import of testbed.state_schema (the schema's
   build happens there);
@@ -26,6 +28,7 @@ import time
 T0 = time.perf_counter()
 
 import contextlib  # noqa: E402 - after the clock starts
+import importlib  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
@@ -35,6 +38,8 @@ def main(argv: list[str]) -> int:
     import testbed.cli as cli
     import testbed.cli.status as verb_module
     from testbed import store
+
+    importlib.import_module("testbed.lifecycle")   # what the verb's body imports before its first call
 
     t_imports = time.perf_counter()
     spent = {"state read": 0.0, "state validation": 0.0}
@@ -71,7 +76,8 @@ def main(argv: list[str]) -> int:
         return 2
     parsing = body[0] - t_imports
     verb = end - body[0] - spent["state read"] - spent["state validation"]
-    print(json.dumps({"rc": rc, "cli imports": t_imports - T0, "argument parsing (typer)": parsing, **spent,
+    print(json.dumps({"rc": rc, "cli imports": t_imports - T0, "argument parsing (typer) and the CLI's start": parsing,
+                      **spent,
                       "the verb's own work and output": verb, "in process": end - T0}))
     return 0
 

@@ -196,9 +196,11 @@ def _cgroup_dir(v: str, info: ValidationInfo) -> str:
     ctx = _context(info)
     # (string operations, not Path or normpath: a k=16 state holds 5,120 of these; testbed writes
     # them normalised, so a '//', '.' part or trailing '/' is refused rather than normalised)
-    parts = _absolute(v).rsplit("/", 3)
-    if len(parts) < 4 or not parts[0] or "//" in v or "/./" in v or v.endswith(("/", "/.")):
-        raise _fail(f"not a cgroup of this testbed ({cgroupfs.TOP}/{ctx.name}/NODE)", v)
+    if "//" in _absolute(v) or "/./" in v or v.endswith(("/", "/.")):
+        raise _fail("not a path as testbed writes it (a '//', '.' part or trailing '/')", v)
+    parts = v.rsplit("/", 3)
+    if len(parts) < 4 or not parts[0]:
+        raise _fail(f"not a cgroup of this testbed: no cgroup mount before {cgroupfs.TOP}/{ctx.name}/NODE", v)
     mount_dir, top, group, node = parts
     if not (group in (ctx.name, f"{ctx.name}.faults") and top == cgroupfs.TOP and NODE_RE.match(node)):
         raise _fail(f"not a cgroup of this testbed ({cgroupfs.TOP}/{ctx.name}/NODE)", v)

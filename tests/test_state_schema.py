@@ -354,6 +354,22 @@ def test_a_wrong_value_in_any_acted_on_field_is_refused_by_name(full, tbdir, dat
 
 
 @pytest.mark.skipif(not HIER, reason="no cgroup hierarchy on this machine")
+@pytest.mark.parametrize("field", [("runtime", "workers", "w0", "cgroups", 0), ("faults", "nodes", "w0", "cgroup", 0)])
+@pytest.mark.parametrize("form", ["{mount}//{top}/{group}/{node}", "{mount}/{top}/./{group}/{node}",
+                                  "{mount}/{top}/{group}/{node}/", "{mount}/{top}/{group}/{node}/.",
+                                  "/{top}/{group}/{node}"])
+def test_a_cgroup_path_not_as_testbed_writes_it_is_refused(full, tbdir, field, form):
+    """Refused, not normalised (the check is string operations; every one of these was accepted, or
+    read against the working directory, by a version of it)."""
+    good = Path(at(full, field))
+    doc = copy.deepcopy(full)
+    bad = form.format(mount=good.parent.parent.parent, top=cgroups.TOP, group=good.parent.name, node=good.name)
+    put(doc, field, bad)
+    found = check(doc, NAME, tbdir)
+    assert found and found[0][0] == dotted(field), (bad, found[:3])
+
+
+@pytest.mark.skipif(not HIER, reason="no cgroup hierarchy on this machine")
 def test_a_cgroup_path_without_its_mount_is_not_read_from_the_working_directory(full, tbdir, monkeypatch):
     """/testbed/NAME/NODE has an empty mount part; resolved, '' would be the working directory, which
     may be a cgroup mount."""
