@@ -280,13 +280,31 @@ def plots(cells: list[Cell], outdir: Path) -> list[Path]:
     return made
 
 
-def render_doc(cells: list[Cell], meta: dict[str, Any], made: list[Path]) -> str:
+FINDINGS_END = "Made by `"   # the generated part starts here; what the page has above it is kept
+
+
+def kept_findings(page: Path) -> str:
+    """The hand-written findings between the page's title and its generated part (measurements made
+    since the matrix, by hand: they outlive a new matrix), or "" when there are none."""
+    try:
+        text = page.read_text()
+    except OSError:
+        return ""
+    lines = text.splitlines()[1:]   # (the title is the generator's)
+    for i, line in enumerate(lines):
+        if line.startswith(FINDINGS_END):
+            return "\n".join(lines[:i]).strip("\n")
+    return ""
+
+
+def render_doc(cells: list[Cell], meta: dict[str, Any], made: list[Path], findings: str = "") -> str:
     from testbed.report.verdict import TOLERANCE
 
     s = summarize(cells)
     lines = [
         "# Fidelity: measured against the reference model",
         "",
+        *([findings, ""] if findings else []),
         f"Made by `{meta['command']}` on {meta['date']} ({meta['machine']}), {meta['seconds'] / 60:.0f} min"
         + (f"; slices measured again: {'; '.join(meta['slices'])}" if meta.get("slices") else "")
         + (f"; judged again with the current model on {meta['rejudged']} (`bench/fidelity.py --render --rejudge`)"
@@ -568,7 +586,8 @@ def main() -> int:
     print(json.dumps(s, indent=1))
     if (not args.quick and not args.only) or args.doc or args.render or args.dilations:
         made = plots(cells, REPO / "docs" / "fidelity")
-        (REPO / "docs" / "fidelity.md").write_text(render_doc(cells, meta, made))
+        page = REPO / "docs" / "fidelity.md"
+        page.write_text(render_doc(cells, meta, made, kept_findings(page)))
         print("wrote docs/fidelity.md and", ", ".join(str(p.relative_to(REPO)) for p in made))
     return 0
 

@@ -1,0 +1,36 @@
+"""bench/fidelity.py's page keeps the findings written above its generated part. Pure."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+fid = _load("fidelity")
+META = {"command": "sudo .venv/bin/python bench/fidelity.py --dilations auto", "date": "d", "machine": "m",
+        "constants": "c", "seconds": 60.0}
+
+
+def test_a_new_matrix_keeps_the_findings_above_it(tmp_path):
+    page = tmp_path / "fidelity.md"
+    page.write_text(fid.render_doc([], META, [], "## Since then\n\n- a finding measured by hand"))
+    assert fid.kept_findings(page) == "## Since then\n\n- a finding measured by hand"
+    again = fid.render_doc([], {**META, "date": "later"}, [], fid.kept_findings(page))
+    assert again.count("a finding measured by hand") == 1 and "on later" in again
+    assert again.index("a finding measured by hand") < again.index(fid.FINDINGS_END)
+
+
+def test_a_page_without_findings_or_without_a_page_keeps_nothing(tmp_path):
+    assert fid.kept_findings(tmp_path / "missing.md") == ""
+    page = tmp_path / "fidelity.md"
+    page.write_text(fid.render_doc([], META, []))
+    assert fid.kept_findings(page) == ""
