@@ -113,7 +113,24 @@ def test_a_class_too_noisy_to_judge_makes_the_run_inconclusive(tmp_path):
     v = judge(_write_run(tmp_path, times, s=4, monitor=QUIET))
     assert v.classes[0].noise > MAX_NOISE and v.classes[0].status == "noisy"
     assert v.status == "inconclusive", v.lines()
-    assert any("too noisy to judge" in r for r in v.reasons) and v.fixes
+    assert any("too uncertain to judge" in r for r in v.reasons) and v.fixes
+
+
+def test_a_model_too_uncertain_to_judge_is_not_a_wide_tolerance(tmp_path):
+    """A latency-bound class 30% over its model, measured tightly, while the model's alpha is known to
+    +-40% only: a tolerance that wide would call it within; it is left unjudged (inconclusive) instead."""
+    m = _model(64)
+    times = [m * f for f in (1.29, 1.31, 1.30, 1.30, 1.29, 1.31)]
+    run = _write_run(tmp_path, times, s=4, nbytes=64, monitor=QUIET)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["machine"]["spread"] = 0.40
+    (run / "summary.json").write_text(json.dumps(summary))
+    v = judge(run)
+    c = v.classes[0]
+    assert c.noise < 0.05 and c.model_noise > 0.3 and c.status == "noisy", (c, v.lines())
+    assert v.status == "inconclusive", v.lines()
+    text = "\n".join(v.lines())
+    assert "too uncertain to judge" in text and "alpha's spread" in text and "TESTBED_LATENCY_BURST" in text
 
 
 def test_the_tolerance_grows_with_the_noise_never_below_the_floor(tmp_path):

@@ -12,9 +12,11 @@ Evidence (a run directory, see testbed.jobs.rundir):
    the hosts the topology declares (Topology.host_rate). Each class has its
    own tolerance: TOLERANCE, or the 95% confidence interval of its mean
    (its instances' spread) with the calibration's spread on the model's
-   latency part, whichever is larger. A class whose interval is wider than
-   MAX_NOISE cannot be judged (the run is INCONCLUSIVE unless something
-   else fails). A class off by more than its tolerance is named, whatever
+   latency part, whichever is larger. A class whose uncertainty (those two
+   together) is wider than MAX_NOISE cannot be judged (the run is
+   INCONCLUSIVE unless something else fails): a tolerance is never wider
+   than MAX_NOISE, so no class is called within the model while it is
+   further off than that. A class off by more than its tolerance is named, whatever
    its share; it fails the run when it holds at least MATERIAL of the
    measured communication time, and so does the total. A model with ECMP
    bounds is judged at its median placement; whether the measurement fell
@@ -89,6 +91,7 @@ class ClassRow:
     links_s: float = 0.0   # the links alone (no software cost, no host limit): the textbook time
     noise: float = 0.0     # the 95% confidence interval of the measured mean, relative (0: one instance)
     tolerance: float = TOLERANCE
+    model_noise: float = 0.0   # the model's own uncertainty (alpha's spread on its latency part), relative
     status: str = "within"  # "within" | "off" | "noisy"
 
     @property
@@ -326,13 +329,16 @@ def model_classes(run: Path, probe: dict[str, list[dict[str, Any]]], summary: di
         noise = _interval(times)
         # alpha's uncertainty (the burst's, or the calibration's spread) moves the model's latency part
         model_noise = calibrated.spread * (p.latency_s / p.time_s) if p.time_s > 0 else 0.0
-        tol = max(TOLERANCE, math.hypot(noise, model_noise))
+        uncertain = math.hypot(noise, model_noise)
+        tol = max(TOLERANCE, uncertain)
         err = mean / p.time_s - 1 if p.time_s > 0 else math.inf
-        status = "noisy" if noise > MAX_NOISE else ("off" if abs(err) > tol else "within")
+        # (either side too uncertain: a tolerance that wide would call a class that far off within)
+        status = "noisy" if uncertain > MAX_NOISE else ("off" if abs(err) > tol else "within")
         rows.append(ClassRow(op, nbytes, len(xs), mean, p.time_s, p.lo_s, p.hi_s, err,
                              sum(times) / total if total > 0 else 0.0, p.bottleneck,
                              (min(i["start"] for i in xs), max(i["end"] for i in xs)),
-                             links_s=links.time_s, noise=noise, tolerance=tol, status=status))
+                             links_s=links.time_s, noise=noise, tolerance=tol, status=status,
+                             model_noise=model_noise))
     for (op, nbytes), count in sorted(launches_only(probe).items()):
         unjudged.append(Unjudged(op, nbytes, count, "asynchronous: only its launch was recorded, not its completion"))
     return rows, unjudged, constants.describe(), None if rows else "no recorded collective is modelled"
@@ -611,8 +617,9 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
                        + "; ".join(_class_what(r) for r in minor))
     noisy = [r for r in rows if r.status == "noisy"]
     if noisy:
-        reasons.append("too noisy to judge (95% interval of the mean wider than "
-                       f"{MAX_NOISE:.0%}): " + "; ".join(f"{_class_what(r)}, +-{100 * r.noise:.0f}%" for r in noisy))
+        reasons.append(f"too uncertain to judge (wider than +-{MAX_NOISE:.0%}, the measured mean's 95% interval and "
+                       "the model's own uncertainty together): " + "; ".join(
+                           f"{_class_what(r)}, {_uncertainty(r)}" for r in noisy))
     if unjudged:
         reasons.append("not judged: " + "; ".join(f"{u.op} {format_size(u.nbytes)} (x{u.count}): {u.why}"
                                                   for u in unjudged))
@@ -630,6 +637,10 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
         status = "inconclusive"
         fixes.append("more instances of the noisy classes (a longer run) narrow their intervals; so does a quieter "
                      "machine")
+        if any(r.model_noise > r.noise for r in noisy):
+            fixes.append("the model's uncertainty is alpha's, which the run measures with a burst of small "
+                         "all_reduces after init_process_group: `testbed run --env TESTBED_LATENCY_BURST=40 ...` "
+                         "measures it with more")
     elif verified:
         status = "faithful"
         within = [r for r in rows if r.status == "within"]
@@ -657,10 +668,16 @@ def _class_what(r: ClassRow) -> str:
     return what
 
 
+def _uncertainty(r: ClassRow) -> str:
+    """The measurement's interval, and the model's when it has one worth naming."""
+    out = f"measured +-{100 * r.noise:.0f}%"
+    return out + (f", model +-{100 * r.model_noise:.0f}% (alpha's spread)" if r.model_noise >= 0.005 else "")
+
+
 def _class_check(r: ClassRow) -> Check:
     what = _class_what(r) + f", tolerance +-{100 * r.tolerance:.0f}%"
     if r.status == "noisy":
-        return Check("model", None, what + f": too noisy to judge (+-{100 * r.noise:.0f}%)")
+        return Check("model", None, what + f": too uncertain to judge ({_uncertainty(r)})")
     if r.status == "off":
         return Check("model", False if r.share >= MATERIAL else None, what)
     return Check("model", True, what)
