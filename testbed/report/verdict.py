@@ -33,7 +33,7 @@ Evidence (a run directory, see testbed.jobs.rundir):
 5. Optionally an expected iteration time (the main job computes one).
 
 A run without a failing check and with at least one checked class (or
-iteration) is `faithful`, unless a class was too noisy to judge
+iteration) is `faithful`, unless a class was too uncertain to judge
 (`inconclusive`); with nothing to compare it is `unverified`, never
 faithful. Every failure says by how much and what to change; every class
 left unjudged is listed with the reason.
