@@ -438,3 +438,18 @@ def test_the_run_s_own_per_message_cost_replaces_the_calibration_s(tmp_path):
     v = judge(_write_run(tmp_path / "few", [job] * 5, s=4, nbytes=size, monitor=QUIET,
                          extra=burst[:LATENCY_WARMUP + 2]))
     assert "alpha 100 us/message" in v.constants
+
+
+def test_a_bandwidth_heavy_all_reduce_under_the_model_is_put_on_the_model(tmp_path):
+    """Faster than the model where gloo overlaps its steps: the fix names the model's limit, not the
+    emulation's optimism (that one is for latency-bound classes)."""
+    m = _model()
+    v = judge(_write_run(tmp_path, [m * 0.8] * 6, s=4, monitor=QUIET))
+    assert v.status == "not faithful", v.lines()
+    text = "\n".join(v.fixes)
+    assert "two segments in flight" in text and "all_reduce 16 MiB" in text, text
+    assert "where the emulation is optimistic" not in text, text
+    small = _model(64)
+    v = judge(_write_run(tmp_path / "small", [small * 0.6] * 6, s=4, nbytes=64, monitor=QUIET))
+    text = "\n".join(v.fixes)
+    assert "where the emulation is optimistic" in text and "two segments in flight" not in text, (text, v.lines())
