@@ -441,8 +441,14 @@ def _targets(cells: list[Cell], s: dict[str, Any]) -> list[str]:
                        f"s={d['reference']['factor']:g} ({d['reference']['verdict']}): {100 * (d['ratio'] - 1):+.1f}% "
                        f"against 5% ({'met' if abs(d['ratio'] - 1) <= 0.05 else 'MISSED'}).")
         else:
-            out.append(f"- {what} (`sudo .venv/bin/python bench/probe_overhead.py`): {100 * d['overhead']:+.1f}% of the "
-                       f"main job's step time against 2% ({'met' if d['overhead'] < 0.02 else 'MISSED'}).")
+            if "paired" in d:
+                out.append(f"- {what} (`sudo .venv/bin/python bench/probe_overhead.py`, {len(d['paired'])} pairs): "
+                           f"{100 * d['overhead']:+.1f}% of the main job's step time by medians, "
+                           f"{100 * d['paired_median']:+.1f}% pair by pair (median), the runs without the probe "
+                           f"spreading {100 * d['spread_without']:.0f}% among themselves, against 2%: {d['verdict']}.")
+            else:
+                out.append(f"- {what} (`sudo .venv/bin/python bench/probe_overhead.py`): {100 * d['overhead']:+.1f}% "
+                           f"of the main job's step time against 2% ({'met' if d['overhead'] < 0.02 else 'MISSED'}).")
     f = REPO / "bench" / "results" / "phantom_agreement.json"
     if f.exists():
         out += _phantom_targets(json.loads(f.read_text()))

@@ -9,7 +9,8 @@ clock is emulated: X times the factor). Prints the medians and the overhead.
 
     sudo .venv/bin/python bench/probe_overhead.py [--repeat 3] [--steps 20]
 
-Target (issue: fidelity): under 2% of step time. Writes bench/results/probe_overhead.json.
+Target (issue: fidelity): under 2% of step time; when the runs without the probe spread more than
+that among themselves, the result says it cannot tell. Writes bench/results/probe_overhead.json.
 """
 
 from __future__ import annotations
@@ -27,6 +28,30 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 DONE = re.compile(r"done: (\d+) steps in ([0-9.]+)s")
+
+
+TARGET = 0.02
+
+
+def summarize(times: dict[str, list[float]]) -> dict[str, float | str | list[float]]:
+    """The overhead by medians and pair by pair (each run with the probe against the run without it
+    next to it), and whether the runs' own spread lets a cost of TARGET be told at all: when the runs
+    without the probe differ among themselves by more than the target, neither "met" nor "missed"
+    is a measurement."""
+    on, off = statistics.median(times["probe"]), statistics.median(times["no probe"])
+    paired = [a / b - 1 for a, b in zip(times["probe"], times["no probe"])]
+    spread = max(times["no probe"]) / min(times["no probe"]) - 1
+    overhead = on / off - 1
+    if spread > TARGET:
+        verdict = f"not resolvable at {TARGET:.0%} (the runs' own spread is wider)"
+    else:
+        verdict = "met" if overhead < TARGET else "MISSED"
+    return {"with_s": on, "without_s": off, "overhead": overhead, "paired": paired,
+            "paired_median": statistics.median(paired), "spread_without": spread, "verdict": verdict}
+
+
+def _pcts(xs: list[float]) -> str:
+    return ", ".join(f"{100 * x:+.1f}%" for x in xs)
 
 
 def main() -> int:
@@ -64,14 +89,14 @@ def main() -> int:
                 times["probe" if probe else "no probe"].append(per_step)
                 print(f"run {i + 1} {'with' if probe else 'without'} the probe: {per_step * 1e3:.1f} ms per step "
                       "(real time)", flush=True)
-    on, off = statistics.median(times["probe"]), statistics.median(times["no probe"])
-    overhead = on / off - 1
-    print(f"median per step: {on * 1e3:.1f} ms with the probe, {off * 1e3:.1f} ms without: overhead "
-          f"{100 * overhead:+.2f}% (target under 2%: {'met' if overhead < 0.02 else 'MISSED'}); "
-          f"spread without: {100 * (max(times['no probe']) / min(times['no probe']) - 1):.1f}%")
+    summary = summarize(times)
+    print(f"median per step: {summary['with_s'] * 1e3:.1f} ms with the probe, {summary['without_s'] * 1e3:.1f} ms "
+          f"without: overhead {100 * summary['overhead']:+.2f}%; pair by pair {_pcts(summary['paired'])}, median "
+          f"{100 * summary['paired_median']:+.1f}%; the runs without the probe spread "
+          f"{100 * summary['spread_without']:.1f}%: {summary['verdict']}")
     (REPO / "bench" / "results").mkdir(parents=True, exist_ok=True)
     (REPO / "bench" / "results" / "probe_overhead.json").write_text(json.dumps(
-        {"factor": s, "steps": args.steps, "per_step_s": times, "overhead": overhead}, indent=1))
+        {"factor": s, "steps": args.steps, "per_step_s": times, **summary}, indent=1))
     return 0
 
 
