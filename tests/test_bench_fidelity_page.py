@@ -34,3 +34,18 @@ def test_a_page_without_findings_or_without_a_page_keeps_nothing(tmp_path):
     page = tmp_path / "fidelity.md"
     page.write_text(fid.render_doc([], META, []))
     assert fid.kept_findings(page) == ""
+
+
+def test_a_finding_that_quotes_the_generated_line_is_kept(tmp_path):
+    quoting = "- the old page said:\nMade by `sudo .venv/bin/python bench/fidelity.py` on 2026-11-30\n- and more"
+    page = tmp_path / "fidelity.md"
+    page.write_text(fid.render_doc([], META, [], quoting))
+    assert fid.kept_findings(page) == quoting
+
+
+def test_a_page_without_a_generated_part_is_kept_whole(tmp_path):
+    page = tmp_path / "fidelity.md"
+    page.write_text("\n" + fid.TITLE + "\n\n## Notes by hand\n\n- one\n- two\n")
+    assert fid.kept_findings(page) == "## Notes by hand\n\n- one\n- two"
+    page.write_text("## Untitled notes\n- one\n")
+    assert fid.kept_findings(page) == "## Untitled notes\n- one"

@@ -441,15 +441,46 @@ def test_the_run_s_own_per_message_cost_replaces_the_calibration_s(tmp_path):
 
 
 def test_a_bandwidth_heavy_all_reduce_under_the_model_is_put_on_the_model(tmp_path):
-    """Faster than the model where gloo overlaps its steps: the fix names the model's limit, not the
-    emulation's optimism (that one is for latency-bound classes)."""
-    m = _model()
-    v = judge(_write_run(tmp_path, [m * 0.8] * 6, s=4, monitor=QUIET))
+    """Faster than the model but not than the links alone, where gloo overlaps its steps: the fix names
+    the model's limit, not the emulation's optimism. Below the links alone, or under NCCL, it does not."""
+    m = _model(65536)              # the links are 73% of this model: overlap can hide the other 27%
+    v = judge(_write_run(tmp_path / "a", [m * 0.85] * 6, s=4, nbytes=65536, monitor=QUIET))
     assert v.status == "not faithful", v.lines()
     text = "\n".join(v.fixes)
-    assert "two segments in flight" in text and "all_reduce 16 MiB" in text, text
+    assert "two segments in flight" in text and "all_reduce 64 KiB" in text, text
     assert "where the emulation is optimistic" not in text, text
-    small = _model(64)
-    v = judge(_write_run(tmp_path / "small", [small * 0.6] * 6, s=4, nbytes=64, monitor=QUIET))
-    text = "\n".join(v.fixes)
-    assert "where the emulation is optimistic" in text and "two segments in flight" not in text, (text, v.lines())
+    big = _model()                 # 16 MiB: the links are the whole model; 0.8x is below them
+    text = "\n".join(judge(_write_run(tmp_path / "b", [big * 0.8] * 6, s=4, monitor=QUIET)).fixes)
+    assert "where the emulation is optimistic" in text and "two segments in flight" not in text, text
+    run = _write_run(tmp_path / "c", [m * 0.85] * 6, s=4, nbytes=65536, monitor=QUIET)
+    for f in (run / "probe").glob("rank-*.jsonl"):   # the same run under NCCL: its ring does not work so
+        f.write_text(f.read_text().replace('"be": "gloo"', '"be": "nccl"'))
+    nccl = judge(run)
+    row = nccl.classes[0]
+    assert row.backend == "nccl" and row.status == "off" and row.error < 0, nccl.lines()   # fast under NCCL too
+    assert "two segments in flight" not in "\n".join(nccl.fixes), nccl.lines()
+
+
+def test_a_class_far_off_is_off_however_uncertain_the_model(tmp_path):
+    """3x the model with alpha known to +-40%: off (NOT FAITHFUL), not too uncertain to judge."""
+    m = _model(64)
+    run = _write_run(tmp_path, [m * 3.0] * 6, s=4, nbytes=64, monitor=QUIET)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["machine"]["spread"] = 0.40
+    (run / "summary.json").write_text(json.dumps(summary))
+    v = judge(run)
+    assert v.classes[0].status == "off" and v.status == "not faithful", v.lines()
+
+
+def test_many_small_uncertain_classes_together_make_the_run_inconclusive(tmp_path):
+    """One alpha makes every latency-bound class uncertain at once: their shares count together."""
+    sizes = [64 * (i + 1) for i in range(12)]
+    m = _model(64)
+    run = _write_run(tmp_path, [m] * 2, s=4, nbytes=64, monitor=QUIET,
+                     extra=[("all_reduce", n, _model(n), {}) for n in sizes[1:] for _ in range(4)])
+    summary = json.loads((run / "summary.json").read_text())
+    summary["machine"]["spread"] = 0.40
+    (run / "summary.json").write_text(json.dumps(summary))
+    v = judge(run)
+    assert all(r.status == "noisy" for r in v.classes) and all(r.share < 0.10 for r in v.classes), v.lines()
+    assert v.status == "inconclusive", v.lines()
