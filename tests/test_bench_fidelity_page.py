@@ -1,21 +1,8 @@
 """bench/fidelity.py's page keeps the findings written above its generated part. Pure."""
 
-import importlib.util
-import sys
-from pathlib import Path
+from bench_modules import load
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-fid = _load("fidelity")
+fid = load("fidelity")
 META = {"command": "sudo .venv/bin/python bench/fidelity.py --dilations auto", "date": "d", "machine": "m",
         "constants": "c", "seconds": 60.0}
 

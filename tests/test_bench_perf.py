@@ -2,27 +2,14 @@
 fat-tree is testbed's graph, and the page is rendered from a results document as the sweep writes it."""
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
+from bench_modules import load
 
 from testbed.topology.generators import GENERATORS
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-mft = _load("mininet_fattree")
-pv = _load("perf_verbs")
+mft = load("mininet_fattree")
+pv = load("perf_verbs")
 
 
 @pytest.mark.parametrize("k", [2, 4, 6, 8, 12])

@@ -1,16 +1,9 @@
 """bench/probe_overhead.py's summary: a cost is judged only where the runs' own spread allows. Pure."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from bench_modules import load
 
-REPO = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("bench_probe_overhead", REPO / "bench" / "probe_overhead.py")
-po = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = po
-spec.loader.exec_module(po)
+po = load("probe_overhead")
 
 
 def test_a_spread_wider_than_the_target_is_not_a_verdict():
