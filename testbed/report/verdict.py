@@ -13,10 +13,10 @@ Evidence (a run directory, see testbed.jobs.rundir):
    own tolerance: TOLERANCE, or the 95% confidence interval of its mean
    (its instances' spread) with the calibration's spread on the model's
    latency part, whichever is larger. A class whose uncertainty (those two
-   together) is wider than MAX_NOISE cannot be judged (the run is
-   INCONCLUSIVE unless something else fails): a tolerance is never wider
-   than MAX_NOISE, so no class is called within the model while it is
-   further off than that. A class off by more than its tolerance is named, whatever
+   together) is wider than MAX_NOISE is off if it is off by more than even
+   that, and otherwise cannot be judged (the run is INCONCLUSIVE unless
+   something else fails): no class is called within the model under a
+   tolerance wider than MAX_NOISE. A class off by more than its tolerance is named, whatever
    its share; it fails the run when it holds at least MATERIAL of the
    measured communication time, and so does the total. A model with ECMP
    bounds is judged at its median placement; whether the measurement fell
