@@ -484,3 +484,14 @@ def test_many_small_uncertain_classes_together_make_the_run_inconclusive(tmp_pat
     v = judge(run)
     assert all(r.status == "noisy" for r in v.classes) and all(r.share < 0.10 for r in v.classes), v.lines()
     assert v.status == "inconclusive", v.lines()
+
+
+def test_a_class_more_than_ten_percent_off_is_named_even_within_a_wider_tolerance(tmp_path):
+    """A mixed run names every class more than 10% off, also one its noise keeps within."""
+    m = _model()
+    times = [m * f for f in (1.35, 0.95, 1.36, 0.96, 1.34, 0.97)]   # mean +15.5%, interval +-19%
+    v = judge(_write_run(tmp_path, times, s=4, monitor=QUIET))
+    c = v.classes[0]
+    assert c.status == "within" and c.error > 0.10 and c.tolerance > c.error, (c, v.lines())
+    text = "\n".join(v.reasons)
+    assert "more than 10% off the model, within only the wider tolerance" in text and "all_reduce 16 MiB" in text, text

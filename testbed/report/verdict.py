@@ -624,6 +624,11 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
                      + " ran faster than the model: docs/fidelity.md says where the emulation is "
                      "optimistic (latency-bound messages); `testbed calibrate --history` shows whether this "
                      "machine's constants moved")
+    wide = [r for r in rows if r.status == "within" and abs(r.error) > TOLERANCE]
+    if wide:   # within, but only because their own uncertainty widened the tolerance: named all the same
+        reasons.append(f"more than {TOLERANCE:.0%} off the model, within only the wider tolerance their uncertainty "
+                       "gives (named, not failing): " + "; ".join(
+                           f"{_class_what(r)}, tolerance +-{100 * r.tolerance:.0f}%" for r in wide))
     minor = [r for r in rows if r.status == "off" and r.share < MATERIAL]
     if minor:
         reasons.append("off the model but a minor share of the communication time (named, not deciding): "
