@@ -746,11 +746,11 @@ def print_size(doc: dict[str, Any], k: int) -> None:
               f"down {fmt_s(td and td['median'])}, "
               f"status --json {fmt_s((stats(doc, 'testbed', k, 'status --json', d) or {}).get('median'))}",
               flush=True)
-    tu, td = stats(doc, "testbed", k, "up"), stats(doc, "testbed", k, "down")
+    tu, td = stats(doc, "testbed", k, "up"), stats(doc, "testbed", k, "down")   # (the first setting)
     print(f"k={k} (medians): Mininet up {fmt_s(mu and mu['median'])}, stop {fmt_s(md and md['median'])}", flush=True)
     ru, rd = ratio(mu, tu), ratio(md, td)
     if ru or rd:
-        print(f"k={k} ratio Mininet/testbed ({'Mininet from ' + doc['config']['mininet_from'] if doc['config'].get('mininet_from') else 'same run'}): up {f'{ru:.1f}x' if ru else '-'}, "
+        print(f"k={k} ratio Mininet/testbed at {settings(doc)[0]} ({'Mininet from ' + doc['config']['mininet_from'] if doc['config'].get('mininet_from') else 'same run'}): up {f'{ru:.1f}x' if ru else '-'}, "
               f"stop/down {f'{rd:.1f}x' if rd else '-'}", flush=True)
     else:
         print(f"k={k} ratio Mininet/testbed: - {mininet_gap(doc, k).removeprefix('- ')}", flush=True)
@@ -907,18 +907,7 @@ def render(doc: dict[str, Any], plotted: bool, plot_rel: str) -> str:
         for p in names:
             label = "**total** (lifecycle.up)" if p == "total" else f"{p} (in {NESTED[p]})" if p in NESTED else p
             rows.append([label] + [fmt_s(_median_of([ph[p] for ph in phase_rows[key] if p in ph])) for key in pk])
-        rows.append(["time dilation chosen"]
-                    + [", ".join(sorted({f"{r['time_dilation']:g}" for r in doc["rows"] if r["tool"] == "testbed"
-                                         and r.get("k") == k and r["verb"] == "up" and not r.get("warmup")
-                                         and dilation_of(doc, r) == d
-                                         and isinstance(r.get("time_dilation"), (int, float))})) or "-"
-                       for k, d in pk])
-        rows.append(["delay lines (engines)"]
-                    + [", ".join(sorted({f"{r['delay_lines']} ({r.get('engines', 0)})" for r in doc["rows"]
-                                         if r["tool"] == "testbed" and r.get("k") == k and r["verb"] == "up"
-                                         and not r.get("warmup") and dilation_of(doc, r) == d
-                                         and r.get("delay_lines") is not None})) or "-"
-                       for k, d in pk])
+        rows.append(["dilation chosen; delay lines"] + [up_facts(doc, k, d) for k, d in pk])
         rows.append(["process overhead (wall - total)"] + [fmt_s(_median_of(overhead.get(key, []))) for key in pk])
         rows.append(["**wall** (the process)"] + [fmt_s((stats(doc, "testbed", k, "up", d) or {}).get("median"))
                                                   for k, d in pk])
