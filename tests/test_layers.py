@@ -39,7 +39,9 @@ LAYERS: list[list[tuple[str, tuple[str, ...]]]] = [
     [("jobs", ("testbed.jobs",))],
     [("faults", ("testbed.faults",)), ("report", ("testbed.report",))],
     [("observe", ("testbed.observe",))],
+    [("agent", ("testbed.agent",))],
     [("cluster", ("testbed.cluster",))],
+    [("handle", ("testbed.handle",))],
     [("cli", ("testbed.cli", "testbed.mainjob", "testbed.sweep", "testbed.__main__"))],
 ]
 

@@ -13,7 +13,7 @@ from rich.console import Console
 from testbed import lifeline as stdin_lifeline
 from testbed.terminal import plain
 
-from testbed.errors import StateError, TestbedError
+from testbed.errors import TestbedError
 
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)
@@ -58,54 +58,19 @@ def require_root(what: str) -> None:
 
 
 def resolve_name(name: str | None, *, clusters: bool = False, verb: str = "this command") -> str:
-    """The testbed a command acts on: NAME, or the only one that is up. clusters: the verb also
-    works on a testbed over several hosts (testbed.cluster.controller); without it such a testbed is
+    """The testbed a command acts on: NAME, or the only one that is up (testbed.handle.resolve).
+    clusters: the verb also works on a testbed over several hosts; without it such a testbed is
     refused with a sentence saying what to do instead."""
-    from testbed import store
-    from testbed.cluster import controller
+    from testbed.handle import resolve
 
-    local, spread = store.list_names(), controller.list_names()
-    if not name:
-        up = local + [n for n in spread if n not in local]
-        if not up:
-            raise StateError("no testbed is up: start one with `testbed up TOPOLOGY`")
-        if len(up) > 1:
-            raise StateError(f"{len(up)} testbeds are up ({', '.join(up)}): say which with --name")
-        name = up[0]
-    if name in spread and name not in local:
-        if clusters:
-            return name
-        raise StateError(f"testbed {name!r} spans several hosts, and {verb} does not work across hosts yet "
-                         f"(up, down, status, ls, exec, link, run, node, partition, heal, logs, ps, top, graph, "
-                         f"events, stacks, capture, scenario, cp and cleanup do; attach runs ssh to the node's host): "
-                         f"run it on the node's host (`testbed status {name}` shows where each node is)")
-    if name not in local:
-        up = local + spread
-        hint = f"; up: {', '.join(up)}" if up else "; none is up (testbed up TOPOLOGY)"
-        raise StateError(f"no testbed named {name!r} is up{hint}")
-    return name
+    return resolve(name, across_hosts=clusters, verb=verb)
 
 
-def forward_to_hosts(name: str, *, every: bool = True) -> None:
-    """Run this command line (as typed, with --name NAME) on the hosts of testbed `name`, which spans
-    several hosts: on every host (each acts on what it holds), or on the first one (`every=False`:
-    a read that every host answers alike). Prints what each printed; exits 1 if any failed."""
-    from testbed.cluster import controller
+def on_hosts(tb: Any) -> str:
+    """" (on h1, h2)" after what a change says, for a testbed over several hosts (every host made it)."""
+    from rich.markup import escape
 
-    argv = list(sys.argv[1:]) + ["--name", name]
-    results = controller.run_on_every_host(name, argv) if every else controller.run_on_one_host(name, argv)
-    bad = 0
-    for host, r in results.items():
-        out = getattr(r, "stdout", "")
-        text = out.strip() if not isinstance(r, Exception) else ""
-        if isinstance(r, Exception) or r.rc != 0:
-            bad += 1
-            why = str(r) if isinstance(r, Exception) else (r.stderr.strip() or f"exit status {r.rc}")
-            err_console.print(f"[red]{plain(host)}:[/] {plain(why)}", highlight=False)
-        elif text:
-            console.print(plain(text) if not every else f"[bold]{plain(host)}:[/] {plain(text)}", highlight=False)
-    if bad:
-        raise typer.Exit(1)
+    return f" (on {escape(plain(', '.join(tb.hosts)))})" if tb.hosts else ""
 
 
 def testbed_command() -> str:

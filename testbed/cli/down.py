@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from testbed.cli.common import console, err_console, fail, require_root, resolve_name
+from testbed.cli.common import console, err_console, fail, require_root
 
 
 def down_cmd(
@@ -26,19 +26,12 @@ def down_cmd(
         return
     if name_arg and name and name_arg != name:
         fail(f"two different names given ({name_arg}, {name})", 2)
-    target = resolve_name(name_arg or name, clusters=True)
-    from testbed.cluster import controller
+    from testbed.handle import open_testbed
 
-    if controller.exists(target) and not lifecycle.store.exists(target):
-        left = controller.down(target, progress=lambda m: err_console.print(m, highlight=False))
-        if left:
-            fail(f"testbed {target} is down except on: " + "; ".join(f"{h}: {why}" for h, why in left.items())
-                 + f". Run `testbed down {target}` again once they are reachable.", 1)
-        console.print(f"testbed {target} is down on every host")
-        return
-    for note in lifecycle.down(target):
+    tb = open_testbed(name_arg or name)
+    for note in tb.down(progress=lambda m: err_console.print(m, highlight=False)):
         err_console.print(f"[yellow]warning:[/] {note}", highlight=False)
-    console.print(f"testbed {target} is down")
+    console.print(f"testbed {tb.name} is down" + (" on every host" if tb.hosts else ""))
 
 
 def register(app: typer.Typer) -> None:

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from testbed.cli.common import console, fail, print_dilation, resolve_name
+from testbed.cli.common import console, fail, print_dilation
 
 
 def _fmt_bw(b):
@@ -31,18 +31,14 @@ def status_cmd(
                                  "terminal, one line into a pipe or file)."),
 ) -> None:
     """Show a running testbed: nodes with addresses, links with their shaping and state."""
-    from testbed import lifecycle
+    from testbed.handle import open_testbed
 
     if name_arg and name and name_arg != name:
         fail(f"two different names given ({name_arg}, {name})", 2)
-    target = resolve_name(name_arg or name, clusters=True)
-    from testbed import store
-    from testbed.cluster import controller
-
-    if controller.exists(target) and not store.exists(target):
-        _cluster_status(controller.status(target), as_json)
+    doc = open_testbed(name_arg or name).status()
+    if "hosts" in doc:   # spread over several hosts: each host's part
+        _hosts_status(doc, as_json)
         return
-    doc = lifecycle.status(target)
     if as_json:
         _print_json(doc)
         return
@@ -83,8 +79,13 @@ def _print_json(doc: dict) -> None:
     print(json.dumps(doc, indent=1 if sys.stdout.isatty() else None))
 
 
-def _cluster_status(doc: dict, as_json: bool) -> None:
-    """A testbed over several hosts: each host's part (nodes, missing pieces) or why it is lost."""
+def _hosts_status(doc: dict, as_json: bool) -> None:
+    """A testbed over several hosts: each host's part (nodes, missing pieces) or why it is lost. What
+    a host said is shown as text, never as markup."""
+    from rich.text import Text
+
+    from testbed.terminal import plain
+
     if as_json:
         _print_json(doc)
         return
@@ -97,18 +98,19 @@ def _cluster_status(doc: dict, as_json: bool) -> None:
     for host, st in doc["hosts"].items():
         nodes = [n for n, h in placement.items() if h == host]
         if "lost" in st:
-            t.add_row(host, "[red]lost[/]", str(len(nodes)), "-", st["lost"][:120])
+            t.add_row(Text(host), Text("lost", style="red"), str(len(nodes)), "-", Text(plain(st["lost"][:120])))
             continue
-        down = sum(1 for link in st.get("links", []) if link.get("state") != "up")
+        links = st.get("links") if isinstance(st.get("links"), list) else []
+        down = sum(1 for link in links if not isinstance(link, dict) or link.get("state") != "up")
         missing = st.get("missing", [])
-        t.add_row(host, st.get("status", "?"), str(len(nodes)), str(down),
-                  ("[red]" + "; ".join(missing[:3]) + "[/]") if missing else "")
+        t.add_row(Text(host), Text(plain(st.get("status", "?"))), str(len(nodes)), str(down),
+                  Text(plain("; ".join(missing[:3])), style="red") if missing else "")
     console.print(t)
     nt = Table(title="nodes", title_justify="left")
     for col in ("node", "host"):
         nt.add_column(col)
     for n, h in list(placement.items())[:40]:
-        nt.add_row(n, h)
+        nt.add_row(Text(n), Text(h))
     if len(placement) > 40:
         nt.caption = f"... and {len(placement) - 40} more (--json)"
     console.print(nt)

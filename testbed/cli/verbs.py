@@ -17,6 +17,8 @@ class Verb(NamedTuple):
 
 # Adding a verb: a module with register(app), and one line here.
 VERBS: dict[str, Verb] = {
+    "agent": Verb("agent", "Answer a controller's requests about this host's part of a testbed, on stdin "
+                           "(run by the controller over SSH)."),
     "attach": Verb("attach", "Open an interactive shell inside NODE (a worker or a switch). "
                              "Exiting the shell leaves the node running."),
     "calibrate": Verb("calibrate", "Measure (or show) the reference model's constants for this machine "

@@ -720,34 +720,6 @@ def down(name: str, progress: Callable[[str], None] = lambda _m: None) -> dict[s
     return left
 
 
-def status(name: str) -> dict[str, Any]:
-    """Every host's `testbed status NAME --json`, gathered: {"name", "hosts": {host: status or
-    {"lost": why}}, "placement", "cut_links"}."""
-    doc = load(name)
-    hosts: Hosts = doc["_hosts"]
-    by_name = {h.name: h for h in hosts}
-    names = [h for h in doc.get("hosts", {}) if h in by_name]
-    ctls = _controls([by_name[h] for h in names], doc.get("known_hosts"), False)
-    try:
-        res = _parallel(ctls, names, lambda c: c.run([*by_name[c.name].testbed_argv, "status", name, "--json"],
-                                                     timeout=120))
-    finally:
-        _close(ctls)
-    out: dict[str, Any] = {}
-    for h, r in res.items():
-        if isinstance(r, Exception):
-            out[h] = {"lost": str(r)}
-        elif r.rc != 0:
-            out[h] = {"lost": _why(r)}
-        else:
-            try:
-                out[h] = json.loads(r.stdout)
-            except ValueError:
-                out[h] = {"lost": "its status was not JSON"}
-    return {"name": name, "status": doc.get("status"), "hosts": out, "placement": doc["placement"],
-            "cut_links": doc.get("cut_links", []), "time_dilation": doc.get("time_dilation")}
-
-
 def run_on_node_host(name: str, node: str, argv: Sequence[str], timeout: float | None = None, *,
                      lifeline: bool = False, progress: Callable[[str], None] = lambda _m: None,
                      on_stdout: Callable[[bytes], None] | None = None) -> Any:

@@ -1,0 +1,84 @@
+"""The operations a host carries out on the part of a testbed it holds, by name.
+
+Each is a plain function of the testbed's name and its arguments, returning what the wire carries
+(JSON values): the handle of a testbed on this host calls them directly, the agent after reading
+a request (testbed.agent.protocol). On a host of a testbed over several hosts each one acts on what
+that host holds: a link's ends there, the routes of its switches, a worker's processes on its own
+host; every host keeps the whole record (faults.nodes, the links' states), so every host is asked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NODE_VERBS = ("down", "up", "crash", "slow", "restore")
+
+
+def status(name: str) -> dict[str, Any]:
+    from testbed import lifecycle
+
+    return lifecycle.status(name)
+
+
+def link_show(name: str) -> list[dict[str, Any]]:
+    from testbed.faults import control
+
+    return control.link_show(name)
+
+
+def link_set(name: str, a: str, b: str, changes: dict[str, Any], direction: str) -> dict[str, Any]:
+    from testbed.faults import control
+
+    link = control.link_set(name, a, b, changes, direction)
+    return {"ab": link["ab"], "ba": link["ba"]}
+
+
+def link_down(name: str, a: str, b: str) -> bool:
+    from testbed.faults import control
+
+    return control.link_down(name, a, b)
+
+
+def link_up(name: str, a: str, b: str) -> list[str]:
+    from testbed.faults import control
+
+    return control.link_up(name, a, b)
+
+
+def link_reset(name: str, a: str, b: str) -> None:
+    from testbed.faults import control
+
+    control.link_reset(name, a, b)
+
+
+def partition(name: str, groups: list[list[str]]) -> list[list[str]]:
+    from testbed.faults import control
+
+    return control.partition(name, groups)
+
+
+def heal(name: str) -> bool:
+    from testbed.faults import control
+
+    return control.heal(name)
+
+
+def node(name: str, verb: str, node: str, cpus: float | None = None) -> int | None:
+    """`node VERB NODE`: crash says how many processes it killed; the others say nothing."""
+    from testbed.faults import control
+
+    if verb == "down":
+        control.node_down(name, node)
+    elif verb == "up":
+        control.node_up(name, node)
+    elif verb == "crash":
+        return control.node_crash(name, node)
+    elif verb == "slow":
+        if cpus is None:
+            raise control.FaultError("node slow: --cpus is missing")
+        control.node_slow(name, node, cpus)
+    elif verb == "restore":
+        control.node_restore(name, node)
+    else:
+        raise control.FaultError(f"node: no verb {verb!r} ({', '.join(NODE_VERBS)})")
+    return None

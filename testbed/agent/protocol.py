@@ -1,0 +1,223 @@
+"""The agent's protocol: one JSON request a line in, one JSON reply a line out, in order.
+
+The agent first says who it is: `{"agent": PROTOCOL, "version": "<testbed version>"}`. Then, for
+each request `{"op": "link.down", "name": "NAME", "a": "s0", "b": "s1"}` (the fields are the op's:
+REQUESTS), one reply: `{"ok": true, "value": ...}` or `{"ok": false, "error": "why", "exit_code": N}`.
+The controller closes the agent's stdin when it has nothing more to ask; the agent ends then.
+
+Both ends check what they read. A request names only the ops below, with the fields each takes,
+and a testbed's name in the form testbed gives names. A reply is a host's word, hostile input to
+the controller: its value is checked against the op's type (VALUES) before anything uses it, and a
+line longer than the caller's bound is refused, not read on.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
+
+from testbed import __version__
+
+PROTOCOL = 1
+
+# A testbed's name as testbed.names allows it; a node's as topology files do (pydantic's regex: `$` is the
+# end of the text, never before a final newline)
+TestbedName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$")]
+NodeName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,254}$")]
+LinkField = Literal["bandwidth_bps", "delay_s", "jitter_s", "loss", "queue"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: TestbedName
+
+
+class Status(_Request):
+    op: Literal["status"]
+
+
+class LinkShow(_Request):
+    op: Literal["link.show"]
+
+
+class LinkSet(_Request):
+    op: Literal["link.set"]
+    a: NodeName
+    b: NodeName
+    changes: dict[LinkField, Annotated[float, Field(allow_inf_nan=False, ge=0)]] = Field(min_length=1)
+    direction: Literal["both", "A->B", "B->A"] = "both"
+
+
+class LinkDown(_Request):
+    op: Literal["link.down"]
+    a: NodeName
+    b: NodeName
+
+
+class LinkUp(_Request):
+    op: Literal["link.up"]
+    a: NodeName
+    b: NodeName
+
+
+class LinkReset(_Request):
+    op: Literal["link.reset"]
+    a: NodeName
+    b: NodeName
+
+
+class Partition(_Request):
+    op: Literal["partition"]
+    groups: list[list[NodeName]] = Field(min_length=1, max_length=4096)
+
+
+class Heal(_Request):
+    op: Literal["heal"]
+
+
+class Node(_Request):
+    op: Literal["node"]
+    verb: Literal["down", "up", "crash", "slow", "restore"]
+    node: NodeName
+    cpus: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+
+
+Request = Annotated[Union[Status, LinkShow, LinkSet, LinkDown, LinkUp, LinkReset, Partition, Heal, Node],
+                    Field(discriminator="op")]
+REQUESTS = TypeAdapter(Request)
+
+
+# -- what comes back ---------------------------------------------------------------------------------------------
+
+_Reason = Annotated[str, StringConstraints(max_length=200)]
+_Word = Annotated[str, StringConstraints(max_length=100)]
+
+
+class Profile(BaseModel):
+    """One direction of a link as `link show` gives it (emulated units)."""
+    model_config = ConfigDict(extra="ignore")
+    bandwidth_bps: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    delay_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    jitter_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    loss: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
+    queue: Annotated[int, Field(ge=0)] | None = None
+
+
+class LinkRecord(BaseModel):
+    """One link of `link show`."""
+    model_config = ConfigDict(extra="ignore")
+    index: Annotated[int, Field(ge=0)]
+    endpoints: list[NodeName] = Field(min_length=2, max_length=2)
+    tier: _Word
+    state: _Word
+    down_by: list[_Reason] = Field(default_factory=list, max_length=64)
+    ab: Profile
+    ba: Profile
+    changed: bool = False
+
+
+class LinkProfiles(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    ab: Profile
+    ba: Profile
+
+
+class _LinkState(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    state: _Word = "up"
+
+
+class HostStatus(BaseModel):
+    """A host's `status` of its part: what the controller reads of it (the rest is passed on as given,
+    to be printed as JSON, never as markup)."""
+    model_config = ConfigDict(extra="allow")
+    name: TestbedName
+    status: _Word
+    missing: list[Annotated[str, StringConstraints(max_length=1000)]] = Field(default_factory=list)
+    links: list[_LinkState] = Field(default_factory=list)
+
+
+VALUES: dict[str, TypeAdapter[Any]] = {
+    "status": TypeAdapter(HostStatus),
+    "link.show": TypeAdapter(list[LinkRecord]),
+    "link.set": TypeAdapter(LinkProfiles),
+    "link.down": TypeAdapter(bool),
+    "link.up": TypeAdapter(list[_Reason]),
+    "link.reset": TypeAdapter(None),
+    "partition": TypeAdapter(list[list[NodeName]]),
+    "heal": TypeAdapter(bool),
+    "node": TypeAdapter(Annotated[int, Field(ge=0)] | None),
+}
+
+
+class ProtocolError(ValueError):
+    """A line that is not what the protocol says (the message names what was wrong)."""
+
+
+def hello() -> str:
+    return json.dumps({"agent": PROTOCOL, "version": __version__})
+
+
+def read_hello(line: str) -> str:
+    """The agent's version from its first line; refuses another protocol."""
+    doc = _object(line, "its first line")
+    if doc.get("agent") != PROTOCOL or not isinstance(doc.get("version"), str):
+        raise ProtocolError(f"its first line is not an agent of protocol {PROTOCOL}: {line[:200]!r}")
+    return doc["version"][:100]
+
+
+def request_line(req: Any) -> str:
+    return req.model_dump_json(exclude_none=True)
+
+
+def read_request(line: str) -> Any:
+    try:
+        return REQUESTS.validate_json(line)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ())) or "the request"
+        raise ProtocolError(f"{where}: {err.get('msg')}") from None
+
+
+def reply_ok(value: Any) -> str:
+    return json.dumps({"ok": True, "value": value})
+
+
+def reply_error(message: str, exit_code: int) -> str:
+    return json.dumps({"ok": False, "error": message, "exit_code": exit_code})
+
+
+class Refused(Exception):
+    """The agent carried the request out and it failed there: its words and its exit status."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def read_reply(op: str, line: str) -> Any:
+    """The value of a reply to `op`, checked against the op's type; Refused if the host refused."""
+    doc = _object(line, "a reply")
+    if doc.get("ok") is True:
+        try:
+            return VALUES[op].validate_python(doc.get("value"), strict=True)   # (strict: "yes" is no bool)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err.get("loc", ())) or "value"
+            raise ProtocolError(f"its reply to {op}: {where}: {err.get('msg')}") from None
+    if doc.get("ok") is False and isinstance(doc.get("error"), str):
+        code = doc.get("exit_code")
+        raise Refused(doc["error"][:2000], code if isinstance(code, int) and 0 < code < 256 else 1)
+    raise ProtocolError(f"its reply to {op} is neither ok nor an error: {line[:200]!r}")
+
+
+def _object(line: str, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        raise ProtocolError(f"{what} is not JSON: {line[:200]!r}") from None
+    if not isinstance(doc, dict):
+        raise ProtocolError(f"{what} is not a JSON object: {line[:200]!r}")
+    return doc

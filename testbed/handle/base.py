@@ -1,0 +1,59 @@
+"""What every testbed answers, on one host or spread over several (testbed.handle)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+
+class Testbed(ABC):
+    """A running testbed. Over several hosts, each change is made by every host on what it holds,
+    and a host that fails makes the call fail with each host's word (testbed.handle.hosts)."""
+
+    name: str
+    hosts: tuple[str, ...] = ()   # the hosts it is spread over; () on this host alone
+
+    def host_of(self, node: str) -> str | None:
+        """The host that holds `node` (None: this one, the testbed is not spread)."""
+        return None
+
+    @abstractmethod
+    def status(self) -> dict[str, Any]:
+        """The `status --json` document (spread: each host's, under "hosts", or why it is lost)."""
+
+    @abstractmethod
+    def down(self, progress: Callable[[str], None] = lambda _m: None) -> list[str]:
+        """Take it down everywhere; what is worth a warning."""
+
+    @abstractmethod
+    def link_show(self) -> list[dict[str, Any]]:
+        """Every link: state, why it is down, its profile now (emulated units)."""
+
+    @abstractmethod
+    def link_set(self, a: str, b: str, changes: dict[str, Any], direction: str = "both") -> dict[str, Any]:
+        """Change link a-b's profile; its profiles now ({"ab", "ba"})."""
+
+    @abstractmethod
+    def link_down(self, a: str, b: str) -> bool:
+        """Link a-b down; False if it was down already."""
+
+    @abstractmethod
+    def link_up(self, a: str, b: str) -> list[str]:
+        """Undo link_down; what still holds it down."""
+
+    @abstractmethod
+    def link_reset(self, a: str, b: str) -> None:
+        """Link a-b back to the topology's profile, and up."""
+
+    @abstractmethod
+    def partition(self, groups: list[list[str]]) -> list[list[str]]:
+        """Split the workers into groups; the groups as resolved (switches stand for their workers)."""
+
+    @abstractmethod
+    def heal(self) -> bool:
+        """Undo partition; False if there was none."""
+
+    @abstractmethod
+    def node(self, verb: str, node: str, cpus: float | None = None) -> int | None:
+        """`node VERB NODE` (down, up, crash, slow, restore); crash: how many processes it killed."""

@@ -1,0 +1,147 @@
+"""A testbed spread over several hosts: each call goes to the agent on every host at once (or to
+one, for a read every host answers alike), and their answers are merged into what a testbed on
+one host answers (testbed.cluster.agents carries the requests; testbed.agent.protocol types them).
+
+Every host keeps the whole topology, the links' records and the nodes' faults, and acts on what it
+holds (its link ends, its switches' routes, its workers), so a change goes to every host. A call
+fails when any host fails it: HostsFailed says each host's word, and which hosts made the change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import ValidationError
+
+from testbed.errors import TestbedError
+from testbed.handle.base import Testbed
+
+
+class HostsFailed(TestbedError):
+    """Some hosts of a testbed over several hosts failed a call: each one's word, and where it was done."""
+
+    def __init__(self, failed: dict[str, Any], done: list[str]):
+        whys: dict[str, list[str]] = {}
+        for host, f in failed.items():
+            whys.setdefault(f.why, []).append(host)
+        text = "; ".join(f"{why} (on {', '.join(hosts)})" for why, hosts in whys.items())
+        super().__init__(text + (f"; done on {', '.join(done)}" if done else ""))
+        self.failed, self.done = failed, done
+        self.exit_code = max(f.exit_code for f in failed.values())
+
+
+class HostsTestbed(Testbed):
+    def __init__(self, name: str):
+        from testbed.cluster import controller
+
+        self.name = name
+        self._record = controller.load(name)
+        known = {h.name for h in self._record["_hosts"]}
+        self.hosts = tuple(h for h in self._record.get("hosts", {}) if h in known)
+
+    def host_of(self, node: str) -> str | None:
+        return self._record["placement"].get(node)
+
+    # -- one fan-out, one merge per answer --------------------------------------------------------------------
+
+    def _request(self, op: str, **fields: Any) -> Any:
+        """The request, checked here before any host is asked: a bad value names its field."""
+        from testbed.agent.protocol import REQUESTS
+        from testbed.running import FaultError
+
+        try:
+            return REQUESTS.validate_python({"op": op, "name": self.name, **fields})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err.get("loc", ())[1:]) or op
+            raise FaultError(f"{where}: {err.get('msg')} (got {err.get('input')!r})") from None
+
+    def _every(self, op: str, **fields: Any) -> dict[str, Any]:
+        """host -> value, from every host; HostsFailed if any failed."""
+        from testbed.cluster.agents import HostFailed, ask
+
+        answers = {h: vals[0] for h, vals in ask(self.name, [self._request(op, **fields)]).items()}
+        failed = {h: v for h, v in answers.items() if isinstance(v, HostFailed)}
+        if failed:
+            raise HostsFailed(failed, [h for h in answers if h not in failed])
+        return answers
+
+    def _one(self, op: str, **fields: Any) -> Any:
+        """The value from the first host that answers (a read every host answers alike)."""
+        from testbed.cluster.agents import HostFailed, ask
+
+        answers = {h: vals[0] for h, vals in ask(self.name, [self._request(op, **fields)], every=False).items()}
+        for value in answers.values():
+            if not isinstance(value, HostFailed):
+                return value
+        raise HostsFailed(answers, [])
+
+    # -- the calls ------------------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """{"name", "status", "hosts": {host: its status, or {"lost": why}}, "placement", "cut_links",
+        "time_dilation"}."""
+        from testbed.cluster.agents import HostFailed, ask
+
+        answers = ask(self.name, [self._request("status")], timeout=120)
+        hosts = {h: ({"lost": v.why} if isinstance(v, HostFailed) else v.model_dump())
+                 for h, (v,) in answers.items()}
+        rec = self._record
+        return {"name": self.name, "status": rec.get("status"), "hosts": hosts, "placement": rec["placement"],
+                "cut_links": rec.get("cut_links", []), "time_dilation": rec.get("time_dilation")}
+
+    def down(self, progress: Callable[[str], None] = lambda _m: None) -> list[str]:
+        from testbed.cluster import controller
+
+        left = controller.down(self.name, progress=progress)
+        if left:
+            raise TestbedError(f"testbed {self.name} is down except on: "
+                               + "; ".join(f"{h}: {why}" for h, why in left.items())
+                               + f". Run `testbed down {self.name}` again once they are reachable.")
+        return []
+
+    def link_show(self) -> list[dict[str, Any]]:
+        return [r.model_dump() for r in self._one("link.show")]
+
+    def link_set(self, a: str, b: str, changes: dict[str, Any], direction: str = "both") -> dict[str, Any]:
+        answers = self._every("link.set", a=a, b=b, changes=changes, direction=direction)
+        return next(iter(answers.values())).model_dump()
+
+    def link_down(self, a: str, b: str) -> bool:
+        return any(self._every("link.down", a=a, b=b).values())
+
+    def link_up(self, a: str, b: str) -> list[str]:
+        left: list[str] = []
+        for reasons in self._every("link.up", a=a, b=b).values():
+            left += [r for r in reasons if r not in left]
+        return left
+
+    def link_reset(self, a: str, b: str) -> None:
+        self._every("link.reset", a=a, b=b)
+
+    def partition(self, groups: list[list[str]]) -> list[list[str]]:
+        return next(iter(self._every("partition", groups=groups).values()))
+
+    def heal(self) -> bool:
+        return any(self._every("heal").values())
+
+    def node(self, verb: str, node: str, cpus: float | None = None) -> int | None:
+        """Refused here, before any host is asked, where the hosts would refuse it alike (an unknown
+        node, crash or slow of a switch, no CPUs); the node's host says how many processes it killed."""
+        from testbed.running import FaultError
+        from testbed.topology.model import Topology
+
+        topo = Topology.from_json(self._record["topology"])
+        n = topo.nodes.get(node)
+        if n is None or node not in self._record["placement"]:
+            some = ", ".join(list(topo.nodes)[:12]) + (" ..." if len(topo.nodes) > 12 else "")
+            raise FaultError(f"node: testbed {self.name!r} has no node {node!r} (nodes: {some})")
+        if verb == "crash" and not n.is_worker:
+            raise FaultError(f"node: {node} is a switch; crash acts on workers (use `node down` for a switch)")
+        if verb == "slow" and not n.is_worker:
+            raise FaultError(f"node: {node} is a switch; slow acts on workers")
+        if verb == "slow" and not (cpus is not None and cpus > 0):
+            raise FaultError(f"--cpus must be positive (got {cpus})")
+        answers = self._every("node", verb=verb, node=node, cpus=cpus)
+        return answers.get(self._record["placement"][node])
