@@ -829,17 +829,22 @@ def status(name: str) -> dict[str, Any]:
     }
 
 
+def node_target(st: dict[str, Any], node: str) -> tuple[Any, dict[str, Any], str]:
+    """(runtime, record, kind) of a node of a running testbed: workers through the testbed's
+    runtime, switches (plain namespaces) through the bare runtime."""
+    nodes = {n["name"]: n for n in st.get("topology", {}).get("nodes", [])}
+    if node not in nodes:
+        some = ", ".join(list(nodes)[:12]) + (" ..." if len(nodes) > 12 else "")
+        raise StateError(f"testbed {st['name']!r} has no node {node!r}; nodes: {some}")
+    if nodes[node]["kind"] == "worker":
+        rec = st.get("runtime", {}).get("workers", {}).get(node) or {"netns": node_netns(st, node)}
+        return runtime_for(st), dict(rec), "worker"
+    from testbed.runtime.bare import BareRuntime
+
+    return BareRuntime(st["name"]), {"netns": node_netns(st, node)}, "switch"
+
+
 def exec_argv(st: dict[str, Any], node: str, argv: Sequence[str], **kw: Any) -> list[str]:
     """The host command line running argv inside `node` (a worker through its runtime, a switch bare)."""
-    topo_nodes = {n["name"]: n for n in st["topology"]["nodes"]}
-    if node not in topo_nodes:
-        raise StateError(f"testbed {st['name']!r} has no node {node!r}; nodes: "
-                         f"{', '.join(list(topo_nodes)[:12])}{' ...' if len(topo_nodes) > 12 else ''}")
-    if topo_nodes[node]["kind"] == "worker":
-        rt = runtime_for(st)
-        rec = st.get("runtime", {}).get("workers", {}).get(node, {"netns": node_netns(st, node)})
-    else:
-        from testbed.runtime.bare import BareRuntime
-
-        rt, rec = BareRuntime(st["name"]), {"netns": node_netns(st, node)}
+    rt, rec, _ = node_target(st, node)
     return rt.exec_argv(node, rec, argv, **kw)

@@ -43,10 +43,10 @@ def _assert_inert(text: str) -> None:
 @pytest.fixture
 def consoles(monkeypatch):
     """A real Rich console for stdout and one for stderr, in place of the CLI's, in every module here."""
-    from testbed.cli import cleanup, common, events, node, run, scenario
+    from testbed.cli import cleanup, common, events, node, ps, run, scenario, status
 
     out, err = _console(), _console()
-    for mod in (common, cleanup, events, node, run, scenario):
+    for mod in (common, cleanup, events, node, ps, run, scenario, status):
         if hasattr(mod, "console"):
             monkeypatch.setattr(mod, "console", out)
         if hasattr(mod, "err_console"):
@@ -66,23 +66,74 @@ def test_a_scenario_error_from_a_rank_is_shown_as_written(consoles):
     _assert_inert(text)
 
 
-def test_hosts_answers_to_node_are_shown_as_written(consoles, monkeypatch):
-    from testbed.cli import node
-    from testbed.cluster import controller
+def _spread_testbed(monkeypatch, answers):
+    """The CLI's handle of a testbed `tb` over hosts h1 (w0) and h2 (w1), whose agents answer
+    `answers(host, request)` (values as the controller reads them: testbed.cluster.agents.ask)."""
+    from testbed import handle
+    from testbed.cluster import agents
+    from testbed.handle.hosts import HostsTestbed
+    from testbed.topology.loader import load_topology
 
-    monkeypatch.setattr(node, "_check", lambda name, n, verb: "h1")
-    monkeypatch.setattr(controller, "run_on_every_host", lambda *a, **k: {
-        "h1": SimpleNamespace(rc=0, stdout=HOSTILE, stderr=""),
-        "h2": SimpleNamespace(rc=1, stdout="", stderr=f"error: {HOSTILE}")})
-    with pytest.raises(typer.Exit):
-        node._across_hosts("tb", "w0", "down")
-    _assert_inert(_shown(*consoles))
-    monkeypatch.setattr(controller, "run_on_every_host", lambda *a, **k: {
-        "h1": SimpleNamespace(rc=0, stdout=HOSTILE, stderr=""), "h2": SimpleNamespace(rc=0, stdout="", stderr="")})
-    out, err = consoles
-    out.file.truncate(0), err.file.truncate(0)
-    node._across_hosts("tb", "w0", "down")
-    _assert_inert(_shown(*consoles))
+    tb = HostsTestbed.__new__(HostsTestbed)
+    tb.name, tb.hosts = "tb", ("h1", "h2")
+    tb._record = {"placement": {"s0": "h1", "w0": "h1", "w1": "h2"},
+                  "topology": load_topology("star", ["params.n=2"]).to_json()}
+    monkeypatch.setattr(handle, "open_testbed", lambda name, **kw: tb)
+
+    def ask(name, requests, **kw):
+        per_host = requests if isinstance(requests, dict) else {h: requests for h in tb.hosts}
+        return {h: [answers(h, r) for r in reqs] for h, reqs in per_host.items()}
+
+    monkeypatch.setattr(agents, "ask", ask)
+
+
+def _cli(monkeypatch, *argv):
+    """The command line as `testbed` runs it (its errors printed by run_app): its exit status."""
+    import sys
+
+    from testbed.cli import app, common
+
+    monkeypatch.setattr(common, "require_root", lambda what: None)
+    monkeypatch.setattr(sys, "argv", ["testbed", *argv])
+    try:
+        common.run_app(app.app)
+    except SystemExit as exc:
+        return exc.code
+    return 0
+
+
+def test_hosts_refusals_of_node_are_shown_as_written(consoles, monkeypatch):
+    from testbed.cluster.agents import HostFailed
+
+    _spread_testbed(monkeypatch, lambda h, r: HostFailed(h, HOSTILE, 2) if h == "h2" else None)
+    assert _cli(monkeypatch, "node", "down", "w0", "--name", "tb") == 2
+    text = _shown(*consoles)
+    assert "(on h2); done on h1" in text
+    _assert_inert(text)
+
+
+def test_hosts_process_rows_are_shown_as_written(consoles, monkeypatch):
+    from testbed.agent.protocol import ProcessRow
+    from testbed.cluster.agents import HostFailed
+
+    row = ProcessRow(node="w1", pid=7, command=HOSTILE, user="root")
+    _spread_testbed(monkeypatch, lambda h, r: [row] if h == "h2" else HostFailed(h, HOSTILE))
+    assert _cli(monkeypatch, "ps", "--name", "tb") == 1   # (h1 failed: named, h2's rows still shown)
+    text = _shown(*consoles)
+    assert text.count("[/tmp]") == 2 and "h2" in text
+    _assert_inert(text)
+
+
+def test_hosts_status_is_shown_as_written(consoles, monkeypatch):
+    from testbed.agent.protocol import HostStatus
+    from testbed.cluster.agents import HostFailed
+
+    st = HostStatus(name="tb", status=HOSTILE, missing=[HOSTILE])
+    _spread_testbed(monkeypatch, lambda h, r: st if h == "h2" else HostFailed(h, HOSTILE))
+    assert _cli(monkeypatch, "status", "--name", "tb") == 0
+    text = _shown(*consoles)
+    assert text.count("[/tmp]") == 3 and "lost" in text   # h1 lost (why), h2's status and what it misses
+    _assert_inert(text)
 
 
 def test_hosts_answers_to_cleanup_are_shown_as_written(consoles):

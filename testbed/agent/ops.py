@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 NODE_VERBS = ("down", "up", "crash", "slow", "restore")
+COMMAND_MAX = 8192   # of a process's command line, in `ps`
 
 
 def status(name: str) -> dict[str, Any]:
@@ -82,3 +83,14 @@ def node(name: str, verb: str, node: str, cpus: float | None = None) -> int | No
     else:
         raise control.FaultError(f"node: no verb {verb!r} ({', '.join(NODE_VERBS)})")
     return None
+
+
+def ps(name: str, nodes: list[str], all_nodes: bool = False) -> list[dict[str, Any]]:
+    """The processes of the nodes named that this host holds (default: its workers; all_nodes:
+    switches too)."""
+    from testbed.observe import processes
+
+    rows = processes.ps(name, nodes, all_nodes)
+    for row in rows:   # (what the wire carries of a command line: protocol.ProcessRow)
+        row["command"] = row["command"][:COMMAND_MAX]
+    return rows

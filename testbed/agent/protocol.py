@@ -84,7 +84,13 @@ class Node(_Request):
     cpus: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
 
 
-Request = Annotated[Union[Status, LinkShow, LinkSet, LinkDown, LinkUp, LinkReset, Partition, Heal, Node],
+class Ps(_Request):
+    op: Literal["ps"]
+    nodes: list[NodeName] = Field(default_factory=list, max_length=100_000)
+    all_nodes: bool = False
+
+
+Request = Annotated[Union[Status, LinkShow, LinkSet, LinkDown, LinkUp, LinkReset, Partition, Heal, Node, Ps],
                     Field(discriminator="op")]
 REQUESTS = TypeAdapter(Request)
 
@@ -139,6 +145,18 @@ class HostStatus(BaseModel):
     links: list[_LinkState] = Field(default_factory=list)
 
 
+class ProcessRow(BaseModel):
+    """One process of `ps` (its command line is whatever a job wrote: text, never markup)."""
+    model_config = ConfigDict(extra="ignore")
+    node: NodeName
+    pid: Annotated[int, Field(ge=1)]
+    nspid: Annotated[int, Field(ge=1)] | None = None
+    user: Annotated[str, StringConstraints(max_length=64)] | None = None
+    rss_bytes: Annotated[int, Field(ge=0)] | None = None
+    cpu_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    command: Annotated[str, StringConstraints(max_length=8192)]
+
+
 VALUES: dict[str, TypeAdapter[Any]] = {
     "status": TypeAdapter(HostStatus),
     "link.show": TypeAdapter(list[LinkRecord]),
@@ -149,6 +167,7 @@ VALUES: dict[str, TypeAdapter[Any]] = {
     "partition": TypeAdapter(list[list[NodeName]]),
     "heal": TypeAdapter(bool),
     "node": TypeAdapter(Annotated[int, Field(ge=0)] | None),
+    "ps": TypeAdapter(list[ProcessRow]),
 }
 
 

@@ -35,6 +35,8 @@ def answer(req: Any) -> Any:
         return ops.heal(req.name)
     if op == "node":
         return ops.node(req.name, req.verb, req.node, req.cpus)
+    if op == "ps":
+        return ops.ps(req.name, list(req.nodes), req.all_nodes)
     raise protocol.ProtocolError(f"op: no op {op!r}")   # (REQUESTS admits none other)
 
 

@@ -89,25 +89,9 @@ def ssh_command(doc: dict[str, Any], host: Any, argv: list[str], *, tty: bool = 
     return shlex.join(ssh_argv(doc, host, argv, tty=tty))
 
 
-def node_target(st: dict[str, Any], node: str) -> tuple[Any, dict[str, Any], str]:
-    """(runtime, record, kind) of a node of a running testbed: workers through the testbed's
-    runtime, switches (plain namespaces) through the bare runtime."""
-    from testbed import lifecycle
-
-    nodes = {n["name"]: n for n in st.get("topology", {}).get("nodes", [])}
-    if node not in nodes:
-        some = ", ".join(list(nodes)[:12]) + (" ..." if len(nodes) > 12 else "")
-        raise StateError(f"testbed {st['name']!r} has no node {node!r}; nodes: {some}")
-    if nodes[node]["kind"] == "worker":
-        rt = lifecycle.runtime_for(st)
-        rec = st.get("runtime", {}).get("workers", {}).get(node) or {"netns": lifecycle.node_netns(st, node)}
-        return rt, dict(rec), "worker"
-    from testbed.runtime.bare import BareRuntime
-
-    return BareRuntime(st["name"]), {"netns": lifecycle.node_netns(st, node)}, "switch"
-
-
 def attach_node(st: dict[str, Any], node: str) -> int:
+    from testbed.lifecycle import node_target
+
     rt, rec, kind = node_target(st, node)
     if kind == "worker" and rt.kind != "bare":
         return rt.attach(node, rec)

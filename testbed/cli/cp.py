@@ -111,7 +111,7 @@ def _write_all(fd: int) -> Callable[[bytes], None]:
 
 class Copier:
     def __init__(self, st: dict[str, Any] | None):
-        from testbed.cli.attach import node_target
+        from testbed.lifecycle import node_target
 
         self.st = st
         self._target = node_target

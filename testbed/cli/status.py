@@ -84,7 +84,7 @@ def _hosts_status(doc: dict, as_json: bool) -> None:
     a host said is shown as text, never as markup."""
     from rich.text import Text
 
-    from testbed.terminal import plain
+    from testbed.terminal import inert
 
     if as_json:
         _print_json(doc)
@@ -98,13 +98,13 @@ def _hosts_status(doc: dict, as_json: bool) -> None:
     for host, st in doc["hosts"].items():
         nodes = [n for n, h in placement.items() if h == host]
         if "lost" in st:
-            t.add_row(Text(host), Text("lost", style="red"), str(len(nodes)), "-", Text(plain(st["lost"][:120])))
+            t.add_row(Text(host), Text("lost", style="red"), str(len(nodes)), "-", Text(inert(st["lost"][:120])))
             continue
         links = st.get("links") if isinstance(st.get("links"), list) else []
         down = sum(1 for link in links if not isinstance(link, dict) or link.get("state") != "up")
         missing = st.get("missing", [])
-        t.add_row(Text(host), Text(plain(st.get("status", "?"))), str(len(nodes)), str(down),
-                  Text(plain("; ".join(missing[:3])), style="red") if missing else "")
+        t.add_row(Text(host), Text(inert(st.get("status", "?"))), str(len(nodes)), str(down),
+                  Text(inert("; ".join(missing[:3])), style="red") if missing else "")
     console.print(t)
     nt = Table(title="nodes", title_justify="left")
     for col in ("node", "host"):

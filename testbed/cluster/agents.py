@@ -8,7 +8,7 @@ host, with what it said cut short.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from testbed.errors import TestbedError
@@ -55,35 +55,43 @@ def _answers(host: str, requests: Sequence[Any], res: Any) -> list[Any]:
     return out
 
 
-def ask(name: str, requests: Sequence[Any], *, every: bool = True,
+def ask(name: str, requests: Sequence[Any] | Mapping[str, Sequence[Any]], *, every: bool = True,
         timeout: float = ASK_TIMEOUT_S) -> dict[str, list[Any]]:
     """`requests` (testbed.agent.protocol requests), in order, to the agent on every host of testbed
-    `name` at once, or (every=False: a read every host answers alike) to the first host that answers:
-    host -> each request's value, or the HostFailed that stands for it."""
+    `name` at once, or (every=False: a read every host answers alike) to the first host that answers;
+    a mapping host -> requests asks those hosts alone, each its own. Returns host -> each request's
+    value, or the HostFailed that stands for it."""
     from testbed.agent import protocol
     from testbed.cluster.controller import _close, _controls, _parallel, load
 
     doc = load(name)
     by_name = {h.name: h for h in doc["_hosts"]}
-    hosts = [h for h in doc.get("hosts", {}) if h in by_name]
-    stdin = "".join(protocol.request_line(r) + "\n" for r in requests).encode()
+    if isinstance(requests, Mapping):
+        unknown = [h for h in requests if h not in by_name]
+        if unknown:
+            raise TestbedError(f"testbed {name} has no host {unknown[0]!r}")
+        per_host = {h: list(reqs) for h, reqs in requests.items()}
+    else:
+        per_host = {h: list(requests) for h in doc.get("hosts", {}) if h in by_name}
+    hosts = list(per_host)
 
     def one(ctl: Any) -> Any:
+        stdin = "".join(protocol.request_line(r) + "\n" for r in per_host[ctl.name]).encode()
         return ctl.run([*by_name[ctl.name].testbed_argv, "agent"], stdin=stdin, timeout=timeout)
 
-    if every:
+    if every or isinstance(requests, Mapping):
         ctls = _controls([by_name[h] for h in hosts], doc.get("known_hosts"), False)
         try:
-            return {h: _answers(h, requests, r) for h, r in _parallel(ctls, hosts, one).items()}
+            return {h: _answers(h, per_host[h], r) for h, r in _parallel(ctls, hosts, one).items()}
         finally:
             _close(ctls)
     tried: dict[str, list[Any]] = {}
     for host in hosts:
         ctls = _controls([by_name[host]], doc.get("known_hosts"), False)
         try:
-            return {host: _answers(host, requests, one(ctls[host]))}
+            return {host: _answers(host, per_host[host], one(ctls[host]))}
         except TestbedError as exc:   # unreachable, timed out: the next host may answer
-            tried[host] = [HostFailed(host, str(exc))] * len(requests)
+            tried[host] = [HostFailed(host, str(exc))] * len(per_host[host])
         finally:
             _close(ctls)
     return tried

@@ -57,3 +57,8 @@ class Testbed(ABC):
     @abstractmethod
     def node(self, verb: str, node: str, cpus: float | None = None) -> int | None:
         """`node VERB NODE` (down, up, crash, slow, restore); crash: how many processes it killed."""
+
+    @abstractmethod
+    def ps(self, nodes: list[str], all_nodes: bool = False) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """The processes of the nodes named (default: every worker; all_nodes: switches too), in
+        topology order (spread: each row with its `host`), and the hosts that did not answer, with why."""

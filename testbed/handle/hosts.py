@@ -145,3 +145,26 @@ class HostsTestbed(Testbed):
             raise FaultError(f"--cpus must be positive (got {cpus})")
         answers = self._every("node", verb=verb, node=node, cpus=cpus)
         return answers.get(self._record["placement"][node])
+
+    def ps(self, nodes: list[str], all_nodes: bool = False) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """Asks the hosts that hold `nodes` (every host, none named), each for its own."""
+        from testbed.cluster.agents import HostFailed, ask
+        from testbed.errors import StateError
+
+        placement: dict[str, str] = self._record["placement"]
+        bad = [n for n in nodes if n not in placement]
+        if bad:
+            raise StateError(f"testbed {self.name!r} has no node {bad[0]!r}")
+        groups: dict[str, list[str]] = {}
+        for n in nodes:
+            groups.setdefault(placement[n], []).append(n)
+        asks = {h: [self._request("ps", nodes=groups.get(h, []), all_nodes=all_nodes)] for h in (groups or self.hosts)}
+        rows, failed = [], {}
+        for host, (value,) in sorted(ask(self.name, asks, timeout=120).items()):
+            if isinstance(value, HostFailed):
+                failed[host] = value.why
+            else:
+                rows += [{**row.model_dump(), "host": host} for row in value]
+        order = {n: i for i, n in enumerate(placement)}
+        rows.sort(key=lambda r: (order.get(r["node"], len(order)), r["nspid"] or 0, r["pid"]))
+        return rows, failed

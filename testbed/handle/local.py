@@ -44,3 +44,6 @@ class LocalTestbed(Testbed):
 
     def node(self, verb: str, node: str, cpus: float | None = None) -> int | None:
         return ops.node(self.name, verb, node, cpus)
+
+    def ps(self, nodes: list[str], all_nodes: bool = False) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        return ops.ps(self.name, nodes, all_nodes), {}
