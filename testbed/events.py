@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,9 +71,10 @@ def parse(line: bytes) -> dict[str, Any] | None:
 
 
 def read(name: str, *, follow: bool = False, poll_s: float = 0.2, stop_after_s: float | None = None,
-         skipped: list[int] | None = None) -> Iterator[dict[str, Any]]:
+         skipped: list[int] | None = None, stop: threading.Event | None = None) -> Iterator[dict[str, Any]]:
     """Every record from the start; with follow, then the new ones as they come, until the testbed's
-    directory is gone (after `down`) or stop_after_s. Lines that are not records add to skipped[0]."""
+    directory is gone (after `down`), stop_after_s or `stop` is set. Lines that are not records add
+    to skipped[0]."""
     p = path(name)
     offset = 0
     partial = b""
@@ -102,7 +104,10 @@ def read(name: str, *, follow: bool = False, poll_s: float = 0.2, stop_after_s: 
             return
         if not p.parent.is_dir():
             return   # the testbed went down: its stream ended with it
-        time.sleep(poll_s)
+        if stop is None:
+            time.sleep(poll_s)
+        elif stop.wait(poll_s):
+            return
 
 
 def describe(rec: dict[str, Any], host_width: int | None = None) -> str:

@@ -190,3 +190,68 @@ def test_a_star_changed_through_the_agent_as_a_controller_would(testbed):
     assert up == {"ok": True, "value": []}
     assert protocol.read_reply("status", json.dumps(status)).status == "up"
     assert all(rec["state"] == "up" for rec in control.link_show(name))
+
+
+# -- streams -----------------------------------------------------------------------------------------------------
+
+
+def test_a_streams_items_come_before_its_reply_and_are_checked():
+    from testbed.cluster.agents import HostFailed, Streamed, _answers
+
+    reqs = [_req(op="events", name="tb1"), _req(op="heal", name="tb1")]
+    rec = {"t": 1.0, "kind": "link", "what": "link down s0 s1", "by": "me"}
+    out = _answers("h1", reqs, _result("\n".join([protocol.hello(), json.dumps({"item": rec}),
+                                                   '{"ok": true, "value": {"skipped": 3}}',
+                                                   '{"ok": true, "value": true}'])))
+    assert isinstance(out[0], Streamed) and out[0].end.skipped == 3 and out[1] is True
+    assert out[0].items[0].model_dump() == rec   # (its other fields passed on as given)
+    bad = {"t": True, "kind": "link", "what": "x"}   # a bool is no time
+    (out,) = _answers("h1", reqs[:1], _result(protocol.hello() + "\n" + json.dumps({"item": bad})))
+    assert isinstance(out, HostFailed) and "item" in out.why
+
+
+def test_an_item_where_no_stream_is_or_a_line_after_the_last_answer_breaks_the_host():
+    from testbed.cluster.agents import HostFailed, _answers
+
+    (out,) = _answers("h1", [_req(op="heal", name="tb1")],
+                      _result(protocol.hello() + '\n{"item": {"t": 1, "kind": "up", "what": "up"}}\n'
+                              '{"ok": true, "value": true}'))
+    assert isinstance(out, HostFailed) and "no stream" in out.why
+    (out,) = _answers("h1", [_req(op="heal", name="tb1")],
+                      _result(protocol.hello() + '\n{"ok": true, "value": true}\n{"ok": true, "value": true}'))
+    assert out is True   # (answered before it said too much: what came after is the host's problem)
+
+
+def test_the_event_kinds_are_the_streams_own():
+    from testbed import events
+
+    assert protocol.EVENT_KINDS == events.KINDS
+
+
+@pytest.mark.root
+@pytest.mark.skipif(not IS_ROOT, reason="needs root (namespaces, tc)")
+def test_events_followed_through_the_agent_end_when_its_stdin_closes(testbed):
+    """What a controller does for `events -f` across hosts: the request, then stdin kept open; the
+    history and each new event come as items; closing stdin (a Ctrl-C passed on) ends the stream
+    with its reply, and the agent with it."""
+    from testbed.faults import control
+    from testbed.topology.loader import load_topology
+
+    name = testbed(load_topology("star", ["params.n=2", "tiers.host.delay=0"]))["name"]
+    agent = subprocess.Popen([sys.executable, "-m", "testbed", "agent"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=REPO, env=os.environ)
+    try:
+        agent.stdin.write(json.dumps({"op": "events", "name": name, "kinds": ["up", "link"], "follow": True}) + "\n")
+        agent.stdin.flush()
+        assert protocol.read_hello(agent.stdout.readline())
+        assert json.loads(agent.stdout.readline())["item"]["kind"] == "up"
+        control.link_down(name, "w0", "s0")
+        item = json.loads(agent.stdout.readline())["item"]
+        assert (item["kind"], item["what"].split()[:2]) == ("link", ["link", "down"]), item
+        agent.stdin.close()
+        assert json.loads(agent.stdout.readline()) == {"ok": True, "value": {"skipped": 0}}
+        assert agent.wait(timeout=10) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()

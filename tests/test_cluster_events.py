@@ -50,7 +50,7 @@ def test_events_of_both_hosts_merged_in_time_order_and_followed(line):
     assert any(re.search(r"\sh2\s+link\s+link down", x) for x in text[1:]), text
     assert not any(" up: " in x for x in text), text   # --kind went to the hosts
 
-    # -f: what was there, then what comes, as it comes, until a Ctrl-C ends every host's `events -f`
+    # -f: what was there, then what comes, as it comes, until a Ctrl-C ends every host's stream
     follow = subprocess.Popen([sys.executable, "-m", "testbed", "events", "-f", "--json", "--name", line],
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -66,14 +66,13 @@ def test_events_of_both_hosts_merged_in_time_order_and_followed(line):
             if r["t"] >= t1:
                 new.append((r["host"], r["what"].split()[1]))
         assert sorted(new) == [("h1", "down"), ("h1", "up"), ("h2", "down"), ("h2", "up")], new
-        assert pids_with(f"events --json --name {line} -f"), "no events -f on the hosts"
+        assert pids_with("testbed agent"), "no agent streaming the events on the hosts"
         follow.send_signal(signal.SIGINT)   # what Ctrl-C on the controller's terminal does
         _, err = follow.communicate(timeout=30)
     finally:
         _stop(follow)
     assert follow.returncode == 0, err   # a Ctrl-C ends -f, as on one host
-    wait_for(lambda: not pids_with(f"events --json --name {line} -f"), timeout=10,
-             what="events -f to end on every host")
+    wait_for(lambda: not pids_with("testbed agent"), timeout=10, what="the hosts' agents to end their streams")
 
 
 def test_stacks_of_a_job_across_hosts(line):

@@ -107,7 +107,7 @@ def test_follow_sees_new_events_and_ends_with_the_testbed(state_dir):
 
 
 def test_hosts_events_merge_in_time_order_each_with_its_host():
-    from testbed.cli.events import merge
+    from testbed.observe.answers import merge
 
     h1 = [{"t": 10.0, "kind": "up", "what": "up"}, {"t": 12.0, "kind": "link", "what": "link down s0-s1"},
           {"t": 14.0, "kind": "link", "what": "link up s0-s1"}]
@@ -125,7 +125,7 @@ def test_hosts_answers_failures_and_the_host_column():
     from types import SimpleNamespace
 
     from testbed import events
-    from testbed.cli.events import parse_answers
+    from testbed.observe.answers import parse_answers
 
     ok = SimpleNamespace(rc=0, stdout=json.dumps({"t": 1.5, "kind": "up", "what": "up"}) + "\nnoise\n", stderr="")
     down = SimpleNamespace(rc=3, stdout="", stderr="error: no testbed named 'x' is up\n")

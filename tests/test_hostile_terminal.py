@@ -148,19 +148,15 @@ def test_hosts_answers_to_cleanup_are_shown_as_written(consoles):
 
 
 def test_hosts_events_are_shown_as_written(consoles, monkeypatch):
-    from testbed.cli import events
-    from testbed.cluster import controller
+    from testbed.agent.protocol import EventRecord, EventsEnd
+    from testbed.cluster.agents import HostFailed, Streamed
 
-    rec = json.dumps({"t": 1.0, "kind": "link", "what": HOSTILE})
-    rec3 = json.dumps({"t": 2.0, "kind": "link", "what": HOSTILE})
-    monkeypatch.setattr(events, "_host_names", lambda tb: ["h1", "h2", "h3"])
-    monkeypatch.setattr(controller, "run_on_every_host", lambda *a, **k: {
-        "h1": SimpleNamespace(rc=0, stdout=rec + "\n", stderr=HOSTILE),
-        "h2": SimpleNamespace(rc=1, stdout="", stderr=HOSTILE),
-        "h3": SimpleNamespace(rc=0, stdout=rec3 + "\n", stderr="")})
-    assert events._across_hosts("tb", None, False)   # (h2 failed)
+    said = {"h1": Streamed([EventRecord(t=1.0, kind="link", what=HOSTILE)], EventsEnd(skipped=2)),
+            "h2": HostFailed("h2", HOSTILE)}
+    _spread_testbed(monkeypatch, lambda h, r: said[h])
+    assert _cli(monkeypatch, "events", "--name", "tb") == 1   # (h2 failed)
     text = _shown(*consoles)
-    assert text.count("[/tmp]") == 3   # two events, h1's note (h2's failure: its last line)
+    assert text.count("[/tmp]") == 2 and "h1: 2 line(s)" in text   # h1's event, h2's failure; h1's note
     _assert_inert(text)
 
 

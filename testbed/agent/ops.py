@@ -9,6 +9,8 @@ host; every host keeps the whole record (faults.nodes, the links' states), so ev
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 NODE_VERBS = ("down", "up", "crash", "slow", "restore")
@@ -94,3 +96,27 @@ def ps(name: str, nodes: list[str], all_nodes: bool = False) -> list[dict[str, A
     for row in rows:   # (what the wire carries of a command line: protocol.ProcessRow)
         row["command"] = row["command"][:COMMAND_MAX]
     return rows
+
+
+def stacks(name: str) -> list[dict[str, Any]]:
+    """Every rank's stack on this host (testbed.jobs.stacks.to_json)."""
+    from testbed.jobs import stacks as rank_stacks
+
+    return rank_stacks.to_json(rank_stacks.take(name))
+
+
+def events(name: str, kinds: list[str] | None, follow: bool, emit: Callable[[dict[str, Any]], None],
+           stop: threading.Event | None = None) -> dict[str, Any]:
+    """This host's events of testbed `name` (of `kinds`), each passed to emit(record); with follow,
+    the new ones too, until `stop` or the testbed goes down. Returns how many lines were skipped."""
+    from testbed import events as stream
+    from testbed.errors import StateError
+    from testbed.store import exists
+
+    if not exists(name):
+        raise StateError(f"no testbed named {name!r} is up here")
+    skipped = [0]
+    for rec in stream.read(name, follow=follow, skipped=skipped, stop=stop):
+        if kinds is None or rec["kind"] in kinds:
+            emit(rec)
+    return {"skipped": skipped[0]}

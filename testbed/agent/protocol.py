@@ -3,7 +3,10 @@
 The agent first says who it is: `{"agent": PROTOCOL, "version": "<testbed version>"}`. Then, for
 each request `{"op": "link.down", "name": "NAME", "a": "s0", "b": "s1"}` (the fields are the op's:
 REQUESTS), one reply: `{"ok": true, "value": ...}` or `{"ok": false, "error": "why", "exit_code": N}`.
-The controller closes the agent's stdin when it has nothing more to ask; the agent ends then.
+A stream op (STREAMS: `events`) first sends its items, one `{"item": ...}` a line, as they come,
+then its reply. The controller closes the agent's stdin when it has nothing more to ask; the agent
+ends then, and a stream that follows (events -f) ends at once with its reply: closing stdin is how
+a controller passes a Ctrl-C on.
 
 Both ends check what they read. A request names only the ops below, with the fields each takes,
 and a testbed's name in the form testbed gives names. A reply is a host's word, hostile input to
@@ -84,13 +87,26 @@ class Node(_Request):
     cpus: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
 
 
+class Stacks(_Request):
+    op: Literal["stacks"]
+
+
+EVENT_KINDS = ("up", "down", "link", "node", "partition", "scenario", "run", "verdict", "capture")   # events.KINDS
+
+
+class Events(_Request):
+    op: Literal["events"]
+    kinds: list[Literal[EVENT_KINDS]] | None = None   # type: ignore[valid-type]
+    follow: bool = False
+
+
 class Ps(_Request):
     op: Literal["ps"]
     nodes: list[NodeName] = Field(default_factory=list, max_length=100_000)
     all_nodes: bool = False
 
 
-Request = Annotated[Union[Status, LinkShow, LinkSet, LinkDown, LinkUp, LinkReset, Partition, Heal, Node, Ps],
+Request = Annotated[Union[Status, LinkShow, LinkSet, LinkDown, LinkUp, LinkReset, Partition, Heal, Node, Ps, Stacks, Events],
                     Field(discriminator="op")]
 REQUESTS = TypeAdapter(Request)
 
@@ -157,6 +173,38 @@ class ProcessRow(BaseModel):
     command: Annotated[str, StringConstraints(max_length=8192)]
 
 
+class Frame(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    function: Annotated[str, StringConstraints(max_length=1000)]
+    file: Annotated[str, StringConstraints(max_length=4096)]
+    line: Annotated[int, Field(ge=0)]
+
+
+class RankDoc(BaseModel):
+    """One rank's stack (testbed.jobs.stacks.to_json)."""
+    model_config = ConfigDict(extra="ignore")
+    pid: Annotated[int, Field(ge=1)]
+    rank: Annotated[int, Field(ge=0)] | None = None
+    worker: NodeName | None = None
+    phantom: bool = False
+    frames: list[Frame] = Field(default_factory=list, max_length=10_000)
+    threads: Annotated[int, Field(ge=0)] = 0
+    error: Annotated[str, StringConstraints(max_length=4000)] | None = None
+
+
+class EventRecord(BaseModel):
+    """One event (testbed.events: what a host's stream holds); its other fields are passed on as given."""
+    model_config = ConfigDict(extra="allow")
+    t: Annotated[float, Field(allow_inf_nan=False)]
+    kind: Literal[EVENT_KINDS]   # type: ignore[valid-type]
+    what: Annotated[str, StringConstraints(max_length=16384)]
+
+
+class EventsEnd(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    skipped: Annotated[int, Field(ge=0)] = 0   # lines of the host's stream that were not events
+
+
 VALUES: dict[str, TypeAdapter[Any]] = {
     "status": TypeAdapter(HostStatus),
     "link.show": TypeAdapter(list[LinkRecord]),
@@ -168,7 +216,10 @@ VALUES: dict[str, TypeAdapter[Any]] = {
     "heal": TypeAdapter(bool),
     "node": TypeAdapter(Annotated[int, Field(ge=0)] | None),
     "ps": TypeAdapter(list[ProcessRow]),
+    "stacks": TypeAdapter(list[RankDoc]),
+    "events": TypeAdapter(EventsEnd),
 }
+STREAMS: dict[str, TypeAdapter[Any]] = {"events": TypeAdapter(EventRecord)}   # op -> its items' type
 
 
 class ProtocolError(ValueError):
@@ -204,6 +255,27 @@ def reply_ok(value: Any) -> str:
     return json.dumps({"ok": True, "value": value})
 
 
+def item_line(value: Any) -> str:
+    return json.dumps({"item": value}, default=str)
+
+
+def read_item(op: str, doc: dict[str, Any]) -> Any:
+    """An item of stream op `op` (a line already read as an object with an "item"), checked."""
+    if op not in STREAMS:
+        raise ProtocolError(f"an item in its reply to {op}, which is no stream")
+    try:
+        return STREAMS[op].validate_python(doc["item"], strict=True)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ())) or "item"
+        raise ProtocolError(f"an item of {op}: {where}: {err.get('msg')}") from None
+
+
+def read_line(line: str) -> dict[str, Any]:
+    """A line after the first, as an object (an item or a reply)."""
+    return _object(line, "a line")
+
+
 def reply_error(message: str, exit_code: int) -> str:
     return json.dumps({"ok": False, "error": message, "exit_code": exit_code})
 
@@ -216,9 +288,10 @@ class Refused(Exception):
         self.exit_code = exit_code
 
 
-def read_reply(op: str, line: str) -> Any:
+def read_reply(op: str, line: str | dict[str, Any]) -> Any:
     """The value of a reply to `op`, checked against the op's type; Refused if the host refused."""
-    doc = _object(line, "a reply")
+    doc = _object(line, "a reply") if isinstance(line, str) else line
+    line = line if isinstance(line, str) else json.dumps(doc)[:200]
     if doc.get("ok") is True:
         try:
             return VALUES[op].validate_python(doc.get("value"), strict=True)   # (strict: "yes" is no bool)

@@ -1,21 +1,27 @@
 """`testbed agent`: answer a controller's requests on stdin, one reply a line on stdout.
 
 A request is carried out by testbed.agent.ops on this host's state, in the order it came; a request
-that fails gets its error as its reply and the agent reads on. End of stdin ends the agent."""
+that fails gets its error as its reply and the agent reads on. A stream op writes its items as they
+come, then its reply. End of stdin ends the agent once what came before it is answered, and a
+stream that follows stops at once: that is how the controller passes a Ctrl-C on."""
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 from typing import IO, Any
 
 from testbed.agent import ops, protocol
 from testbed.errors import TestbedError
 
 LINE_MAX = 1 << 20   # a request is small; a longer line is refused whole
+_TOO_LONG = object()
 
 
-def answer(req: Any) -> Any:
-    """What `req` (a protocol request) asks, done on this host: its reply's value."""
+def answer(req: Any, emit: Any = None, stop: threading.Event | None = None) -> Any:
+    """What `req` (a protocol request) asks, done on this host: its reply's value. A stream op passes
+    each item to emit(item) first, and ends early once `stop` is set."""
     op = req.op
     if op == "status":
         return ops.status(req.name)
@@ -37,38 +43,64 @@ def answer(req: Any) -> Any:
         return ops.node(req.name, req.verb, req.node, req.cpus)
     if op == "ps":
         return ops.ps(req.name, list(req.nodes), req.all_nodes)
+    if op == "stacks":
+        return ops.stacks(req.name)
+    if op == "events":
+        return ops.events(req.name, None if req.kinds is None else list(req.kinds), req.follow, emit, stop)
     raise protocol.ProtocolError(f"op: no op {op!r}")   # (REQUESTS admits none other)
 
 
-def _reply(line: str) -> str:
+class _Out:
+    """stdout, one whole line at a time (a stream's items come from the op's thread)."""
+
+    def __init__(self, out: IO[str]):
+        self._out, self._lock = out, threading.Lock()
+
+    def line(self, text: str) -> None:
+        with self._lock:
+            self._out.write(text + "\n")
+            self._out.flush()
+
+
+def _reply(raw: Any, out: _Out, closed: threading.Event) -> str:
+    if raw is _TOO_LONG:
+        return protocol.reply_error(f"request: a line over {LINE_MAX} bytes", 2)
     try:
-        req = protocol.read_request(line)
+        req = protocol.read_request(raw.decode("utf-8", "replace"))
     except protocol.ProtocolError as exc:
         return protocol.reply_error(f"request: {exc}", 2)
     try:
-        return protocol.reply_ok(answer(req))
+        return protocol.reply_ok(answer(req, lambda item: out.line(protocol.item_line(item)), closed))
     except TestbedError as exc:
         return protocol.reply_error(str(exc), exc.exit_code)
     except OSError as exc:
         return protocol.reply_error(str(exc), 1)
 
 
+def _read(src: IO[bytes], lines: queue.Queue, closed: threading.Event) -> None:
+    """stdin's lines into `lines` (an over-long one as _TOO_LONG, its rest dropped); its end sets `closed`."""
+    try:
+        while raw := src.readline(LINE_MAX + 1):
+            if len(raw) > LINE_MAX and not raw.endswith(b"\n"):
+                while raw and not raw.endswith(b"\n"):
+                    raw = src.readline(LINE_MAX + 1)
+                lines.put(_TOO_LONG)
+            elif raw.strip():
+                lines.put(raw)
+    except (OSError, ValueError):
+        pass
+    finally:
+        closed.set()
+        lines.put(None)
+
+
 def serve(stdin: IO[bytes] | None = None, stdout: IO[str] | None = None) -> None:
     """Say hello, then one reply per request line until stdin ends."""
-    src = stdin if stdin is not None else sys.stdin.buffer
-    out = stdout if stdout is not None else sys.stdout
-    out.write(protocol.hello() + "\n")
-    out.flush()
-    while True:
-        raw = src.readline(LINE_MAX + 1)
-        if not raw:
-            return
-        if len(raw) > LINE_MAX and not raw.endswith(b"\n"):
-            while raw and not raw.endswith(b"\n"):   # (the rest of that line is read and dropped)
-                raw = src.readline(LINE_MAX + 1)
-            out.write(protocol.reply_error(f"request: a line over {LINE_MAX} bytes", 2) + "\n")
-        elif raw.strip():
-            out.write(_reply(raw.decode("utf-8", "replace")) + "\n")
-        else:
-            continue
-        out.flush()
+    out = _Out(stdout if stdout is not None else sys.stdout)
+    lines: queue.Queue = queue.Queue()
+    closed = threading.Event()
+    threading.Thread(target=_read, args=(stdin if stdin is not None else sys.stdin.buffer, lines, closed),
+                     name="agent-stdin", daemon=True).start()
+    out.line(protocol.hello())
+    while (raw := lines.get()) is not None:
+        out.line(_reply(raw, out, closed))

@@ -1,19 +1,26 @@
-"""The controller's end of the agents: a request to the hosts of a testbed, their checked answers.
+"""The controller's end of the agents: requests to the hosts of a testbed, their checked answers.
 
 Each host runs `testbed agent` over one SSH session (testbed.agent.serve), is sent the requests on
-its stdin and answers one line each (testbed.agent.protocol). What a host answers is hostile input:
-every value is checked against its op's type, and a host that answers out of protocol is a failed
-host, with what it said cut short.
+its stdin and answers each in order (testbed.agent.protocol). `ask` sends requests and reads the
+answers once the agents end; `stream` sends one stream request and passes its items on as they
+come, until the streams end or the caller stops them (each agent's stdin closed: its stream ends).
+
+What a host answers is hostile input: every value and item is checked against its op's type, a
+line is bounded, and a host that answers out of protocol is a failed host from there on, with what
+it said cut short.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from testbed.errors import TestbedError
 
 ASK_TIMEOUT_S = 600.0
+LINE_MAX = 16 << 20   # a reply's or an item's line (k=16 status: ~2 MB); a longer one is cut, then refused
 
 
 class HostFailed(TestbedError):
@@ -24,35 +31,95 @@ class HostFailed(TestbedError):
         self.host, self.why, self.exit_code = host, why, exit_code
 
 
-def _answers(host: str, requests: Sequence[Any], res: Any) -> list[Any]:
-    """Each request's value (or HostFailed) from what the host's agent wrote."""
-    from testbed.agent import protocol
-    from testbed.cluster.controller import _why
+@dataclass
+class Streamed:
+    """A stream op's answer read whole (by `ask`): its items, then its reply's value."""
+    items: list[Any]
+    end: Any
 
-    if isinstance(res, Exception):
-        return [HostFailed(host, str(res))] * len(requests)
-    lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
-    try:
-        if not lines:
-            raise protocol.ProtocolError("no answer")
-        protocol.read_hello(lines[0])
-    except protocol.ProtocolError as exc:
-        said = _why(res) if res.rc != 0 else str(exc)
-        if res.rc == 2 and "agent" in (res.stderr or ""):   # a testbed without the agent: older than this one
-            said += " (its testbed has no `agent`: run `testbed install` for this version)"
-        return [HostFailed(host, said)] * len(requests)
-    out: list[Any] = []
-    for i, req in enumerate(requests):
-        if i + 1 >= len(lines):
-            out.append(HostFailed(host, f"no answer to {req.op} ({_why(res)})"))
-            continue
+
+@dataclass
+class _Conversation:
+    """What one host's agent says, line by line, read against the requests it was sent. on_item:
+    each item of a stream as it comes (otherwise kept, and the answer is a Streamed)."""
+    host: str
+    requests: Sequence[Any]
+    on_item: Callable[[str, Any], None] | None = None
+    hello: bool = False
+    values: list[Any] = field(default_factory=list)
+    items: list[Any] = field(default_factory=list)
+    broken: HostFailed | None = None
+
+    def feed(self, line: str) -> None:
+        from testbed.agent import protocol
+
+        if self.broken is not None or not line.strip():
+            return
         try:
-            out.append(protocol.read_reply(req.op, lines[i + 1]))
-        except protocol.Refused as exc:
-            out.append(HostFailed(host, str(exc), exc.exit_code))
+            if not self.hello:
+                protocol.read_hello(line)
+                self.hello = True
+                return
+            if len(self.values) >= len(self.requests):
+                raise protocol.ProtocolError("it said more than it was asked")
+            req = self.requests[len(self.values)]
+            doc = protocol.read_line(line)
+            if "item" in doc:
+                item = protocol.read_item(req.op, doc)
+                if self.on_item is not None:
+                    self.on_item(self.host, item)
+                else:
+                    self.items.append(item)
+                return
+            try:
+                value = protocol.read_reply(req.op, doc)
+            except protocol.Refused as exc:
+                value = HostFailed(self.host, str(exc), exc.exit_code)
+            if req.op in protocol.STREAMS and self.on_item is None and not isinstance(value, HostFailed):
+                value = Streamed(self.items, value)
+            self.items = []
+            self.values.append(value)
         except protocol.ProtocolError as exc:
-            out.append(HostFailed(host, str(exc)))
-    return out
+            self.broken = HostFailed(self.host, str(exc))
+
+    def outcome(self, res: Any) -> list[Any]:
+        """Each request's value, or the HostFailed that stands for it, once the agent's command ended
+        (res: its RemoteResult, or the exception that ended it)."""
+        from testbed.cluster.controller import _why
+
+        out = list(self.values)
+        if isinstance(res, BaseException):
+            failure = HostFailed(self.host, str(res) or type(res).__name__)
+        elif self.broken is not None:
+            failure = self.broken
+        elif not self.hello:
+            said = _why(res) if res.rc != 0 else "no answer"
+            if res.rc == 2 and "agent" in (res.stderr or ""):   # a testbed without the agent: older than this one
+                said += " (its testbed has no `agent`: run `testbed install` for this version)"
+            failure = HostFailed(self.host, said)
+        else:
+            failure = None
+        for req in self.requests[len(out):]:
+            out.append(failure or HostFailed(self.host, f"no answer to {req.op} ({_why(res)})"))
+        return out
+
+
+def _answers(host: str, requests: Sequence[Any], res: Any) -> list[Any]:
+    """Each request's value (or HostFailed) from what the host's agent wrote, read after it ended."""
+    talk = _Conversation(host, requests)
+    if not isinstance(res, BaseException):
+        for line in res.stdout.splitlines():
+            talk.feed(line)
+    return talk.outcome(res)
+
+
+def _record(name: str) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """(the controller's record, host name -> its hosts-file entry, the testbed's hosts in order)."""
+    from testbed.cluster.controller import load
+
+    doc = load(name)
+    by_name = {h.name: h for h in doc["_hosts"]}
+    return doc, by_name, [h for h in doc.get("hosts", {}) if h in by_name]
 
 
 def ask(name: str, requests: Sequence[Any] | Mapping[str, Sequence[Any]], *, every: bool = True,
@@ -60,19 +127,18 @@ def ask(name: str, requests: Sequence[Any] | Mapping[str, Sequence[Any]], *, eve
     """`requests` (testbed.agent.protocol requests), in order, to the agent on every host of testbed
     `name` at once, or (every=False: a read every host answers alike) to the first host that answers;
     a mapping host -> requests asks those hosts alone, each its own. Returns host -> each request's
-    value, or the HostFailed that stands for it."""
+    value (a stream op's: a Streamed), or the HostFailed that stands for it."""
     from testbed.agent import protocol
-    from testbed.cluster.controller import _close, _controls, _parallel, load
+    from testbed.cluster.controller import _close, _controls, _parallel
 
-    doc = load(name)
-    by_name = {h.name: h for h in doc["_hosts"]}
+    doc, by_name, hosts = _record(name)
     if isinstance(requests, Mapping):
         unknown = [h for h in requests if h not in by_name]
         if unknown:
             raise TestbedError(f"testbed {name} has no host {unknown[0]!r}")
         per_host = {h: list(reqs) for h, reqs in requests.items()}
     else:
-        per_host = {h: list(requests) for h in doc.get("hosts", {}) if h in by_name}
+        per_host = {h: list(requests) for h in hosts}
     hosts = list(per_host)
 
     def one(ctl: Any) -> Any:
@@ -95,3 +161,42 @@ def ask(name: str, requests: Sequence[Any] | Mapping[str, Sequence[Any]], *, eve
         finally:
             _close(ctls)
     return tried
+
+
+def stream(name: str, request: Any, on_item: Callable[[str, Any], None], *,
+           on_end: Callable[[str, Any], None] | None = None, stop: threading.Event | None = None,
+           progress: Callable[[str], None] = lambda _m: None, timeout: float | None = None) -> dict[str, Any]:
+    """`request` (a stream op) to the agent on every host of testbed `name` at once, each item passed
+    on as it comes: on_item(host, item), from the hosts' threads. Until every host's stream ends,
+    `stop` is set, or a Ctrl-C: then each agent's stdin is closed, which ends its stream, and its
+    reply is still read (a second Ctrl-C stops waiting). on_end(host, value or HostFailed): as each
+    host's stream ends. Returns host -> the same."""
+    from testbed.agent import protocol
+    from testbed.cluster.controller import _close, _controls, _parallel, _Pipe
+    from testbed.cluster.remote import lines
+
+    doc, by_name, hosts = _record(name)
+    talks = {h: _Conversation(h, [request], on_item) for h in hosts}
+    pipes = {h: _Pipe() for h in hosts}
+    for p in pipes.values():
+        p.write((protocol.request_line(request) + "\n").encode())
+    ends: dict[str, Any] = {}
+
+    def one(ctl: Any, stdin: Any) -> Any:
+        res: Any
+        try:
+            res = ctl.run([*by_name[ctl.name].testbed_argv, "agent"], stdin=stdin, timeout=timeout,
+                          on_stdout=lines(talks[ctl.name].feed, LINE_MAX))
+        except Exception as exc:  # noqa: BLE001 - the host's failure, read as its answer
+            res = exc
+        ends[ctl.name] = talks[ctl.name].outcome(res)[0]
+        if on_end is not None:
+            on_end(ctl.name, ends[ctl.name])
+        return ends[ctl.name]
+
+    ctls = _controls([by_name[h] for h in hosts], doc.get("known_hosts"), False)
+    try:
+        _parallel(ctls, hosts, one, lifeline=True, progress=progress, stop=stop, pipes=pipes)
+    finally:
+        _close(ctls)
+    return {h: ends.get(h, HostFailed(h, "no answer")) for h in hosts}

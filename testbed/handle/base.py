@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Note:
+    """What a host said besides its answer: why it failed (failed), or a remark; host None: here."""
+    host: str | None
+    text: str
+    failed: bool = False
 
 
 class Testbed(ABC):
@@ -62,3 +71,14 @@ class Testbed(ABC):
     def ps(self, nodes: list[str], all_nodes: bool = False) -> tuple[list[dict[str, Any]], dict[str, str]]:
         """The processes of the nodes named (default: every worker; all_nodes: switches too), in
         topology order (spread: each row with its `host`), and the hosts that did not answer, with why."""
+
+    @abstractmethod
+    def stacks(self, workers: set[str] | None = None) -> tuple[list[Any], dict[str, str]]:
+        """Every rank's stack (testbed.jobs.stacks.RankStack; of `workers` alone), in rank order, and
+        the hosts that did not answer, with why."""
+
+    @abstractmethod
+    def events(self, kinds: list[str] | None = None, follow: bool = False) -> Iterator[dict[str, Any] | Note]:
+        """The events from `up` on (of `kinds`), in time order (spread: each with its `host`); with
+        follow, then each new one as it comes (spread: in arrival order), until a Ctrl-C or `down`.
+        Notes say what a host said besides, and which failed."""

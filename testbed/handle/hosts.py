@@ -9,13 +9,17 @@ fails when any host fails it: HostsFailed says each host's word, and which hosts
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import queue
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pydantic import ValidationError
 
 from testbed.errors import TestbedError
-from testbed.handle.base import Testbed
+from testbed.handle.base import Note, Testbed
+
+_DONE = object()
 
 
 class HostsFailed(TestbedError):
@@ -168,3 +172,80 @@ class HostsTestbed(Testbed):
         order = {n: i for i, n in enumerate(placement)}
         rows.sort(key=lambda r: (order.get(r["node"], len(order)), r["nspid"] or 0, r["pid"]))
         return rows, failed
+
+    def stacks(self, workers: set[str] | None = None) -> tuple[list[Any], dict[str, str]]:
+        """Asks the hosts that hold the testbed's workers (those in `workers`); identical stacks are
+        grouped across hosts by the caller (testbed.jobs.stacks)."""
+        from testbed.cluster.agents import HostFailed, ask
+        from testbed.jobs import stacks
+
+        placement: dict[str, str] = self._record["placement"]
+        kinds = {n.get("name"): n.get("kind") for n in (self._record.get("topology") or {}).get("nodes") or []}
+        hosts = {placement[n] for n in placement
+                 if kinds.get(n, "worker") == "worker" and (workers is None or n in workers)}
+        by_host, failed = {}, {}
+        for host, (value,) in ask(self.name, {h: [self._request("stacks")] for h in sorted(hosts)},
+                                  timeout=120).items():
+            if isinstance(value, HostFailed):
+                failed[host] = value.why
+            else:
+                by_host[host] = [stacks.RankStack(r.pid, r.rank, r.worker, r.phantom,
+                                                  [(f.function, f.file, f.line) for f in r.frames], r.threads,
+                                                  r.error, host) for r in value]
+        got = stacks.merge_hosts(by_host, placement)
+        return [s for s in got if workers is None or s.worker in workers], failed
+
+    def events(self, kinds: list[str] | None = None, follow: bool = False) -> Iterator[dict[str, Any] | Note]:
+        from testbed.cluster.agents import HostFailed, ask, stream
+        from testbed.observe.answers import merge
+
+        req = self._request("events", kinds=kinds, follow=follow)
+
+        def note(host: str, value: Any) -> Note | None:
+            if isinstance(value, HostFailed):
+                return Note(host, value.why, failed=True)
+            skipped = value.skipped
+            return Note(host, f"{skipped} line(s) of its events were not events and were skipped") if skipped else None
+
+        if not follow:
+            got, notes = {}, []
+            for host, (value,) in ask(self.name, [req], timeout=120).items():
+                if not isinstance(value, HostFailed):
+                    got[host] = [r.model_dump() for r in value.items]
+                notes.append(note(host, value if isinstance(value, HostFailed) else value.end))
+            yield from merge(got)
+            yield from (n for n in notes if n is not None)
+            return
+        came: queue.Queue = queue.Queue()
+        stop = threading.Event()
+
+        def run() -> None:
+            try:
+                stream(self.name, req, lambda host, rec: came.put({**rec.model_dump(), "host": host}),
+                       on_end=lambda host, value: came.put(note(host, value)), stop=stop)
+            except Exception as exc:  # noqa: BLE001 - the record could not be read: said as a failure
+                came.put(Note(None, str(exc), failed=True))
+            finally:
+                came.put(_DONE)
+
+        ended = threading.Event()
+        threading.Thread(target=lambda: (run(), ended.set()), name="events-hosts", daemon=True).start()
+        try:
+            while True:
+                try:
+                    got = came.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                except KeyboardInterrupt:   # every host's stream ends (its agent's stdin closed)
+                    stop.set()
+                    continue
+                if got is _DONE:
+                    return
+                if got is not None:
+                    yield got
+        finally:   # (also when the caller stops reading, as on a Ctrl-C while it printed)
+            stop.set()
+            try:
+                ended.wait(60)   # each host's reply, once its stream ended; a second Ctrl-C: stop waiting
+            except KeyboardInterrupt:
+                pass

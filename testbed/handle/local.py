@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from testbed.agent import ops
-from testbed.handle.base import Testbed
+from testbed.handle.base import Note, Testbed
 
 
 class LocalTestbed(Testbed):
@@ -47,3 +47,22 @@ class LocalTestbed(Testbed):
 
     def ps(self, nodes: list[str], all_nodes: bool = False) -> tuple[list[dict[str, Any]], dict[str, str]]:
         return ops.ps(self.name, nodes, all_nodes), {}
+
+    def stacks(self, workers: set[str] | None = None) -> tuple[list[Any], dict[str, str]]:
+        from testbed.jobs import stacks
+
+        got = stacks.take(self.name)
+        return [s for s in got if workers is None or s.worker in workers], {}
+
+    def events(self, kinds: list[str] | None = None, follow: bool = False) -> Iterator[dict[str, Any] | Note]:
+        from testbed import events
+
+        skipped = [0]
+        try:
+            for rec in events.read(self.name, follow=follow, skipped=skipped):
+                if kinds is None or rec["kind"] in kinds:
+                    yield rec
+        except KeyboardInterrupt:   # (the end of -f)
+            pass
+        if skipped[0]:
+            yield Note(None, f"{skipped[0]} line(s) of {events.path(self.name)} are not events and were skipped")
