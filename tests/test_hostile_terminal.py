@@ -11,12 +11,10 @@ only the hosts' answers are stand-ins (pure logic: what a verb does with a host'
 from __future__ import annotations
 
 import io
-import json
 import os
 from types import SimpleNamespace
 
 import pytest
-import typer
 from rich.console import Console
 
 # a host's or a rank's words: markup, an OSC title, a bell, a screen clear, a carriage return
@@ -170,8 +168,8 @@ def test_ranks_lines_of_a_run_over_hosts_are_shown_as_written(consoles):
     _assert_inert(text)
 
 
-def test_cp_and_logs_on_one_remote_host_pass_its_words_on_inert(monkeypatch, capsys):
-    from testbed.cli import attach, cp, logs
+def test_cp_on_one_remote_host_passes_its_words_on_inert(monkeypatch, capsys):
+    from testbed.cli import attach, cp
     from testbed.cluster import controller
 
     said = SimpleNamespace(rc=0, stdout=HOSTILE + "\n", stderr=HOSTILE + "\n")
@@ -179,19 +177,30 @@ def test_cp_and_logs_on_one_remote_host_pass_its_words_on_inert(monkeypatch, cap
     monkeypatch.setattr(controller, "run_on_node_host", lambda *a, **k: said)
     monkeypatch.setattr(attach, "node_host", lambda tb, n: "h1")
     cp._across_hosts("tb", "a:/x", "b:/y")
-    logs._across_hosts("tb", "a", False, None)
-
-    def streamed(tb, node, argv, *, lifeline=False, on_stdout=None):   # logs -f: the output in pieces
-        data = ("é" + HOSTILE).encode()
-        for i in range(len(data)):
-            on_stdout(data[i:i + 1])   # (a character cut in two comes out whole)
-        return SimpleNamespace(rc=0, stdout="", stderr=HOSTILE)
-    monkeypatch.setattr(controller, "run_on_node_host", streamed)
-    with pytest.raises(typer.Exit):
-        logs._across_hosts("tb", "a", True, None)
     got = capsys.readouterr()
     text = got.out + got.err
-    assert text.count("[/tmp]") == 6 and "é" in got.out
+    assert text.count("[/tmp]") == 2
+    _assert_inert(text)
+
+
+def test_logs_of_a_remote_node_pass_its_words_on_inert(monkeypatch, capsys):
+    from testbed.agent.protocol import LogsEnd
+    from testbed.cluster import agents
+    from testbed.cluster.agents import Streamed
+
+    _spread_testbed(monkeypatch, lambda h, r: Streamed([HOSTILE + "\n"], LogsEnd(shown=1, directory="/d")))
+    assert _cli(monkeypatch, "logs", "w1", "--name", "tb") == 0
+
+    def streamed(name, req, on_item, *, hosts=None, **kw):   # logs -f: the output in pieces, as read there
+        assert hosts == ["h2"] and req.follow
+        for piece in ("é", HOSTILE[:9], HOSTILE[9:]):
+            on_item("h2", piece)
+        return {"h2": LogsEnd(shown=0, directory=HOSTILE)}
+    monkeypatch.setattr(agents, "stream", streamed)
+    assert _cli(monkeypatch, "logs", "w1", "-f", "--name", "tb") == 0
+    got = capsys.readouterr()
+    text = got.out + got.err
+    assert text.count("[/tmp]") == 2 and "é" in got.out
     _assert_inert(text)
 
 
@@ -200,7 +209,7 @@ def test_logs_shows_plain_files_only_and_what_they_hold_inert(tmp_path):
     root's is not followed, a FIFO not waited on, and what the job printed is shown inert."""
     import threading
 
-    from testbed.cli import logs
+    from testbed.observe import logs
 
     d = tmp_path / "logs"
     d.mkdir()

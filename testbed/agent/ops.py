@@ -120,3 +120,29 @@ def events(name: str, kinds: list[str] | None, follow: bool, emit: Callable[[dic
         if kinds is None or rec["kind"] in kinds:
             emit(rec)
     return {"skipped": skipped[0]}
+
+
+class _Pieces:
+    """A binary stream whose every write is passed on as text (what testbed.observe.logs.show writes:
+    whole characters, made inert)."""
+
+    def __init__(self, emit: Callable[[str], None]):
+        self._emit = emit
+
+    def write(self, data: bytes) -> int:
+        if data:
+            self._emit(data.decode("utf-8", "replace"))
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def logs(name: str, node: str, follow: bool, tail: int | None, emit: Callable[[str], None],
+         stop: threading.Event | None = None) -> dict[str, Any]:
+    """The output of the jobs in `node`, which this host holds, each piece passed to emit(text); with
+    follow, what comes next too, until `stop`. Returns how many files were shown, and where."""
+    from testbed.observe.logs import node_logs
+
+    shown, d = node_logs(name, node, follow=follow, lines=tail, out=_Pieces(emit), stop=stop)  # type: ignore[arg-type]
+    return {"shown": shown, "directory": str(d)}

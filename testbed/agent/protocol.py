@@ -3,7 +3,7 @@
 The agent first says who it is: `{"agent": PROTOCOL, "version": "<testbed version>"}`. Then, for
 each request `{"op": "link.down", "name": "NAME", "a": "s0", "b": "s1"}` (the fields are the op's:
 REQUESTS), one reply: `{"ok": true, "value": ...}` or `{"ok": false, "error": "why", "exit_code": N}`.
-A stream op (STREAMS: `events`) first sends its items, one `{"item": ...}` a line, as they come,
+A stream op (STREAMS: `events`, `logs`) first sends its items, one `{"item": ...}` a line, as they come,
 then its reply. The controller closes the agent's stdin when it has nothing more to ask; the agent
 ends then, and a stream that follows (events -f) ends at once with its reply: closing stdin is how
 a controller passes a Ctrl-C on.
@@ -100,13 +100,20 @@ class Events(_Request):
     follow: bool = False
 
 
+class Logs(_Request):
+    op: Literal["logs"]
+    node: NodeName
+    follow: bool = False
+    tail: Annotated[int, Field(ge=0)] | None = None
+
+
 class Ps(_Request):
     op: Literal["ps"]
     nodes: list[NodeName] = Field(default_factory=list, max_length=100_000)
     all_nodes: bool = False
 
 
-Request = Annotated[Union[Status, LinkShow, LinkSet, LinkDown, LinkUp, LinkReset, Partition, Heal, Node, Ps, Stacks, Events],
+Request = Annotated[Union[Status, LinkShow, LinkSet, LinkDown, LinkUp, LinkReset, Partition, Heal, Node, Ps, Stacks, Events, Logs],
                     Field(discriminator="op")]
 REQUESTS = TypeAdapter(Request)
 
@@ -200,6 +207,12 @@ class EventRecord(BaseModel):
     what: Annotated[str, StringConstraints(max_length=16384)]
 
 
+class LogsEnd(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    shown: Annotated[int, Field(ge=0)] = 0   # files shown
+    directory: Annotated[str, StringConstraints(max_length=4096)] = ""   # where the node's jobs write
+
+
 class EventsEnd(BaseModel):
     model_config = ConfigDict(extra="ignore")
     skipped: Annotated[int, Field(ge=0)] = 0   # lines of the host's stream that were not events
@@ -218,8 +231,11 @@ VALUES: dict[str, TypeAdapter[Any]] = {
     "ps": TypeAdapter(list[ProcessRow]),
     "stacks": TypeAdapter(list[RankDoc]),
     "events": TypeAdapter(EventsEnd),
+    "logs": TypeAdapter(LogsEnd),
 }
-STREAMS: dict[str, TypeAdapter[Any]] = {"events": TypeAdapter(EventRecord)}   # op -> its items' type
+# op -> its items' type: an event; a piece of a node's logs (text, as the job wrote it, made inert)
+STREAMS: dict[str, TypeAdapter[Any]] = {"events": TypeAdapter(EventRecord),
+                                        "logs": TypeAdapter(Annotated[str, StringConstraints(max_length=64 << 20)])}
 
 
 class ProtocolError(ValueError):

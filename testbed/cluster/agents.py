@@ -163,10 +163,10 @@ def ask(name: str, requests: Sequence[Any] | Mapping[str, Sequence[Any]], *, eve
     return tried
 
 
-def stream(name: str, request: Any, on_item: Callable[[str, Any], None], *,
+def stream(name: str, request: Any, on_item: Callable[[str, Any], None], *, hosts: Sequence[str] | None = None,
            on_end: Callable[[str, Any], None] | None = None, stop: threading.Event | None = None,
            progress: Callable[[str], None] = lambda _m: None, timeout: float | None = None) -> dict[str, Any]:
-    """`request` (a stream op) to the agent on every host of testbed `name` at once, each item passed
+    """`request` (a stream op) to the agent on every host of testbed `name` (or on `hosts`) at once, each item passed
     on as it comes: on_item(host, item), from the hosts' threads. Until every host's stream ends,
     `stop` is set, or a Ctrl-C: then each agent's stdin is closed, which ends its stream, and its
     reply is still read (a second Ctrl-C stops waiting). on_end(host, value or HostFailed): as each
@@ -175,7 +175,11 @@ def stream(name: str, request: Any, on_item: Callable[[str, Any], None], *,
     from testbed.cluster.controller import _close, _controls, _parallel, _Pipe
     from testbed.cluster.remote import lines
 
-    doc, by_name, hosts = _record(name)
+    doc, by_name, every = _record(name)
+    if hosts is None:
+        hosts = every
+    elif any(h not in by_name for h in hosts):
+        raise TestbedError(f"testbed {name} has no host {next(h for h in hosts if h not in by_name)!r}")
     talks = {h: _Conversation(h, [request], on_item) for h in hosts}
     pipes = {h: _Pipe() for h in hosts}
     for p in pipes.values():

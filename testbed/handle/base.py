@@ -82,3 +82,8 @@ class Testbed(ABC):
         """The events from `up` on (of `kinds`), in time order (spread: each with its `host`); with
         follow, then each new one as it comes (spread: in arrival order), until a Ctrl-C or `down`.
         Notes say what a host said besides, and which failed."""
+
+    @abstractmethod
+    def logs(self, node: str, out: Callable[[str], None], follow: bool = False, tail: int | None = None) -> tuple[int, str]:
+        """The output of the jobs started in `node`, passed to out(text) as it is read (made inert);
+        with follow, what comes next too, until a Ctrl-C. Returns (files shown, where its jobs write)."""

@@ -195,6 +195,29 @@ class HostsTestbed(Testbed):
         got = stacks.merge_hosts(by_host, placement)
         return [s for s in got if workers is None or s.worker in workers], failed
 
+    def logs(self, node: str, out: Callable[[str], None], follow: bool = False, tail: int | None = None) -> tuple[int, str]:
+        """Asked of the node's host alone; with follow, a Ctrl-C here ends the stream there."""
+        from testbed.cluster.agents import HostFailed, ask, stream
+        from testbed.errors import StateError
+
+        host = self.host_of(node)
+        if host is None:
+            nodes = list(self._record["placement"])
+            raise StateError(f"testbed {self.name!r} has no node {node!r}; nodes: {', '.join(nodes[:12])}"
+                             f"{' ...' if len(nodes) > 12 else ''}")
+        req = self._request("logs", node=node, follow=follow, tail=tail)
+        if follow:
+            end = stream(self.name, req, lambda _h, text: out(text), hosts=[host])[host]
+        else:
+            (end,) = ask(self.name, {host: [req]}, timeout=120)[host]
+            if not isinstance(end, HostFailed):
+                for text in end.items:
+                    out(text)
+                end = end.end
+        if isinstance(end, HostFailed):
+            raise HostsFailed({host: end}, [])
+        return end.shown, end.directory
+
     def events(self, kinds: list[str] | None = None, follow: bool = False) -> Iterator[dict[str, Any] | Note]:
         from testbed.cluster.agents import HostFailed, ask, stream
         from testbed.observe.answers import merge

@@ -66,3 +66,7 @@ class LocalTestbed(Testbed):
             pass
         if skipped[0]:
             yield Note(None, f"{skipped[0]} line(s) of {events.path(self.name)} are not events and were skipped")
+
+    def logs(self, node: str, out: Callable[[str], None], follow: bool = False, tail: int | None = None) -> tuple[int, str]:
+        end = ops.logs(self.name, node, follow, tail, out)
+        return end["shown"], end["directory"]
