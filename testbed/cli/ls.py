@@ -12,25 +12,9 @@ from testbed.cli.common import console
 
 def ls_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """List the testbeds that are up."""
-    from testbed import lifecycle
+    from testbed.handle.everywhere import up_rows
 
-    from testbed.cluster import controller
-
-    rows = lifecycle.list_testbeds()
-    local = {r.get("name") for r in rows}
-    for name in controller.list_names():
-        if name not in local:
-            try:
-                doc = controller.load(name)
-            except Exception as exc:  # noqa: BLE001 - a broken record is listed, not fatal
-                rows.append({"name": name, "status": f"unreadable ({exc})"})
-                continue
-            topo = doc.get("topology") or {}
-            rows.append({"name": name, "status": f"{doc.get('status')} on {len(doc.get('hosts', {}))} hosts",
-                         "topology": topo.get("name", ""), "workers": sum(1 for n in topo.get("nodes", [])
-                                                                          if n.get("kind") == "worker"),
-                         "switches": sum(1 for n in topo.get("nodes", []) if n.get("kind") == "switch"),
-                         "links": len(topo.get("links", [])), "runtime": "hosts", "created": doc.get("created")})
+    rows = up_rows()
     if as_json:
         print(json.dumps(rows, indent=1))
         return
