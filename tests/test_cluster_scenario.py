@@ -43,7 +43,7 @@ def _plan(events, dilation=1.0):
 
 
 def test_steps_survive_their_trip_as_json():
-    from testbed.cluster.scenario import step_from_json
+    from testbed.agent.scenario import step_from_json
 
     plan = _plan([{"at": "1s", "link": ["s0", "s1"], "set": {"bandwidth": "100mbit", "loss": "1%"},
                    "direction": "A->B", "for": "2s"},

@@ -107,13 +107,20 @@ class Logs(_Request):
     tail: Annotated[int, Field(ge=0)] | None = None
 
 
+class ScenarioStep(_Request):
+    """A step of a scenario played over several hosts (testbed.agent.scenario): check, apply or restore,
+    with what the controller sends for it (a JSON object: steps, deadlines, what to tell the events)."""
+    op: Literal["scenario.check", "scenario.apply", "scenario.restore"]
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
 class Ps(_Request):
     op: Literal["ps"]
     nodes: list[NodeName] = Field(default_factory=list, max_length=100_000)
     all_nodes: bool = False
 
 
-Request = Annotated[Union[Status, LinkShow, LinkSet, LinkDown, LinkUp, LinkReset, Partition, Heal, Node, Ps, Stacks, Events, Logs],
+Request = Annotated[Union[Status, LinkShow, LinkSet, LinkDown, LinkUp, LinkReset, Partition, Heal, Node, Ps, Stacks, Events, Logs, ScenarioStep],
                     Field(discriminator="op")]
 REQUESTS = TypeAdapter(Request)
 
@@ -232,6 +239,9 @@ VALUES: dict[str, TypeAdapter[Any]] = {
     "stacks": TypeAdapter(list[RankDoc]),
     "events": TypeAdapter(EventsEnd),
     "logs": TypeAdapter(LogsEnd),
+    "scenario.check": TypeAdapter(dict[str, Any]),     # (the controller reads each field with care:
+    "scenario.apply": TypeAdapter(dict[str, Any]),     #  testbed.cluster.scenario)
+    "scenario.restore": TypeAdapter(dict[str, Any]),
 }
 # op -> its items' type: an event; a piece of a node's logs (text, as the job wrote it, made inert)
 STREAMS: dict[str, TypeAdapter[Any]] = {"events": TypeAdapter(EventRecord),

@@ -45,6 +45,12 @@ def answer(req: Any, emit: Any = None, stop: threading.Event | None = None) -> A
         return ops.ps(req.name, list(req.nodes), req.all_nodes)
     if op == "stacks":
         return ops.stacks(req.name)
+    if op.startswith("scenario."):
+        from testbed.agent import scenario
+
+        act = {"scenario.check": scenario.check_here, "scenario.apply": scenario.apply_here,
+               "scenario.restore": scenario.restore_here}[op]
+        return act(req.name, dict(req.data))
     if op == "logs":
         return ops.logs(req.name, req.node, req.follow, req.tail, emit, stop)
     if op == "events":

@@ -132,7 +132,7 @@ def register(app: typer.Typer) -> None:
         from testbed import lifecycle
 
         require_root("attach")
-        tb = resolve_name(name, clusters=True)
+        tb = resolve_name(name)
         if spread(tb):
             _attach_across_hosts(tb, node)
         st = lifecycle.load(tb)

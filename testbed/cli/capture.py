@@ -79,7 +79,7 @@ def capture(
     if count < 0:
         raise cap.CaptureError(f"--count must be 0 (no limit) or more (got {count})")
     require_root("testbed capture")
-    name = resolve_name(name, clusters=True)
+    name = resolve_name(name)
     from testbed.cli.attach import spread
 
     across = spread(name)

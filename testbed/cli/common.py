@@ -57,13 +57,11 @@ def require_root(what: str) -> None:
         raise TestbedError(f"{what} needs root (network namespaces and tc): run it with sudo")
 
 
-def resolve_name(name: str | None, *, clusters: bool = False, verb: str = "this command") -> str:
-    """The testbed a command acts on: NAME, or the only one that is up (testbed.handle.resolve).
-    clusters: the verb also works on a testbed over several hosts; without it such a testbed is
-    refused with a sentence saying what to do instead."""
+def resolve_name(name: str | None) -> str:
+    """The testbed a command acts on: NAME, or the only one that is up (testbed.handle.resolve)."""
     from testbed.handle import resolve
 
-    return resolve(name, across_hosts=clusters, verb=verb)
+    return resolve(name)
 
 
 def on_hosts(tb: Any) -> str:

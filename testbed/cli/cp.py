@@ -544,7 +544,7 @@ def register(app: typer.Typer) -> None:
         require_root("cp")
         if src == "-" and dst == "-":
             raise Refused("SRC and DST are both -: one of them must be NODE:PATH")
-        tb = resolve_name(name, clusters=True)
+        tb = resolve_name(name)
         from testbed.cli.attach import spread
 
         if spread(tb):

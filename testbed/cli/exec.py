@@ -25,7 +25,7 @@ def exec_cmd(
         cmd = cmd[1:]
     if not cmd:
         fail("no command given: testbed exec NODE -- CMD ...", 2)
-    target = resolve_name(name, clusters=True)
+    target = resolve_name(name)
     from testbed import store
     from testbed.cluster import controller
 

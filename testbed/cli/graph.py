@@ -49,7 +49,7 @@ def graph_cmd(
 
     bind = check_bind(bind)
     require_root("testbed graph")
-    name = resolve_name(name, clusters=True)
+    name = resolve_name(name)
 
     def ready(url: str) -> None:
         console.print(f"testbed graph: {name} at [bold]{url}[/]", highlight=False, soft_wrap=True)

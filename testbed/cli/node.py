@@ -46,7 +46,7 @@ def register(app: typer.Typer) -> None:
         from testbed.handle import open_testbed
 
         require_root(f"testbed node {verb}")
-        tb = open_testbed(name, verb=f"testbed node {verb}")
+        tb = open_testbed(name)
         return tb, tb.node(verb, node, cpus)
 
     @node_app.command("down")

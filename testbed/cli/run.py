@@ -168,7 +168,7 @@ def register(app: typer.Typer) -> None:
                 raise RunError(f"--env wants K=V (got {kv!r})")
             k, v = kv.split("=", 1)
             extra[k] = v
-        target = resolve_name(name, clusters=True)
+        target = resolve_name(name)
         from testbed import store
         from testbed.cluster import controller
         from testbed.jobs import groups as groups_mod

@@ -11,32 +11,23 @@ from typing import Any, Optional
 
 import typer
 
-from testbed.cli.common import NameOption, console, require_root, resolve_name
+from testbed.cli.common import NameOption, console, require_root
 from testbed.terminal import inert, plain
 
 
 def _topology_for_plan(scenario, name: Optional[str], topology: Optional[str]):
     """(topology, dilation): --topology, else the running testbed (--name or the only one; one over
     several hosts: the controller's record), else the scenario's own `topology:` field."""
-    from testbed.faults import control
-    from testbed import store
-    from testbed.cluster import controller
+    from testbed.handle import open_testbed, up_names
     from testbed.topology.loader import load_topology
 
     if topology:
         t = load_topology(topology)
         return t, 1.0
-    local = store.list_names()
-    up = local + [n for n in controller.list_names() if n not in local]
-    if name or len(up) == 1 or not scenario.topology:
-        target = resolve_name(name, clusters=True)
-        if _spread(target):
-            from testbed.topology.model import Topology
-
-            doc = controller.load(target)
-            return Topology.from_json(doc["topology"]), float(doc.get("time_dilation") or 1.0)
-        h = control.Handle(target)
-        return h.topo, h.dilation
+    local, spread = up_names()
+    if name or len(local + spread) == 1 or not scenario.topology:
+        tb = open_testbed(name)
+        return tb.topology(), tb.dilation()
     return scenario.load_topology(), 1.0
 
 
@@ -108,31 +99,6 @@ def _write_junit(path: Path, scenario, res, elapsed: float) -> None:
     console.print(f"JUnit XML: {path}", highlight=False, markup=False)
 
 
-def _spread(name: str) -> bool:
-    """A testbed over several hosts, driven from here (only the controller's record is here)."""
-    from testbed.cluster.scenario import spans_hosts
-
-    return spans_hosts(name)
-
-
-def _host_verb(sc: typer.Typer, verb: str, what: str, fn_name: str) -> None:
-    """A hidden verb the controller of a testbed over several hosts runs on each host during
-    `scenario run`: --data JSON in, one JSON line out (testbed.cluster.scenario)."""
-
-    @sc.command(verb, hidden=True, help=what)
-    def host_cmd(name: str = typer.Option(..., "--name", "-n"),
-                 data: str = typer.Option("{}", "--data", help="JSON from the controller")) -> None:
-        from testbed.cluster import scenario as hosts_scenario
-
-        require_root(f"testbed scenario {verb}")
-        target = resolve_name(name)   # this host's own part
-        try:
-            doc = json.loads(data)
-        except ValueError as e:
-            raise typer.BadParameter(f"--data: not JSON ({e})") from None
-        typer.echo(json.dumps(getattr(hosts_scenario, fn_name)(target, doc)))
-
-
 def register(app: typer.Typer) -> None:
     sc = typer.Typer(help="Scenario files: a timeline of faults played against a running job.",
                      no_args_is_help=True)
@@ -181,8 +147,8 @@ def register(app: typer.Typer) -> None:
         host applies each step to what it holds.
         """
         from testbed.faults.control import FaultError
-        from testbed.faults.player import play
         from testbed.faults.scenario import load_scenario
+        from testbed.handle import open_testbed
         from testbed.topology.units import parse_time
 
         def secs(value, opt):
@@ -198,18 +164,13 @@ def register(app: typer.Typer) -> None:
         if junit is not None:
             _check_junit_path(junit)
         require_root("testbed scenario run")
-        name = resolve_name(name, clusters=True)
+        tb = open_testbed(name)
         started = time.monotonic()
         # ranks' and hosts' lines: shown as written, never as markup or escape sequences (testbed.terminal)
         echo = (lambda line: console.print(inert(line), highlight=False, markup=False)) if not quiet else \
             (lambda line: console.print(inert(line), highlight=False, markup=False) if line.startswith("[scenario]")
              else None)
-        if _spread(name):   # every step applied by every host to what it holds (testbed.cluster.scenario)
-            from testbed.cluster import scenario as hosts_scenario
-
-            res = hosts_scenario.play(name, scenario, hang_after=ha, timeout=to, echo=echo)
-        else:
-            res = play(name, scenario, hang_after=ha, timeout=to, echo=echo)
+        res = tb.play(scenario, hang_after=ha, timeout=to, echo=echo)
         _print_outcome(res)
         console.print(f"run directory: {res.run_dir}  (events.jsonl, scenario.json, scenario.png)",
                       highlight=False, markup=False)
@@ -253,12 +214,3 @@ def register(app: typer.Typer) -> None:
         if junit is not None:
             _write_junit(junit, scenario, res, 0.0)
         raise typer.Exit(res.exit_code)
-
-    _host_verb(sc, "host-check", "(scenario run over several hosts) check the steps against this host's part.",
-               "check_here")
-    _host_verb(sc, "host-apply", "(scenario run over several hosts) apply steps to this host's part at their "
-                                 "times.", "apply_here")
-    _host_verb(sc, "host-follow", "(scenario run over several hosts) apply the batches of steps the controller "
-                                  "sends on the lifeline, each at its time.", "follow_here")
-    _host_verb(sc, "host-restore", "(scenario run over several hosts) this host's part back as the topology "
-                                   "describes it.", "restore_here")

@@ -13,6 +13,7 @@ it said cut short.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +44,7 @@ class _Conversation:
     """What one host's agent says, line by line, read against the requests it was sent. on_item:
     each item of a stream as it comes (otherwise kept, and the answer is a Streamed)."""
     host: str
-    requests: Sequence[Any]
+    requests: list[Any]
     on_item: Callable[[str, Any], None] | None = None
     hello: bool = False
     values: list[Any] = field(default_factory=list)
@@ -106,7 +107,7 @@ class _Conversation:
 
 def _answers(host: str, requests: Sequence[Any], res: Any) -> list[Any]:
     """Each request's value (or HostFailed) from what the host's agent wrote, read after it ended."""
-    talk = _Conversation(host, requests)
+    talk = _Conversation(host, list(requests))
     if not isinstance(res, BaseException):
         for line in res.stdout.splitlines():
             talk.feed(line)
@@ -204,3 +205,90 @@ def stream(name: str, request: Any, on_item: Callable[[str, Any], None], *, host
     finally:
         _close(ctls)
     return {h: ends.get(h, HostFailed(h, "no answer")) for h in hosts}
+
+
+class Sessions:
+    """One agent per host of a testbed, kept open: requests go one after another on the same SSH
+    session, each host's replies come in order (a scenario's steps, sent as they fall due, pay no
+    handshake). close() ends every agent (its stdin closed)."""
+
+    def __init__(self, name: str, hosts: Sequence[str] | None = None):
+        from testbed.cluster.controller import _controls, _parallel, _Pipe
+        from testbed.cluster.remote import lines
+
+        doc, by_name, every = _record(name)
+        self.hosts = list(hosts if hosts is not None else every)
+        self._talks = {h: _Conversation(h, []) for h in self.hosts}
+        self._pipes = {h: _Pipe() for h in self.hosts}
+        self.ended: dict[str, Any] = {}   # host -> why its session ended
+        self._changed = threading.Condition()
+
+        def feed(host: str) -> Callable[[str], None]:
+            def one(line: str) -> None:
+                with self._changed:
+                    self._talks[host].feed(line)
+                    self._changed.notify_all()
+            return one
+
+        def run(ctl: Any, stdin: Any) -> None:
+            res: Any
+            try:
+                res = ctl.run([*by_name[ctl.name].testbed_argv, "agent"], stdin=stdin,
+                              on_stdout=lines(feed(ctl.name), LINE_MAX))
+            except Exception as exc:  # noqa: BLE001 - why the session ended, for the requests still open
+                res = exc
+            with self._changed:
+                self.ended[ctl.name] = res
+                self._changed.notify_all()
+
+        self._ctls = _controls([by_name[h] for h in self.hosts], doc.get("known_hosts"), False)
+        self._thread = threading.Thread(
+            target=lambda: _parallel(self._ctls, self.hosts, run, lifeline=True, pipes=self._pipes),
+            name="agent-sessions", daemon=True)
+        self._thread.start()
+
+    def alive(self) -> bool:
+        """Every host's session still runs."""
+        with self._changed:
+            return not self.ended
+
+    def ask(self, request: Any, timeout: float) -> dict[str, Any]:
+        """`request` to every host's agent at once: host -> its value, or the HostFailed that stands for
+        it (its session ended, or it did not answer within `timeout`)."""
+        from testbed.agent import protocol
+
+        line = (protocol.request_line(request) + "\n").encode()
+        with self._changed:
+            index = {h: len(self._talks[h].requests) for h in self.hosts}
+            for h in self.hosts:
+                self._talks[h].requests.append(request)   # (before the line goes: its answer may come at once)
+        for h in self.hosts:
+            self._pipes[h].write(line)
+        until = time.monotonic() + timeout
+        with self._changed:
+            while not all(len(self._talks[h].values) > index[h] or h in self.ended or self._talks[h].broken
+                          for h in self.hosts):
+                left = until - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            out: dict[str, Any] = {}
+            for h in self.hosts:
+                talk = self._talks[h]
+                if len(talk.values) > index[h]:
+                    out[h] = talk.values[index[h]]
+                elif talk.broken is not None:
+                    out[h] = talk.broken
+                elif h in self.ended:
+                    out[h] = HostFailed(h, f"its agent's session ended ({self.ended[h]})")
+                else:
+                    out[h] = HostFailed(h, f"its agent did not answer {request.op} within {timeout:g} s")
+            return out
+
+    def close(self) -> None:
+        from testbed.cluster.controller import _close
+
+        for p in self._pipes.values():
+            p.close()
+        self._thread.join(30)
+        _close(self._ctls)

@@ -1,13 +1,13 @@
 """Play a scenario against a job on a testbed over several hosts (`testbed scenario run` there).
 
 Every host keeps the whole topology and its own part; a fault step is applied by every host to what
-it holds, exactly as the fault verbs do (testbed.cli.link/node/partition send themselves to every
-host). The controller (this module's `play`) drives it in the same phases as the single-host
-player (testbed.faults.player):
+it holds, exactly as the fault verbs do (testbed.handle.hosts). The controller (this module's
+`play`) drives it in the same phases as the single-host player (testbed.faults.player), talking to
+each host's agent (testbed.agent.scenario is the host's side):
 
 1. plan against the controller's record (its topology and dilation factor); every host checks the
-   steps it will shape against its own kernel (`testbed scenario host-check`: player.preflight on
-   its part), which also proves every host answers before anything starts;
+   steps it will shape against its own kernel (`scenario.check`: player.preflight on its part),
+   which also proves every host answers before anything starts;
 2. the job runs as `testbed run` does across hosts (controller.run_job), in a thread of its own;
 3. a watcher polls the master host's probe step records (with phantoms: the leading real rank's
    host's) over one SSH connection it keeps (controller.open_host): t0 is
@@ -15,16 +15,13 @@ player (testbed.faults.player):
    progress for hang_after ends the job (`stop`) as `hung`;
 4. a dispatcher sends the steps to every host at once a little *ahead* of their time, each with its
    deadline on the wall clock: each host sleeps until the deadline, so SSH does not make the step
-   late. The steps go to one `testbed scenario host-follow` per host, started with the job (its
-   imports done and its connection open before the first step is due, which matters for steps
-   due right after t0), on its lifeline, one batch per line; where a host's session is gone, a
-   batch goes as `testbed scenario host-apply` (a testbed process started for it) to every host.
-   Steps closer together than the lead go in one batch, applied in order. Hosts' clocks are
-   assumed to agree (NTP); the check measures and reports a skew;
-5. the end: every host restores its part (`testbed scenario host-restore`: control.restore_all),
-   and events.jsonl, scenario.json and scenario.png go into the merged run directory.
-
-The host side of each hidden verb is here too (check_here, apply_here, restore_here).
+   late. The steps go as `scenario.apply` requests on one agent session per host, opened with the
+   job (its connection up before the first step is due, which matters for steps due right after
+   t0); where a host's session is gone, a batch goes to a fresh agent on every host. Steps closer
+   together than the lead go in one batch, applied in order. Hosts' clocks are assumed to agree
+   (NTP); the check measures and reports a skew;
+5. the end: every host restores its part (`scenario.restore`: control.restore_all), and
+   events.jsonl, scenario.json and scenario.png go into the merged run directory.
 """
 
 from __future__ import annotations
@@ -37,9 +34,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from testbed import events as tb_events
 from testbed.cluster import hostside
-from testbed.faults.player import PlayResult, expectations_text, judge_run, outcome_of, plot, preflight, sayer
+from testbed.faults.player import PlayResult, expectations_text, judge_run, outcome_of, plot, sayer
 from testbed.faults.scenario import Plan, Scenario, ScenarioError, Step, plan_scenario
 from testbed.jobs import rundir
 
@@ -49,14 +45,6 @@ MIN_LEAD_S = 2.0      # a step is sent at least this long before its time...
 MAX_LEAD_S = 10.0     # ... and at most this long (3x what the hosts' check took, in between)
 BATCH_MAX = 32        # steps per call (they travel on the command line)
 SKEW_WARN_S = 0.5     # a host clock this far from the controller's is reported
-
-
-def spans_hosts(name: str) -> bool:
-    """Whether `name` is a testbed over several hosts driven from here (the controller's record only)."""
-    from testbed import store
-    from testbed.cluster import controller
-
-    return controller.exists(name) and not store.exists(name)
 
 
 def plan_for(name: str, scenario: Scenario, doc: dict[str, Any] | None = None) -> Plan:
@@ -74,228 +62,40 @@ def plan_for(name: str, scenario: Scenario, doc: dict[str, Any] | None = None) -
     return plan
 
 
-# -- steps as JSON (they travel to the hosts) -------------------------------------------------------------
-
-
-def step_from_json(d: dict[str, Any]) -> Step:
-    """A Step back from Step.to_json()."""
-    params = []
-    for k, v in (d.get("params") or {}).items():
-        if k == "changes":
-            v = tuple(v.items())
-        elif k == "groups":
-            v = tuple(tuple(g) for g in v)
-        elif k == "fields":
-            v = tuple(v)
-        params.append((k, v))
-    return Step(float(d["t"]), str(d["op"]), tuple(d.get("target") or ()), tuple(params), int(d.get("event", -1)),
-                bool(d.get("revert", False)))
-
-
-# -- the host side (the hidden verbs) --------------------------------------------------------------------
-
-
-def check_here(name: str, data: dict[str, Any]) -> dict[str, Any]:
-    """`host-check` on a host: preflight the steps against this host's part (its kernel, its delay
-    lines, only the links it holds an end of). {"now", "problem": None | {reason, path, value}}."""
-    from types import SimpleNamespace
-
-    from testbed.faults import control
-
-    h = control.Handle(name)
-    steps = [step_from_json(s) for s in data.get("steps") or []]
-    problem = None
-    try:
-        preflight(h, SimpleNamespace(source=data.get("source")),
-                  Plan(scenario=str(data.get("scenario", "")), seed=0, steps=steps, workers=[]))
-    except ScenarioError as exc:
-        problem = {"reason": exc.reason, "path": exc.path}
-        if exc.value is not ScenarioError._MISSING:
-            problem["value"] = exc.value
-    if problem is None and data.get("say"):
-        tb_events.emit(name, "scenario", str(data["say"]), scenario=data.get("scenario"))
-    return {"now": time.time(), "problem": problem}
-
-
-def apply_here(name: str, data: dict[str, Any]) -> dict[str, Any]:
-    """`host-apply` on a host: each step at its deadline ("at", wall clock), in order, to this host's
-    part (control.apply_step). {"results": [{"what" | "error", "start", "done"}]}."""
-    from testbed.faults import control
-
-    if data.get("say"):
-        tb_events.emit(name, "scenario", str(data["say"]), scenario=data.get("scenario"))
-    _warm_up()   # while it waits: what the first step would otherwise load after its deadline
-    out = []
-    for item in data.get("steps") or []:
-        step = step_from_json(item["step"])
-        at = item.get("at")
-        if at is not None:
-            wait = float(at) - time.time()
-            if wait > 0:
-                time.sleep(wait)
-        rec: dict[str, Any] = {"start": time.time()}
-        try:
-            rec["what"] = control.apply_step(name, step)
-        except Exception as exc:   # recorded; the next steps still go (as on one host)
-            rec["what"] = step.describe()
-            rec["error"] = str(exc)
-        rec["done"] = time.time()
-        if data.get("t0") is not None:   # this host's event stream tells it, as on one host
-            applied_s = (rec["done"] - float(data["t0"])) / float(data.get("dilation") or 1.0)
-            tb_events.emit(name, "scenario", f"{data.get('scenario')} #{step.event} at {applied_s:.3f}s: "
-                           f"{rec['what']}" + (f" (error: {rec['error']})" if "error" in rec else ""),
-                           scenario=data.get("scenario"), event=step.event, applied_s=applied_s)
-        out.append(rec)
-    return {"results": out}
-
-
-def follow_here(name: str, data: dict[str, Any]) -> dict[str, Any]:
-    """`host-follow` on a host: batches of steps as host-apply takes them, one JSON line each on the
-    lifeline (testbed.lifeline.on_input), applied in order; one JSON line out per batch, {"id",
-    "results"}, as it is done; {"end": true} ends it. {"ready": true} once it can take steps."""
-    import queue
-
-    from testbed import lifeline
-
-    if not lifeline.active:
-        raise ScenarioError("scenario host-follow takes its steps from the controller's lifeline "
-                            "(TESTBED_LIFELINE=stdin): it is the controller's, not a command to run by hand")
-    _warm_up()
-    lines: queue.SimpleQueue[bytes] = queue.SimpleQueue()
-    buf = bytearray()
-
-    def sink(chunk: bytes) -> None:   # (the lifeline's thread)
-        buf.extend(chunk)
-        while (i := buf.find(b"\n")) >= 0:
-            lines.put(bytes(buf[:i]))
-            del buf[:i + 1]
-
-    lifeline.on_input(sink)
-    print(json.dumps({"ready": True}), flush=True)
-    n = 0
-    while True:
-        try:
-            raw = lines.get(timeout=0.5)   # (a timeout: a Ctrl-C gets through between waits)
-        except queue.Empty:
-            continue
-        batch = json.loads(raw)
-        if not isinstance(batch, dict) or batch.get("end"):
-            return {"batches": n}
-        res = apply_here(name, batch)
-        print(json.dumps({"id": batch.get("id"), **res}), flush=True)
-        n += 1
-
-
-def _warm_up() -> None:
-    """Import what applying a step uses (netlink, shaping, routes): a few hundred ms on a loaded host."""
-    import pyroute2  # noqa: F401
-
-    from testbed.net import builder, fanout, shaping  # noqa: F401
-    from testbed.topology import dilation, plan  # noqa: F401
-
-
-def restore_here(name: str, data: dict[str, Any]) -> dict[str, Any]:
-    """`host-restore` on a host: its part back as the topology describes it (control.restore_all)."""
-    from testbed.faults import control
-
-    restored = control.restore_all(name)
-    if data.get("say"):
-        tb_events.emit(name, "scenario", str(data["say"]), scenario=data.get("scenario"))
-    return {"restored": restored}
-
-
 # -- the controller side ---------------------------------------------------------------------------------
 
 
 def _verb(name: str, verb: str, data: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """`testbed scenario VERB --name NAME --data JSON` on every host at once: host -> its JSON answer,
-    or an Exception saying why there is none."""
-    from testbed.cluster import controller
-    from testbed.cluster.remote import RemoteResult
+    """The agent op `verb` (scenario.check, .apply, .restore) with `data` on every host at once:
+    host -> its answer (a JSON object), or an Exception saying why there is none."""
+    from testbed.agent.protocol import REQUESTS
+    from testbed.cluster import agents
 
-    res = controller.run_on_every_host(name, ["scenario", verb, "--name", name, "--data", json.dumps(data)],
-                                       timeout=timeout)
-    out: dict[str, Any] = {}
-    for host, r in res.items():
-        if isinstance(r, RemoteResult) and r.rc == 0:
-            try:
-                out[host] = json.loads(r.stdout.strip().splitlines()[-1])
-                continue
-            except (ValueError, IndexError):
-                out[host] = RuntimeError(f"its answer was not JSON: {r.stdout.strip()[-300:]!r}")
-                continue
-        if isinstance(r, RemoteResult):
-            lines = [ln for ln in (r.stderr or r.stdout).strip().splitlines() if ln.strip()]
-            why = lines[-1].removeprefix("error: ") if lines else f"exit status {r.rc}"
-            out[host] = RuntimeError(why)
-        else:
-            out[host] = r if isinstance(r, Exception) else RuntimeError(str(r))
-    return out
+    req = REQUESTS.validate_python({"op": verb, "name": name, "data": data})
+    return {h: vals[0] for h, vals in agents.ask(name, [req], timeout=timeout).items()}
 
 
 class _Followers:
-    """One `scenario host-follow` per host (controller.stream_on_every_host), fed batches of steps on
-    its lifeline; each batch's answers come back as its lines. apply() answers as _verb does."""
+    """One agent session per host for the whole run (testbed.cluster.agents.Sessions): each batch of
+    steps is a `scenario.apply` on it. apply() answers as _verb does."""
 
-    def __init__(self, name: str, data: dict[str, Any]):
-        from testbed.cluster import controller
+    def __init__(self, name: str):
+        from testbed.cluster.agents import Sessions
 
-        self.hosts = list(controller.load(name).get("hosts", {}))
-        self.lifelines = {h: controller.Lifeline() for h in self.hosts}
-        self.answers: dict[tuple[int, str], dict[str, Any]] = {}
-        self.ended: dict[str, Any] = {}
-        self.changed = threading.Condition()
-        self._next = 0
-        argv = ["scenario", "host-follow", "--name", name, "--data", json.dumps(data)]
-        self._thread = threading.Thread(
-            target=lambda: controller.stream_on_every_host(name, argv, self._line, on_end=self._end,
-                                                           lifelines=self.lifelines),
-            name="scenario-followers", daemon=True)
-        self._thread.start()
-
-    def _line(self, host: str, line: str) -> None:
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            return
-        if isinstance(doc, dict) and isinstance(doc.get("id"), int):
-            with self.changed:
-                self.answers[(doc["id"], host)] = doc
-                self.changed.notify_all()
-
-    def _end(self, host: str, res: Any) -> None:
-        with self.changed:
-            self.ended[host] = res
-            self.changed.notify_all()
+        self.name = name
+        self._sessions = Sessions(name)
 
     def alive(self) -> bool:
-        """Every host's session still runs (a batch can go to all of them)."""
-        with self.changed:
-            return not self.ended
+        return self._sessions.alive()
 
     def apply(self, data: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """The batch to every host at once: host -> {"results": [...]} or an Exception saying why not."""
-        with self.changed:
-            k, self._next = self._next, self._next + 1
-        line = json.dumps({**data, "id": k}).encode() + b"\n"
-        for h in self.hosts:
-            self.lifelines[h].write(line)
-        end = time.monotonic() + timeout
-        with self.changed:
-            while not all((k, h) in self.answers or h in self.ended for h in self.hosts):
-                left = end - time.monotonic()
-                if left <= 0:
-                    break
-                self.changed.wait(left)
-            return {h: self.answers[(k, h)] if (k, h) in self.answers
-                    else RuntimeError(f"its scenario session {'ended' if h in self.ended else 'did not answer'}"
-                                      + (f": {self.ended[h]}" if h in self.ended else f" within {timeout:g} s"))
-                    for h in self.hosts}
+        from testbed.agent.protocol import REQUESTS
+
+        req = REQUESTS.validate_python({"op": "scenario.apply", "name": self.name, "data": data})
+        return self._sessions.ask(req, timeout)
 
     def close(self) -> None:
-        for lifeline in self.lifelines.values():
-            lifeline.close(b'{"end": true}\n')
-        self._thread.join(30)
+        self._sessions.close()
 
 
 def _batches(plan: Plan, lead: float) -> list[list[Step]]:
@@ -420,7 +220,7 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
     # every host checks what it will shape (and answers at all) before the job starts
     shaped = [st.to_json() for st in plan.steps if st.op == "link_set"]
     sent = time.time()
-    answers = _verb(name, "host-check", {"steps": shaped, "source": scenario.source, "scenario": scenario.name,
+    answers = _verb(name, "scenario.check", {"steps": shaped, "source": scenario.source, "scenario": scenario.name,
                                          "say": started_text}, timeout=120)
     back = time.time()
     refused: Exception | None = None
@@ -434,7 +234,7 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
                                     **({"value": p["value"]} if "value" in p else {}))
         if refused is not None:
             # the hosts that passed told their event streams it started: they are told it did not
-            _verb(name, "host-apply", {"scenario": scenario.name, "steps": [],
+            _verb(name, "scenario.apply", {"scenario": scenario.name, "steps": [],
                                        "say": f"{scenario.name} ended: refused ({refused})"}, timeout=60)
             raise refused
     skews = _skews(answers, sent, back)
@@ -521,7 +321,7 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
                 if followers.alive():
                     res = followers.apply(data, timeout=max(0.0, last - time.time()) + 120)
                 else:
-                    res = _verb(name, "host-apply", data, timeout=max(0.0, last - time.time()) + 120)
+                    res = _verb(name, "scenario.apply", data, timeout=max(0.0, last - time.time()) + 120)
             except Exception as exc:  # noqa: BLE001 - (the record unreadable...): each step says so
                 res = {h: exc for h in doc.get("hosts", {})}
             for k, st in enumerate(batch):
@@ -533,7 +333,7 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
                     say(f"[scenario] {rec['applied_s']:8.3f}s  #{st.event} {rec['what']}  ({late})"
                         + (f"  ERROR: {rec['error']}" if "error" in rec else ""))
 
-    followers = _Followers(name, {"scenario": scenario.name})
+    followers = _Followers(name)
     threads = [threading.Thread(target=f, name=f"scenario-{f.__name__}", daemon=True) for f in (watcher, dispatcher)]
     for t in threads:
         t.start()
@@ -551,7 +351,7 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
             t.join()
         followers.close()
         if result is None:   # the job could not be run: what was applied is undone all the same
-            _verb(name, "host-restore", {"scenario": scenario.name, "say": f"{scenario.name} ended: not run"},
+            _verb(name, "scenario.restore", {"scenario": scenario.name, "say": f"{scenario.name} ended: not run"},
                   timeout=600)
     rd = Path(result["run_dir"])
     summary = rundir.read_json(rd / "summary.json") or {}
@@ -570,7 +370,7 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
            "watchdog": {"detected_wall": hung["wall"], "steps": hung.get("steps")} if hung else None}
     verdicts = judge_run(rd, out, scenario)   # before the hosts are told it ended (the line says how it did)
     ended_text = f"{scenario.name} ended: {outcome}" + (f" ({error})" if error else "") + expectations_text(verdicts)
-    back_res = _verb(name, "host-restore", {"scenario": scenario.name, "say": ended_text}, timeout=600)
+    back_res = _verb(name, "scenario.restore", {"scenario": scenario.name, "say": ended_text}, timeout=600)
     restored, problems = _restored(back_res)
     out["restored"] = restored
     if say:

@@ -28,6 +28,19 @@ class Testbed(ABC):
         return None
 
     @abstractmethod
+    def topology(self) -> Any:
+        """Its topology (testbed.topology.model.Topology)."""
+
+    @abstractmethod
+    def dilation(self) -> float:
+        """The time dilation factor it runs at (1.0: real time)."""
+
+    @abstractmethod
+    def play(self, scenario: Any, *, hang_after: float | None = None, timeout: float | None = None,
+             echo: Callable[[str], None] | None = None) -> Any:
+        """Run the scenario's job and play its steps against it (testbed.faults.player.PlayResult)."""
+
+    @abstractmethod
     def status(self) -> dict[str, Any]:
         """The `status --json` document (spread: each host's, under "hosts", or why it is lost)."""
 

@@ -83,6 +83,21 @@ class HostsTestbed(Testbed):
 
     # -- the calls ------------------------------------------------------------------------------------------------
 
+    def topology(self) -> Any:
+        from testbed.topology.model import Topology
+
+        return Topology.from_json(self._record["topology"])
+
+    def dilation(self) -> float:
+        return float(self._record.get("time_dilation") or 1.0)
+
+    def play(self, scenario: Any, *, hang_after: float | None = None, timeout: float | None = None,
+             echo: Callable[[str], None] | None = None) -> Any:
+        """Every step applied by every host to what it holds (testbed.cluster.scenario)."""
+        from testbed.cluster import scenario as hosts_scenario
+
+        return hosts_scenario.play(self.name, scenario, hang_after=hang_after, timeout=timeout, echo=echo)
+
     def status(self) -> dict[str, Any]:
         """{"name", "status", "hosts": {host: its status, or {"lost": why}}, "placement", "cut_links",
         "time_dilation"}."""

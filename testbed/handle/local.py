@@ -13,6 +13,22 @@ class LocalTestbed(Testbed):
     def __init__(self, name: str):
         self.name = name
 
+    def topology(self) -> Any:
+        from testbed.faults import control
+
+        return control.Handle(self.name).topo
+
+    def dilation(self) -> float:
+        from testbed.faults import control
+
+        return control.Handle(self.name).dilation
+
+    def play(self, scenario: Any, *, hang_after: float | None = None, timeout: float | None = None,
+             echo: Callable[[str], None] | None = None) -> Any:
+        from testbed.faults.player import play
+
+        return play(self.name, scenario, hang_after=hang_after, timeout=timeout, echo=echo)
+
     def status(self) -> dict[str, Any]:
         return ops.status(self.name)
 
