@@ -88,16 +88,17 @@ def host_state(emu, host: str, name: str) -> dict:
 
 
 def remote_tops(name: str) -> list[str]:
-    """Command lines of the hosts' `top --for-controller` processes of testbed `name` still running
-    (the emulated hosts share this machine's PID namespace, so their processes are seen in /proc here)."""
+    """Command lines of the hosts' agents of testbed `name` still running (`testbed agent NAME`: while a
+    top runs, the one streaming it; the emulated hosts share this machine's PID namespace, so their
+    processes are seen in /proc here)."""
     found = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                argv = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
+                argv = (d / "cmdline").read_bytes().decode(errors="replace").rstrip("\0").split("\0")
             except OSError:
                 continue
-            if "top" in argv and "--for-controller" in argv and name in argv:
+            if argv[-2:] == ["agent", name]:
                 found.append(" ".join(argv))
     return found
 

@@ -160,9 +160,9 @@ def test_the_loop_says_hello_and_answers_each_line_even_after_a_bad_one(state_di
 # -- a real testbed, through `testbed agent` -------------------------------------------------------------------
 
 
-def _agent(requests: list[dict]) -> list[dict]:
+def _agent(name: str, requests: list[dict]) -> list[dict]:
     text = "".join(json.dumps(r) + "\n" for r in requests)
-    r = subprocess.run([sys.executable, "-m", "testbed", "agent"], input=text, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "testbed", "agent", name], input=text, capture_output=True, text=True,
                        cwd=REPO, env=os.environ, timeout=120)
     assert r.returncode == 0, r.stderr
     return [json.loads(line) for line in r.stdout.splitlines()][1:]
@@ -176,12 +176,13 @@ def test_a_star_changed_through_the_agent_as_a_controller_would(testbed):
 
     st = testbed(load_topology("star", ["params.n=3", "tiers.host.delay=0"]))
     name = st["name"]
-    down, show, refused, up, status = _agent([
+    down, show, refused, up, status, other = _agent(name, [
         {"op": "link.down", "name": name, "a": "w0", "b": "s0"},
         {"op": "link.show", "name": name},
         {"op": "link.down", "name": name, "a": "w0", "b": "w1"},
         {"op": "link.up", "name": name, "a": "w0", "b": "s0"},
         {"op": "status", "name": name},
+        {"op": "status", "name": "another"},
     ])
     assert down == {"ok": True, "value": True}
     states = {frozenset(rec.endpoints): rec.state for rec in protocol.read_reply("link.show", json.dumps(show))}
@@ -190,6 +191,7 @@ def test_a_star_changed_through_the_agent_as_a_controller_would(testbed):
     assert up == {"ok": True, "value": []}
     assert protocol.read_reply("status", json.dumps(status)).status == "up"
     assert all(rec["state"] == "up" for rec in control.link_show(name))
+    assert other["ok"] is False and "serves testbed" in other["error"]   # (one agent, one testbed)
 
 
 # -- streams -----------------------------------------------------------------------------------------------------
@@ -238,7 +240,7 @@ def test_events_followed_through_the_agent_end_when_its_stdin_closes(testbed):
     from testbed.topology.loader import load_topology
 
     name = testbed(load_topology("star", ["params.n=2", "tiers.host.delay=0"]))["name"]
-    agent = subprocess.Popen([sys.executable, "-m", "testbed", "agent"], stdin=subprocess.PIPE,
+    agent = subprocess.Popen([sys.executable, "-m", "testbed", "agent", name], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, cwd=REPO, env=os.environ)
     try:
         agent.stdin.write(json.dumps({"op": "events", "name": name, "kinds": ["up", "link"], "follow": True}) + "\n")

@@ -103,6 +103,33 @@ def test_verbs_table_matches_the_modules():
         assert first == verb.summary, f"{name}: VERBS says {verb.summary!r}, its help says {first!r}"
 
 
+# Hidden options and verbs were the controller's protocol over the CLI; the agent (testbed.agent) replaces
+# them. Those left, each with why (issue #24): the list only shrinks, an entry no longer hidden fails too.
+HIDDEN_LEFT = {
+    "run --this-host-only": "one host's ranks of a run over several hosts: not an agent op yet",
+    "run --mirror-relay": "the phantoms' relay of a run over several hosts: not an agent op yet",
+}
+
+
+def test_no_verb_or_option_is_hidden_but_those_left_to_issue_24():
+    from testbed.cli import VERBS, load_verb
+
+    hidden = set()
+
+    def walk(path: str, command) -> None:
+        if getattr(command, "hidden", False):
+            hidden.add(path)
+        for p in command.params:
+            if getattr(p, "hidden", False):
+                hidden.add(f"{path} {p.opts[0]}")
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(f"{path} {name}", sub)
+
+    for name in VERBS:
+        walk(name, load_verb(name))
+    assert hidden == set(HIDDEN_LEFT), f"hidden now: {sorted(hidden)}"
+
+
 def test_next_commands_name_a_testbed_that_works_as_typed():
     """`make testbed` and `testbed up` end with commands to type; on a fresh clone `testbed` is only in the venv."""
     import os

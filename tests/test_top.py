@@ -392,7 +392,7 @@ def test_gather_keeps_each_hosts_latest_document_and_why_one_failed():
     assert got["h1"] == docs["h1"] and got["h3"] is None and seq == {"h1": 1, "h2": 1, "h3": 0}
     assert states["h1"] == {"state": "ok", "why": None}
     assert states["h3"] == {"state": "waiting", "why": "no reading yet (3 s)"}
-    g.line("h2", json.dumps({"error": "testbed 'tb' is no longer up"}))   # `top --for-controller` said why
+    g.line("h2", json.dumps({"error": "testbed 'tb' is no longer up"}))   # a host's top said why
     g.ended("h3", OSError("host h3 unreachable: connection refused"))
     now[0] = 9.0
     got, states, _ = g.snapshot(seq)
@@ -405,25 +405,27 @@ def test_gather_keeps_each_hosts_latest_document_and_why_one_failed():
 
 
 def test_hosts_top_samples_and_shows_an_unreachable_host(monkeypatch):
-    """HostsTop over a stream that behaves as stream_on_every_host does: h1's top prints a document
-    every interval until stopped; h2 cannot be reached (known only when the stream returns)."""
+    """HostsTop over a stream that behaves as testbed.cluster.agents.stream does: h1's agent sends a
+    document every interval until stopped; h2 cannot be reached (said as soon as that is known)."""
     import threading
 
+    from testbed.agent.protocol import TopDoc
     from testbed.cluster import top as hosts_top
+    from testbed.cluster.agents import HostFailed
 
     docs = _two_host_docs()
     calls = []
 
-    def stream(name, argv, on_line, *, stop=None, timeout=None, progress=None, on_end=None):
-        calls.append((name, argv))
-        lost = OSError("host h2 unreachable: connection refused")
-        on_end("h2", lost)   # as controller.stream_on_every_host says it: as soon as h2's command ends
-        while not stop.wait(0.05):   # the fake's pace: h1 says a line every 0.05 s until stopped
-            on_line("h1", json.dumps(docs["h1"]))
-        return {"h1": type("R", (), {"rc": 0, "stderr": "", "stdout": ""})(), "h2": lost}
+    def stream(name, request, on_item, *, stop=None, on_end=None, **kw):
+        calls.append((name, request.model_dump(exclude_none=True)))
+        lost = HostFailed("h2", "host h2 unreachable: connection refused")
+        on_end("h2", lost)   # as agents.stream says it: as soon as h2's session ends
+        while not stop.wait(0.05):   # the fake's pace: h1 sends a document every 0.05 s until stopped
+            on_item("h1", TopDoc(**docs["h1"]))
+        return {"h1": {"samples": 3}, "h2": lost}
 
     record = {"placement": CUT_PLACEMENT, "topology": CUT_TOPO, "hosts": {"h1": {}, "h2": {}}}
-    t = hosts_top.HostsTop("tb", 0.05, record=record, stream=stream, first_wait=0.3)
+    t = hosts_top.HostsTop("tb", 0.1, record=record, stream=stream, first_wait=0.3)
     try:
         doc = t.sample()
         assert doc["hosts"]["h1"]["state"] == "ok" and doc["hosts"]["h2"]["state"] == "failed"
@@ -434,7 +436,7 @@ def test_hosts_top_samples_and_shows_an_unreachable_host(monkeypatch):
     assert not any(th.name == "top-tb" and th.is_alive() for th in threading.enumerate())
     doc = t.settle(doc)
     assert doc["hosts"]["h2"] == {"state": "failed", "why": "host h2 unreachable: connection refused", "t": None}
-    assert calls == [("tb", ["top", "--name", "tb", "--json", "--interval", "0.05", "--for-controller"])]
+    assert calls == [("tb", {"name": "tb", "op": "top", "interval": 0.1})]
     with pytest.raises(hosts_top.HostsTopEnded, match="h2: host h2 unreachable"):
         t.sample()
 
@@ -518,15 +520,6 @@ def test_cli_no_such_testbed(state_dir):
     assert "Traceback" not in r.stderr
     r = _cli("top", "--sort", "rate")
     assert r.returncode == 2 and "util, drops, queue" in r.stderr
-
-
-@pytest.mark.skipif(not IS_ROOT, reason="needs root (top refuses earlier without it)")
-def test_cli_for_controller_says_its_error_on_stdout_too(state_dir):
-    """A host's top of a testbed over several hosts (`--for-controller`): the controller reads only its
-    stdout as it comes, so an error is also one JSON line there."""
-    r = _cli("top", "--name", "nope", "--json", "--for-controller")
-    assert r.returncode == 4 and "no testbed named 'nope' is up" in r.stderr
-    assert json.loads(r.stdout)["error"].startswith("no testbed named 'nope' is up")
 
 
 # -- kernel: a shaped star with traffic ----------------------------------------------------------------------

@@ -146,3 +146,17 @@ def logs(name: str, node: str, follow: bool, tail: int | None, emit: Callable[[s
 
     shown, d = node_logs(name, node, follow=follow, lines=tail, out=_Pieces(emit), stop=stop)  # type: ignore[arg-type]
     return {"shown": shown, "directory": str(d)}
+
+
+def top(name: str, interval: float, runs: str | None, emit: Callable[[dict[str, Any]], None],
+        stop: threading.Event | None = None) -> dict[str, Any]:
+    """A top document of this host's part every `interval` s (testbed.observe.top), each passed to
+    emit(doc), until `stop`. Returns how many it sampled."""
+    from testbed.observe.top import Top
+
+    n = 0
+    with Top(name, interval, runs) as sampler:
+        while stop is None or not stop.is_set():
+            emit(sampler.sample())
+            n += 1
+    return {"samples": n}

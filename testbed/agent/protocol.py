@@ -3,7 +3,7 @@
 The agent first says who it is: `{"agent": PROTOCOL, "version": "<testbed version>"}`. Then, for
 each request `{"op": "link.down", "name": "NAME", "a": "s0", "b": "s1"}` (the fields are the op's:
 REQUESTS), one reply: `{"ok": true, "value": ...}` or `{"ok": false, "error": "why", "exit_code": N}`.
-A stream op (STREAMS: `events`, `logs`) first sends its items, one `{"item": ...}` a line, as they come,
+A stream op (STREAMS: `events`, `logs`, `top`) first sends its items, one `{"item": ...}` a line, as they come,
 then its reply. The controller closes the agent's stdin when it has nothing more to ask; the agent
 ends then, and a stream that follows (events -f) ends at once with its reply: closing stdin is how
 a controller passes a Ctrl-C on.
@@ -114,13 +114,19 @@ class ScenarioStep(_Request):
     data: dict[str, Any] = Field(default_factory=dict)
 
 
+class Top(_Request):
+    op: Literal["top"]
+    interval: Annotated[float, Field(ge=0.1, le=3600, allow_inf_nan=False)] = 1.0
+    runs: Annotated[str, StringConstraints(min_length=1, max_length=4096)] | None = None
+
+
 class Ps(_Request):
     op: Literal["ps"]
     nodes: list[NodeName] = Field(default_factory=list, max_length=100_000)
     all_nodes: bool = False
 
 
-Request = Annotated[Union[Status, LinkShow, LinkSet, LinkDown, LinkUp, LinkReset, Partition, Heal, Node, Ps, Stacks, Events, Logs, ScenarioStep],
+Request = Annotated[Union[Status, LinkShow, LinkSet, LinkDown, LinkUp, LinkReset, Partition, Heal, Node, Ps, Stacks, Events, Logs, ScenarioStep, Top],
                     Field(discriminator="op")]
 REQUESTS = TypeAdapter(Request)
 
@@ -220,6 +226,14 @@ class LogsEnd(BaseModel):
     directory: Annotated[str, StringConstraints(max_length=4096)] = ""   # where the node's jobs write
 
 
+class TopDoc(BaseModel):
+    """One host's top document (testbed.observe.top): what testbed.cluster.top merges reads each
+    field with care; here only its shape is checked."""
+    model_config = ConfigDict(extra="allow")
+    links: list[dict[str, Any]] = Field(max_length=1_000_000)
+    workers: list[dict[str, Any]] = Field(max_length=1_000_000)
+
+
 class EventsEnd(BaseModel):
     model_config = ConfigDict(extra="ignore")
     skipped: Annotated[int, Field(ge=0)] = 0   # lines of the host's stream that were not events
@@ -242,9 +256,11 @@ VALUES: dict[str, TypeAdapter[Any]] = {
     "scenario.check": TypeAdapter(dict[str, Any]),     # (the controller reads each field with care:
     "scenario.apply": TypeAdapter(dict[str, Any]),     #  testbed.cluster.scenario)
     "scenario.restore": TypeAdapter(dict[str, Any]),
+    "top": TypeAdapter(dict[str, Any]),
 }
-# op -> its items' type: an event; a piece of a node's logs (text, as the job wrote it, made inert)
-STREAMS: dict[str, TypeAdapter[Any]] = {"events": TypeAdapter(EventRecord),
+# op -> its items' type: an event; a top document; a piece of a node's logs (text, as the job wrote
+# it, made inert)
+STREAMS: dict[str, TypeAdapter[Any]] = {"events": TypeAdapter(EventRecord), "top": TypeAdapter(TopDoc),
                                         "logs": TypeAdapter(Annotated[str, StringConstraints(max_length=64 << 20)])}
 
 

@@ -51,6 +51,8 @@ def answer(req: Any, emit: Any = None, stop: threading.Event | None = None) -> A
         act = {"scenario.check": scenario.check_here, "scenario.apply": scenario.apply_here,
                "scenario.restore": scenario.restore_here}[op]
         return act(req.name, dict(req.data))
+    if op == "top":
+        return ops.top(req.name, req.interval, req.runs, emit, stop)
     if op == "logs":
         return ops.logs(req.name, req.node, req.follow, req.tail, emit, stop)
     if op == "events":
@@ -70,13 +72,15 @@ class _Out:
             self._out.flush()
 
 
-def _reply(raw: Any, out: _Out, closed: threading.Event) -> str:
+def _reply(raw: Any, out: _Out, closed: threading.Event, only: str | None) -> str:
     if raw is _TOO_LONG:
         return protocol.reply_error(f"request: a line over {LINE_MAX} bytes", 2)
     try:
         req = protocol.read_request(raw.decode("utf-8", "replace"))
     except protocol.ProtocolError as exc:
         return protocol.reply_error(f"request: {exc}", 2)
+    if only is not None and req.name != only:
+        return protocol.reply_error(f"request: this agent serves testbed {only!r}, not {req.name!r}", 2)
     try:
         return protocol.reply_ok(answer(req, lambda item: out.line(protocol.item_line(item)), closed))
     except TestbedError as exc:
@@ -102,8 +106,9 @@ def _read(src: IO[bytes], lines: queue.Queue, closed: threading.Event) -> None:
         lines.put(None)
 
 
-def serve(stdin: IO[bytes] | None = None, stdout: IO[str] | None = None) -> None:
-    """Say hello, then one reply per request line until stdin ends."""
+def serve(stdin: IO[bytes] | None = None, stdout: IO[str] | None = None, *, only: str | None = None) -> None:
+    """Say hello, then one reply per request line until stdin ends. only: the testbed this session
+    is about (a request about another is refused)."""
     out = _Out(stdout if stdout is not None else sys.stdout)
     lines: queue.Queue = queue.Queue()
     closed = threading.Event()
@@ -111,4 +116,4 @@ def serve(stdin: IO[bytes] | None = None, stdout: IO[str] | None = None) -> None
                      name="agent-stdin", daemon=True).start()
     out.line(protocol.hello())
     while (raw := lines.get()) is not None:
-        out.line(_reply(raw, out, closed))
+        out.line(_reply(raw, out, closed, only))

@@ -11,11 +11,12 @@ import typer
 
 def register(app: typer.Typer) -> None:
     @app.command("agent")
-    def agent() -> None:
+    def agent(name: str = typer.Argument(..., help="The testbed this session is about (shown by ps on the host); "
+                                                   "a request about another is refused.")) -> None:
         """Answer a controller's requests about this host's part of a testbed, on stdin (run by the controller over SSH).
 
         One JSON request a line on stdin, one JSON reply a line on stdout, until stdin ends
         (testbed.agent.protocol)."""
         from testbed.agent.serve import serve
 
-        serve()
+        serve(only=name)

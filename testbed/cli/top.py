@@ -1,10 +1,10 @@
 """testbed top [--name NAME] [--sort util|drops|queue] [--tier TIER] [--once] [--json] [--interval S]:
 a live view of a running testbed's links, workers and job (testbed.observe.top samples them).
 
-A testbed over several hosts: every host runs `top --json` on its own part at once, and the
+A testbed over several hosts: every host's agent samples its own part at once, and the
 controller merges their latest documents into one of the same shape (testbed.cluster.top),
 with each worker's and link direction's host; a host that fails or does not answer is shown as
-such. Ctrl-C stops every host's top."""
+such. Ctrl-C stops every host's top (testbed.handle gives the sampler, here or over hosts)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from typing import Any, Optional
 
 import typer
 
-from testbed.cli.common import NameOption, console, fail, require_root, resolve_name
-from testbed.errors import TestbedError
+from testbed.cli.common import NameOption, console, fail, require_root
 
 
 def _bits(bps: float | None) -> str:
@@ -176,9 +175,6 @@ def top_cmd(
     runs: Optional[str] = typer.Option(None, "--runs", help="Where `testbed run` keeps its run directories "
                                                             "(default: ./runs; across hosts: a directory on "
                                                             "the hosts)."),
-    for_controller: bool = typer.Option(False, "--for-controller", hidden=True,
-                                        help="(the controller's) one host's top of a testbed over several hosts: "
-                                             "an error is also one JSON line {\"error\": WHY} on stdout"),
 ) -> None:
     """Watch a running testbed live: per link direction rate, utilisation, queue and drops; workers'
     CPU and memory; the running job's step.
@@ -188,46 +184,52 @@ def top_cmd(
     socket per namespace; `--once --json` prints one sample for scripts (fields: pydoc
     testbed.observe.top). A testbed over several hosts: every host's top at once, merged into one
     view (fields: pydoc testbed.cluster.top)."""
-    if not for_controller:
-        _top(name, sort, tier, once, as_json, interval, runs)
-        return
-    try:
-        _top(name, sort, tier, once, as_json, interval, runs)
-    except TestbedError as exc:   # said on stdout too: the controller reads only that as it comes
-        print(json.dumps({"error": str(exc)}), flush=True)
-        raise
-    except typer.Exit as exc:
-        if exc.exit_code:
-            print(json.dumps({"error": f"its top ended (exit status {exc.exit_code})"}), flush=True)
-        raise
-
-
-def _top(name: Optional[str], sort: Optional[str], tier: Optional[str], once: bool, as_json: bool,
-         interval: float, runs: Optional[str]) -> None:
-    from testbed.observe.top import SORT_KEYS, Top
+    from testbed.handle import open_testbed
+    from testbed.observe.top import SORT_KEYS
 
     if sort is not None and sort not in SORT_KEYS:
         fail(f"--sort {sort!r}: use one of {', '.join(SORT_KEYS)}", 2)
     require_root("testbed top")
-    name = resolve_name(name, clusters=True)
-    from testbed import store
-    from testbed.cluster import controller
+    tb = open_testbed(name)
+    live = not (as_json or once)
+    top = tb.top(interval, runs, live=live)
+    said: dict[str, str] = {}
 
-    if controller.exists(name) and not store.exists(name):
-        _across_hosts(name, sort, tier, once, as_json, interval, runs)
-        return
-    top = Top(name, interval, runs)
+    def tell(doc: dict[str, Any]) -> None:
+        """Each host's trouble on stderr (the view shows it itself), once; again when it changes."""
+        from rich.text import Text
+
+        from testbed.cli.common import err_console
+        from testbed.terminal import inert
+
+        for h, st in (doc.get("hosts") or {}).items():
+            line = "" if st["state"] in ("ok", "stale") else f"{st['state']}: {st.get('why') or ''}"
+            if line and said.get(h) != line:
+                err_console.print(Text.assemble((inert(h), "red"), ": ", inert(line)))
+            said[h] = line
+
     try:
-        model = top.refresh()
-        if tier is not None and tier not in model.tiers:
-            fail(f"--tier {tier!r}: testbed {name} has tiers {', '.join(model.tiers)}", 2)
-        if as_json or once:
-            while True:
-                doc = top.sample()
-                _emit(doc, sort, tier, once, as_json)
-                if once:
-                    return
-        _live(top, sort or "util", tier)
+        if tier is not None and tier not in top.tiers:
+            fail(f"--tier {tier!r}: testbed {tb.name} has tiers {', '.join(top.tiers)}", 2)
+        if live:
+            _live(top, sort or "util", tier)
+            return
+        while True:
+            doc = top.sample()
+            hosts = doc.get("hosts")   # (over several hosts: each host's state)
+            if once:
+                top.close()   # (every host's top stopped: a host that had failed says why now)
+                doc = top.settle(doc)
+            if hosts is not None and not any(st["t"] is not None for st in hosts.values()):   # no reading
+                tell(doc)
+                raise typer.Exit(1)
+            if as_json:
+                tell(doc)
+            _emit(doc, sort, tier, once, as_json)
+            if once:
+                if hosts is not None and any(st["state"] in ("failed", "waiting") for st in hosts.values()):
+                    raise typer.Exit(1)
+                return
     except KeyboardInterrupt:
         return
     except BrokenPipeError:   # `testbed top --json | head -3`: the reader has what it wanted
@@ -255,60 +257,6 @@ def _quiet_stdout() -> None:
     import sys
 
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit's flush
-
-
-def _across_hosts(name: str, sort: Optional[str], tier: Optional[str], once: bool, as_json: bool,
-                  interval: float, runs: Optional[str]) -> None:
-    """top of a testbed over several hosts: every host's `top --json` at once, merged each interval."""
-    import os
-
-    from testbed.cli.common import err_console
-    from testbed.cluster import controller
-    from testbed.cluster import top as hosts_top
-
-    record = controller.load(name)
-    tiers = tuple(dict.fromkeys(l.get("tier") or "" for l in (record.get("topology") or {}).get("links") or []))
-    if tier is not None and tier not in tiers:
-        fail(f"--tier {tier!r}: testbed {name} has tiers {', '.join(tiers)}", 2)
-    live = not (as_json or once)
-    top = hosts_top.HostsTop(name, interval, os.path.abspath(runs) if runs else None, record=record,
-                             first_wait=hosts_top.LIVE_FIRST_WAIT_S if live else hosts_top.FIRST_WAIT_S)
-    said: dict[str, str] = {}
-
-    def tell(doc: dict[str, Any]) -> None:
-        """Each host's trouble on stderr (the view shows it itself), once; again when it changes."""
-        for h, st in doc["hosts"].items():
-            line = "" if st["state"] in ("ok", "stale") else f"{st['state']}: {st.get('why') or ''}"
-            if line and said.get(h) != line:
-                err_console.print(f"[red]{h}:[/] {line}", highlight=False)
-            said[h] = line
-
-    try:
-        if live:
-            _live(top, sort or "util", tier)
-            return
-        while True:
-            doc = top.sample()
-            if once:
-                top.close()   # (every host's top stopped: a host that had failed says why now)
-                doc = top.settle(doc)
-            if not any(st["t"] is not None for st in doc["hosts"].values()):   # no host has a reading
-                tell(doc)
-                raise typer.Exit(1)
-            if as_json:
-                tell(doc)
-            _emit(doc, sort, tier, once, as_json)
-            if once:
-                if any(st["state"] in ("failed", "waiting") for st in doc["hosts"].values()):
-                    raise typer.Exit(1)
-                return
-    except KeyboardInterrupt:
-        return
-    except BrokenPipeError:
-        _quiet_stdout()
-        return
-    finally:
-        top.close()
 
 
 def _live(top: Any, sort: str, tier: str | None) -> None:

@@ -144,7 +144,7 @@ def ask(name: str, requests: Sequence[Any] | Mapping[str, Sequence[Any]], *, eve
 
     def one(ctl: Any) -> Any:
         stdin = "".join(protocol.request_line(r) + "\n" for r in per_host[ctl.name]).encode()
-        return ctl.run([*by_name[ctl.name].testbed_argv, "agent"], stdin=stdin, timeout=timeout)
+        return ctl.run([*by_name[ctl.name].testbed_argv, "agent", name], stdin=stdin, timeout=timeout)
 
     if every or isinstance(requests, Mapping):
         ctls = _controls([by_name[h] for h in hosts], doc.get("known_hosts"), False)
@@ -190,7 +190,7 @@ def stream(name: str, request: Any, on_item: Callable[[str, Any], None], *, host
     def one(ctl: Any, stdin: Any) -> Any:
         res: Any
         try:
-            res = ctl.run([*by_name[ctl.name].testbed_argv, "agent"], stdin=stdin, timeout=timeout,
+            res = ctl.run([*by_name[ctl.name].testbed_argv, "agent", name], stdin=stdin, timeout=timeout,
                           on_stdout=lines(talks[ctl.name].feed, LINE_MAX))
         except Exception as exc:  # noqa: BLE001 - the host's failure, read as its answer
             res = exc
@@ -233,7 +233,7 @@ class Sessions:
         def run(ctl: Any, stdin: Any) -> None:
             res: Any
             try:
-                res = ctl.run([*by_name[ctl.name].testbed_argv, "agent"], stdin=stdin,
+                res = ctl.run([*by_name[ctl.name].testbed_argv, "agent", name], stdin=stdin,
                               on_stdout=lines(feed(ctl.name), LINE_MAX))
             except Exception as exc:  # noqa: BLE001 - why the session ended, for the requests still open
                 res = exc

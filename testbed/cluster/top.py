@@ -1,10 +1,10 @@
 """`testbed top` on a testbed over several hosts: every host's own `top --json`, merged.
 
-Each host keeps the whole topology and runs `testbed top --json` on its own part: it reads the
-namespaces it holds, so a direction whose sending end is elsewhere has no tx counters there (at
-best the rx of its receiving end, when that end is here) and no queue. The controller streams
-every host's documents at once (testbed.cluster.controller.stream_on_every_host), keeps each
-host's latest one, and `merge` makes one document of the single-host shape (see
+Each host keeps the whole topology and its agent samples its own part (the `top` stream op,
+testbed.agent): it reads the namespaces it holds, so a direction whose sending end is elsewhere
+has no tx counters there (at best the rx of its receiving end, when that end is here) and no
+queue. The controller streams every host's documents at once (testbed.cluster.agents.stream),
+keeps each host's latest one, and `merge` makes one document of the single-host shape (see
 testbed.observe.top) out of them:
 
 - every link direction once, in topology order, taken from the host that holds its sending end
@@ -188,9 +188,12 @@ def merge(name: str, docs: Mapping[str, Mapping[str, Any] | None], placement: Ma
 
 
 def why_failed(result: Any) -> str:
-    """One line of why a host's top ended: its error, its last line on stderr, or its exit status."""
+    """One line of why a host's top ended: its error (a host's refusal: its words), its last line
+    on stderr, or its exit status."""
     if isinstance(result, BaseException):
-        return str(result) or type(result).__name__
+        return getattr(result, "why", None) or str(result) or type(result).__name__
+    if not hasattr(result, "rc"):   # its stream's end (the agent's reply): it was stopped
+        return "its top ended"
     err = [ln for ln in (getattr(result, "stderr", "") or "").strip().splitlines() if ln.strip()]
     rc = getattr(result, "rc", None)
     if err:
@@ -199,11 +202,11 @@ def why_failed(result: Any) -> str:
 
 
 class Gather:
-    """Every host's latest `top --json` document, fed line by line from the hosts' threads.
+    """Every host's latest top document, fed from the hosts' threads.
 
-    line(host, text): a document (replaces the host's last), or {"error": why} (the host's top
-    failed: `top --for-controller` says why on stdout before it exits); other lines are ignored.
-    ended(host, result): the host's top is over (a RemoteResult or the exception)."""
+    doc(host, doc): a document (replaces the host's last), or {"error": why} (the host's top
+    failed); line(host, text): the same as a line of JSON (other lines are ignored).
+    ended(host, result): the host's top is over (its stream's end, or why it failed)."""
 
     def __init__(self, hosts: Sequence[str], clock: Callable[[], float] = time.monotonic):
         self.hosts = list(hosts)
@@ -225,8 +228,10 @@ class Gather:
             doc = json.loads(text)
         except ValueError:
             return
-        if not isinstance(doc, dict):
-            return
+        if isinstance(doc, dict):
+            self.doc(host, doc)
+
+    def doc(self, host: str, doc: dict[str, Any]) -> None:
         with self.cond:
             if isinstance(doc.get("error"), str):
                 self.errors[host] = doc["error"]
@@ -290,12 +295,13 @@ class Gather:
 
 class HostsTop:
     """Samples a testbed over several hosts like testbed.observe.top.Top: `sample()` returns the
-    next merged document. Starts every host's `testbed top --json` at once; `close()` stops them
-    (each as on a Ctrl-C there) and waits for them."""
+    next merged document. Starts every host's top stream at once (its agent's `top` op);
+    `close()` stops them and waits for them. stream: what carries the request
+    (testbed.cluster.agents.stream, unless a test gives another)."""
 
     def __init__(self, name: str, interval: float = 1.0, runs_dir: str | None = None, *, first_wait: float = FIRST_WAIT_S,
                  stream: Callable[..., dict[str, Any]] | None = None, record: Mapping[str, Any] | None = None):
-        from testbed.cluster import controller
+        from testbed.cluster import agents, controller
 
         self.name, self.interval, self.first_wait = name, interval, first_wait
         doc = record if record is not None else controller.load(name)
@@ -306,17 +312,20 @@ class HostsTop:
         self.gather = Gather(self.hosts)
         self.stop = threading.Event()
         self._done = threading.Event()
-        self._stream = stream or controller.stream_on_every_host
+        self._stream = stream or agents.stream
         self._after: dict[str, int] = {}
         self._sampled = False
-        self.argv = ["top", "--name", name, "--json", "--interval", f"{interval:g}", "--for-controller",
-                     *(["--runs", str(runs_dir)] if runs_dir else [])]
+        self.request = {"op": "top", "name": name, "interval": interval, **({"runs": str(runs_dir)} if runs_dir else {})}
         self._thread = threading.Thread(target=self._run, name=f"top-{name}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        try:   # on_end: a host whose command ends (an unreachable one: at once) is shown failed then
-            results = self._stream(self.name, self.argv, self.gather.line, stop=self.stop, on_end=self.gather.ended)
+        from testbed.agent.protocol import REQUESTS
+
+        try:   # on_end: a host whose stream ends (an unreachable one: at once) is shown failed then
+            results = self._stream(self.name, REQUESTS.validate_python(self.request),
+                                   lambda host, doc: self.gather.doc(host, doc.model_dump()),
+                                   stop=self.stop, on_end=self.gather.ended)
         except Exception as exc:  # noqa: BLE001 - no host could be asked: every host fails with it
             results = {h: exc for h in self.hosts}
         finally:
@@ -348,17 +357,13 @@ class HostsTop:
 
     def settle(self, doc: dict[str, Any]) -> dict[str, Any]:
         """After close(): a host the document shows waiting or stale whose top had in fact failed
-        (it could not be reached, or it ended with an error) is shown failed, with why."""
+        (it could not be reached, or its agent refused the request) is shown failed, with why."""
         with self.gather.cond:
             results = dict(self.gather.results)
             errors = dict(self.gather.errors)
         for h, st in (doc.get("hosts") or {}).items():
             if st["state"] not in ("waiting", "stale") or h not in results:
                 continue
-            r = results[h]
-            # (not a top that our own stop ended before its first reading: Ctrl-C's "Aborted!", "interrupted")
-            failed = isinstance(r, BaseException) or (getattr(r, "rc", 0) not in (0, 130, -1)
-                                                      and errors.get(h) not in ("Aborted!", "interrupted"))
-            if failed and errors.get(h):
+            if isinstance(results[h], BaseException) and errors.get(h):   # (a stream our stop ended: no failure)
                 st.update(state="failed", why=errors[h])
         return doc

@@ -100,3 +100,10 @@ class Testbed(ABC):
     def logs(self, node: str, out: Callable[[str], None], follow: bool = False, tail: int | None = None) -> tuple[int, str]:
         """The output of the jobs started in `node`, passed to out(text) as it is read (made inert);
         with follow, what comes next too, until a Ctrl-C. Returns (files shown, where its jobs write)."""
+
+    @abstractmethod
+    def top(self, interval: float, runs: str | None, live: bool = False) -> Any:
+        """A sampler of its links, workers and job: sample() waits for the next document
+        (testbed.observe.top's shape; spread: merged, with each host's state under "hosts"), tiers,
+        name, interval, close(), settle(doc) (after close: spread, a host that had failed says so).
+        live: for the view (spread: shown sooner with what is there)."""

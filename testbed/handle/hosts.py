@@ -210,6 +210,16 @@ class HostsTestbed(Testbed):
         got = stacks.merge_hosts(by_host, placement)
         return [s for s in got if workers is None or s.worker in workers], failed
 
+    def top(self, interval: float, runs: str | None, live: bool = False) -> Any:
+        """Every host's agent samples its part; the documents merged (testbed.cluster.top). runs: a
+        directory on the hosts (made absolute here, where it was typed)."""
+        import os
+
+        from testbed.cluster import top as hosts_top
+
+        return hosts_top.HostsTop(self.name, interval, os.path.abspath(runs) if runs else None, record=self._record,
+                                  first_wait=hosts_top.LIVE_FIRST_WAIT_S if live else hosts_top.FIRST_WAIT_S)
+
     def logs(self, node: str, out: Callable[[str], None], follow: bool = False, tail: int | None = None) -> tuple[int, str]:
         """Asked of the node's host alone; with follow, a Ctrl-C here ends the stream there."""
         from testbed.cluster.agents import HostFailed, ask, stream
