@@ -191,8 +191,8 @@ def _interrupt_when(proc: subprocess.Popen, ready, within: float = 60.0) -> None
 
 
 def test_ctrl_c_on_exec_across_hosts_reaches_the_command_there(emu, line):
-    """`testbed exec w2 -- CMD` (w2 on h2): a Ctrl-C on the controller stops CMD on h2 (its testbed
-    takes the end of its lifeline as a Ctrl-C), and its output up to then still comes back."""
+    """`testbed exec w2 -- CMD` (w2 on h2): a Ctrl-C on the controller stops CMD on h2 (its agent
+    takes the end of its stdin as a Ctrl-C), and its output up to then still comes back."""
     import time
 
     marker = f"{uuid.uuid4().int % 1000 + 1000}.5"   # a sleep no one else runs
@@ -216,8 +216,8 @@ def test_ctrl_c_on_exec_across_hosts_reaches_the_command_there(emu, line):
     assert "started" in out and "got SIGINT" in out and "not interrupted" not in out, out
     assert "passing the Ctrl-C on to h2" in err, err
     wait_gone(lambda: {k: v for k, v in (("the command's child", pids_with(f"sleep {marker}", start=True)),
-                                         ("testbed exec", pids_with(f"exec w2 --name {line}"))) if v},
-              timeout=5, interval=0.2, what="the command and testbed exec on h2 to end")
+                                         ("the agent", pids_with(f"testbed agent {line}"))) if v},
+              timeout=5, interval=0.2, what="the command and the agent on h2 to end")
 
 
 def test_ctrl_c_on_run_across_hosts_stops_every_rank_and_still_reports(emu, line):

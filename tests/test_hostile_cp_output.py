@@ -55,7 +55,7 @@ CASES = {   # the step: (the program faked, the stream it prints on, cp's argume
 
 @pytest.mark.parametrize("step", list(CASES))
 def test_what_a_node_prints_is_read_up_to_a_bound(loud_node, shared_tmp, step):
-    from testbed.cli import cp
+    from testbed import node_files as cp
 
     assert cp.OUTPUT_MAX == 4 << 20 < LOUD
     name, bind = loud_node

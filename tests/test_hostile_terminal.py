@@ -169,14 +169,12 @@ def test_ranks_lines_of_a_run_over_hosts_are_shown_as_written(consoles):
 
 
 def test_cp_on_one_remote_host_passes_its_words_on_inert(monkeypatch, capsys):
-    from testbed.cli import attach, cp
-    from testbed.cluster import controller
+    from testbed.cluster import controller, cp
 
     said = SimpleNamespace(rc=0, stdout=HOSTILE + "\n", stderr=HOSTILE + "\n")
     monkeypatch.setattr(controller, "load", lambda tb: {"placement": {"a": "h1", "b": "h1"}})
     monkeypatch.setattr(controller, "run_on_node_host", lambda *a, **k: said)
-    monkeypatch.setattr(attach, "node_host", lambda tb, n: "h1")
-    cp._across_hosts("tb", "a:/x", "b:/y")
+    assert cp.copy_across("tb", "a:/x", "b:/y") == 0
     got = capsys.readouterr()
     text = got.out + got.err
     assert text.count("[/tmp]") == 2

@@ -35,7 +35,7 @@ LAYERS: list[list[tuple[str, tuple[str, ...]]]] = [
     [("state", ("testbed.store", "testbed.state_schema"))],
     [("net", ("testbed.net",))],
     [("runtime", ("testbed.runtime",))],
-    [("lifecycle", ("testbed.lifecycle", "testbed.running", "testbed.node_cpus"))],
+    [("lifecycle", ("testbed.lifecycle", "testbed.running", "testbed.node_cpus", "testbed.node_files"))],
     [("jobs", ("testbed.jobs",))],
     [("faults", ("testbed.faults",)), ("report", ("testbed.report",))],
     [("observe", ("testbed.observe",))],

@@ -3,7 +3,7 @@
 The agent first says who it is: `{"agent": PROTOCOL, "version": "<testbed version>"}`. Then, for
 each request `{"op": "link.down", "name": "NAME", "a": "s0", "b": "s1"}` (the fields are the op's:
 REQUESTS), one reply: `{"ok": true, "value": ...}` or `{"ok": false, "error": "why", "exit_code": N}`.
-A stream op (STREAMS: `events`, `logs`, `top`) first sends its items, one `{"item": ...}` a line, as they come,
+A stream op (STREAMS: `events`, `logs`, `top`, `exec`) first sends its items, one `{"item": ...}` a line, as they come,
 then its reply. The controller closes the agent's stdin when it has nothing more to ask; the agent
 ends then, and a stream that follows (events -f) ends at once with its reply: closing stdin is how
 a controller passes a Ctrl-C on.
@@ -120,13 +120,19 @@ class Top(_Request):
     runs: Annotated[str, StringConstraints(min_length=1, max_length=4096)] | None = None
 
 
+class Exec(_Request):
+    op: Literal["exec"]
+    node: NodeName
+    argv: list[Annotated[str, StringConstraints(max_length=128 << 10)]] = Field(min_length=1, max_length=4096)
+
+
 class Ps(_Request):
     op: Literal["ps"]
     nodes: list[NodeName] = Field(default_factory=list, max_length=100_000)
     all_nodes: bool = False
 
 
-Request = Annotated[Union[Status, LinkShow, LinkSet, LinkDown, LinkUp, LinkReset, Partition, Heal, Node, Ps, Stacks, Events, Logs, ScenarioStep, Top],
+Request = Annotated[Union[Status, LinkShow, LinkSet, LinkDown, LinkUp, LinkReset, Partition, Heal, Node, Ps, Stacks, Events, Logs, ScenarioStep, Top, Exec],
                     Field(discriminator="op")]
 REQUESTS = TypeAdapter(Request)
 
@@ -234,6 +240,18 @@ class TopDoc(BaseModel):
     workers: list[dict[str, Any]] = Field(max_length=1_000_000)
 
 
+class Output(BaseModel):
+    """A piece of a command's output: fd 1 (stdout) or 2 (stderr), as text."""
+    model_config = ConfigDict(extra="ignore")
+    fd: Literal[1, 2]
+    data: Annotated[str, StringConstraints(max_length=1 << 20)]
+
+
+class Exited(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    rc: Annotated[int, Field(ge=0, le=255)]
+
+
 class EventsEnd(BaseModel):
     model_config = ConfigDict(extra="ignore")
     skipped: Annotated[int, Field(ge=0)] = 0   # lines of the host's stream that were not events
@@ -257,10 +275,12 @@ VALUES: dict[str, TypeAdapter[Any]] = {
     "scenario.apply": TypeAdapter(dict[str, Any]),     #  testbed.cluster.scenario)
     "scenario.restore": TypeAdapter(dict[str, Any]),
     "top": TypeAdapter(dict[str, Any]),
+    "exec": TypeAdapter(Exited),
 }
-# op -> its items' type: an event; a top document; a piece of a node's logs (text, as the job wrote
-# it, made inert)
+# op -> its items' type: an event; a top document; a piece of a command's output; a piece of a
+# node's logs (text, as the job wrote it, made inert)
 STREAMS: dict[str, TypeAdapter[Any]] = {"events": TypeAdapter(EventRecord), "top": TypeAdapter(TopDoc),
+                                        "exec": TypeAdapter(Output),
                                         "logs": TypeAdapter(Annotated[str, StringConstraints(max_length=64 << 20)])}
 
 

@@ -51,6 +51,10 @@ def answer(req: Any, emit: Any = None, stop: threading.Event | None = None) -> A
         act = {"scenario.check": scenario.check_here, "scenario.apply": scenario.apply_here,
                "scenario.restore": scenario.restore_here}[op]
         return act(req.name, dict(req.data))
+    if op == "exec":
+        from testbed.agent.commands import exec_in_node
+
+        return exec_in_node(req.name, req.node, list(req.argv), emit, stop)
     if op == "top":
         return ops.top(req.name, req.interval, req.runs, emit, stop)
     if op == "logs":

@@ -2,8 +2,8 @@
 running testbed (testbed.observe.graph serves it).
 
 A testbed over several hosts: the controller serves the same page, its documents from the hosts
-(testbed.cluster.graph): every host's `top --json` merged, their link records and events
-asked every few seconds; each node's host on the page, a host that fails named in its banner;
+(testbed.cluster.graph, through testbed.handle): every host's top merged, their link records and
+events asked every few seconds; each node's host on the page, a host that fails named in its banner;
 the page's actions sent to every host, as `testbed link` and `testbed node` do."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from testbed.cli.common import NameOption, console, err_console, require_root, resolve_name
+from testbed.cli.common import NameOption, console, err_console, require_root
 
 
 def graph_cmd(
@@ -44,12 +44,12 @@ def graph_cmd(
     A testbed over several hosts: served from the controller, from every host's `top --json`,
     link records and events; each node's host shown, a host that fails named on the page; the
     page's actions go to every host. Ctrl-C stops every host's top."""
+    from testbed.handle import open_testbed
     from testbed.observe.graph import DOWN_GRACE_S, check_bind, serve
-    from testbed.cluster.graph import open_source
 
     bind = check_bind(bind)
     require_root("testbed graph")
-    name = resolve_name(name)
+    name = open_testbed(name).name
 
     def ready(url: str) -> None:
         console.print(f"testbed graph: {name} at [bold]{url}[/]", highlight=False, soft_wrap=True)
@@ -64,7 +64,7 @@ def graph_cmd(
 
     try:
         why = serve(name, bind=bind, port=port, allow_control=allow_control, runs_dir=runs, interval=interval, plain_http=plain_http,
-                    log=log, ready=ready, open_source=open_source)
+                    log=log, ready=ready, open_source=lambda n: open_testbed(n).graph_source())
     except KeyboardInterrupt:
         err_console.print("testbed graph: stopped")
         return

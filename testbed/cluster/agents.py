@@ -187,11 +187,19 @@ def stream(name: str, request: Any, on_item: Callable[[str, Any], None], *, host
         p.write((protocol.request_line(request) + "\n").encode())
     ends: dict[str, Any] = {}
 
+    def feed(host: str) -> Callable[[str], None]:
+        def one(line: str) -> None:
+            talk = talks[host]
+            talk.feed(line)
+            if talk.broken is not None or len(talk.values) == len(talk.requests):
+                pipes[host].close()   # answered (or out of protocol): nothing more to ask, the agent ends
+        return one
+
     def one(ctl: Any, stdin: Any) -> Any:
         res: Any
         try:
             res = ctl.run([*by_name[ctl.name].testbed_argv, "agent", name], stdin=stdin, timeout=timeout,
-                          on_stdout=lines(talks[ctl.name].feed, LINE_MAX))
+                          on_stdout=lines(feed(ctl.name), LINE_MAX))
         except Exception as exc:  # noqa: BLE001 - the host's failure, read as its answer
             res = exc
         ends[ctl.name] = talks[ctl.name].outcome(res)[0]

@@ -36,10 +36,9 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from testbed import store
 from testbed.errors import StateError
 from testbed.observe import answers
-from testbed.observe.graph import EVENTS_KEEP, EVENTS_LIMIT, IDLE_S, GraphRequestError, LocalSource, topology_doc
+from testbed.observe.graph import EVENTS_KEEP, EVENTS_LIMIT, IDLE_S, GraphRequestError, topology_doc
 
 REFRESH_S = 3.0            # the hosts' link records and events are asked for this often while a page watches
 STALE_S = 5.0              # a host whose top lags behind the newest reading this long is named in the banner
@@ -47,17 +46,6 @@ ASK_TIMEOUT_S = 60.0
 CONTROL_TIMEOUT_S = 120.0
 CONTROL_ARGV = {"link_down": ("link", "down"), "link_up": ("link", "up"), "node_down": ("node", "down"),
                 "node_up": ("node", "up")}
-
-
-def open_source(name: str) -> Any:
-    """The source of testbed `name`'s page (testbed.observe.graph.serve's `source`): this host's
-    (LocalSource), or, for a testbed over several hosts whose controller this is, its hosts'."""
-    if not store.exists(name):
-        from testbed.cluster import controller
-
-        if controller.exists(name):
-            return HostsSource(name)
-    return LocalSource(name)
 
 
 # -- pure ----------------------------------------------------------------------------------------------------

@@ -107,3 +107,38 @@ class Testbed(ABC):
         (testbed.observe.top's shape; spread: merged, with each host's state under "hosts"), tiers,
         name, interval, close(), settle(doc) (after close: spread, a host that had failed says so).
         live: for the view (spread: shown sooner with what is there)."""
+
+    @abstractmethod
+    def exec(self, node: str, cmd: list[str], out: Callable[[int, str], None],
+             progress: Callable[[str], None] = lambda _m: None) -> int:
+        """Run cmd inside `node`; its exit status. On this host this process becomes the command (its
+        stdio and signals the caller's: it does not return); spread: run on the node's host, its
+        output passed to out(fd, text) as it comes, a Ctrl-C here passed on to it there."""
+
+    @abstractmethod
+    def attach(self, node: str, say: Callable[[str], None] = lambda _m: None) -> int:
+        """An interactive shell inside `node`; its exit status. Spread: ssh(1) -t to the node's host
+        (this process becomes it: a terminal all the way), say() tells the command it runs."""
+
+    @abstractmethod
+    def graph_source(self) -> Any:
+        """Where the web page's documents come from (testbed.observe.graph: LocalSource, or the
+        hosts' for a testbed over several hosts)."""
+
+    @abstractmethod
+    def capture_target(self, a: str, b: str | None, at: str | None, direction: str) -> Any:
+        """The link end `testbed capture A [B] --at --direction` names (testbed.observe.capture.Target),
+        checked: an unknown node or link is refused before anything starts."""
+
+    @abstractmethod
+    def capture(self, target: Any, write: str, *, a: str, b: str | None, at: str | None, direction: str, count: int,
+                duration: str, duration_s: float, snaplen: int | None, bpf: str | None,
+                say: Callable[[str, str | None], None]) -> int:
+        """Capture `target` into `write` (a file, or - for stdout) until its bounds or a Ctrl-C; a
+        valid pcap however it ends; say(line, style) what it does (for stderr). The exit status.
+        Spread: on the end's host, the pcap stream written here as it comes."""
+
+    @abstractmethod
+    def cp(self, src: str, dst: str) -> int:
+        """`testbed cp SRC DST` (NODE:PATH, a path here, or - for a tar stream on stdin or stdout);
+        the exit status. Spread: streamed through the controller's SSH connections."""

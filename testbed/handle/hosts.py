@@ -35,6 +35,12 @@ class HostsFailed(TestbedError):
         self.exit_code = max(f.exit_code for f in failed.values())
 
 
+class AcrossHosts(TestbedError):
+    """What cannot run across hosts from the controller as asked: says what to run instead. Exit 2."""
+
+    exit_code = 2
+
+
 class HostsTestbed(Testbed):
     def __init__(self, name: str):
         from testbed.cluster import controller
@@ -219,6 +225,74 @@ class HostsTestbed(Testbed):
 
         return hosts_top.HostsTop(self.name, interval, os.path.abspath(runs) if runs else None, record=self._record,
                                   first_wait=hosts_top.LIVE_FIRST_WAIT_S if live else hosts_top.FIRST_WAIT_S)
+
+    def exec(self, node: str, cmd: list[str], out: Callable[[int, str], None],
+             progress: Callable[[str], None] = lambda _m: None) -> int:
+        """On the node's host, by its agent; a Ctrl-C here closes the agent's stdin, which interrupts
+        the command there (testbed.agent.commands), and its status still comes back."""
+        from testbed.cluster.agents import HostFailed, stream
+        from testbed.errors import StateError
+
+        host = self.host_of(node)
+        if host is None:
+            nodes = list(self._record["placement"])
+            raise StateError(f"testbed {self.name!r} has no node {node!r}; nodes: {', '.join(nodes[:12])}"
+                             f"{' ...' if len(nodes) > 12 else ''}")
+        req = self._request("exec", node=node, argv=cmd)
+        end = stream(self.name, req, lambda _h, piece: out(piece.fd, piece.data), hosts=[host],
+                     progress=progress)[host]
+        if isinstance(end, HostFailed):
+            raise HostsFailed({host: end}, [])
+        return end.rc
+
+    def attach(self, node: str, say: Callable[[str], None] = lambda _m: None) -> int:
+        """ssh(1) -t to the node's host, with the hosts file's key and port and the testbed's known
+        hosts: the controller's own SSH sessions carry no terminal."""
+        import os
+        import shlex
+        import shutil
+        import sys
+
+        from testbed.cluster.ssh_command import node_host, ssh_argv
+
+        doc, host = node_host(self.name, node)
+        argv = ssh_argv(doc, host, ["attach", node, "--name", self.name], tty=True)
+        line = shlex.join(argv)
+        if shutil.which("ssh") is None:
+            raise AcrossHosts(f"{node} is on host {host.name} of testbed {self.name}; attaching there needs ssh(1) "
+                              f"(Debian: apt-get install openssh-client), then run `{line}`")
+        say(f"{node} is on host {host.name}: {line}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execvp("ssh", argv)   # the shell's status, signals and terminal are the user's
+        return 255   # (never: execvp replaces this process or raises)
+
+    def capture_target(self, a: str, b: str | None, at: str | None, direction: str) -> Any:
+        from testbed.cluster import capture
+
+        return capture.resolve(self.name, a, b, at, direction)
+
+    def capture(self, target: Any, write: str, *, a: str, b: str | None, at: str | None, direction: str, count: int,
+                duration: str, duration_s: float, snaplen: int | None, bpf: str | None,
+                say: Callable[[str, str | None], None]) -> int:
+        """`testbed capture ... --write -` on the end's host (testbed.cluster.capture)."""
+        from testbed.cluster import capture
+        from testbed.observe.capture_file import until
+
+        args = [a, *([b] if b is not None else []), *(["--at", at] if at else []), "--direction", direction,
+                "--count", str(count), "--duration", duration, *(["--filter", bpf] if bpf is not None else []),
+                *(["--snaplen", str(snaplen)] if snaplen is not None else [])]
+        return capture.capture_to(self.name, target, write, args, until(count, duration_s), say)
+
+    def cp(self, src: str, dst: str) -> int:
+        from testbed.cluster.cp import copy_across
+
+        return copy_across(self.name, src, dst)
+
+    def graph_source(self) -> Any:
+        from testbed.cluster.graph import HostsSource
+
+        return HostsSource(self.name)
 
     def logs(self, node: str, out: Callable[[str], None], follow: bool = False, tail: int | None = None) -> tuple[int, str]:
         """Asked of the node's host alone; with follow, a Ctrl-C here ends the stream there."""

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from testbed.agent import ops
+from testbed.errors import TestbedError
 from testbed.handle.base import Note, Testbed
 
 
@@ -87,6 +88,60 @@ class LocalTestbed(Testbed):
         end = ops.logs(self.name, node, follow, tail, out)
         return end["shown"], end["directory"]
 
+    def exec(self, node: str, cmd: list[str], out: Callable[[int, str], None],
+             progress: Callable[[str], None] = lambda _m: None) -> int:
+        import os
+        import sys
+
+        from testbed import lifecycle
+
+        argv = lifecycle.exec_argv(lifecycle.load(self.name), node, cmd)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            os.execvp(argv[0], argv)  # the command's status, signals and stdio are the caller's
+        except OSError as exc:
+            raise CannotRun(f"cannot run {argv[0]}: {exc}") from None
+        raise CannotRun("exec returned")   # (never: execvp replaces this process or raises)
+
+    def attach(self, node: str, say: Callable[[str], None] = lambda _m: None) -> int:
+        import subprocess
+
+        from testbed import lifecycle
+
+        st = lifecycle.load(self.name)
+        rt, rec, kind = lifecycle.node_target(st, node)
+        if kind == "worker" and rt.kind != "bare":
+            return rt.attach(node, rec)
+        # a plain namespace has the host's hostname: say where the shell is in its prompt
+        argv = rt.exec_argv(node, rec, ["/bin/bash", "--norc", "-i"], tty=True,
+                            env={"PS1": f"[{self.name}:{node}] \\w\\$ ", "TESTBED_NODE": node})
+        return subprocess.call(argv)
+
+    def capture_target(self, a: str, b: str | None, at: str | None, direction: str) -> Any:
+        from testbed.observe import capture as cap
+
+        return cap.resolve(self.name, a, b, at=at, direction=direction)
+
+    def capture(self, target: Any, write: str, *, a: str, b: str | None, at: str | None, direction: str, count: int,
+                duration: str, duration_s: float, snaplen: int | None, bpf: str | None,
+                say: Callable[[str, str | None], None]) -> int:
+        from testbed.observe.capture_file import capture_to
+
+        return capture_to(self.name, target, write, count=count, duration_s=duration_s, snaplen=snaplen, bpf=bpf,
+                          say=say)
+
+    def cp(self, src: str, dst: str) -> int:
+        from testbed.node_files import copy_here
+
+        copy_here(self.name, src, dst)
+        return 0
+
+    def graph_source(self) -> Any:
+        from testbed.observe.graph import LocalSource
+
+        return LocalSource(self.name)
+
     def top(self, interval: float, runs: str | None, live: bool = False) -> Any:
         from testbed.observe.top import Top
 
@@ -113,3 +168,8 @@ class _LocalTop:
 
     def close(self) -> None:
         self._top.close()
+
+class CannotRun(TestbedError):
+    """The command could not be started: exit status 127, as a shell says it."""
+
+    exit_code = 127

@@ -761,7 +761,7 @@ def serve(name: str, *, bind: str = DEFAULT_BIND, port: int | None = None, allow
           plain_http: bool = False, open_source: Callable[[str], Any] | None = None) -> str:
     """Serve testbed `name`'s page until Ctrl-C (KeyboardInterrupt propagates, after a clean stop) or
     until the testbed has been down DOWN_GRACE_S seconds (returns "down"). open_source(name): where
-    its documents come from (None: this host's, a LocalSource; testbed.cluster.graph.open_source
+    its documents come from (None: this host's, a LocalSource; testbed.handle's graph_source
     picks its hosts' for a testbed over several hosts), closed when the server stops."""
     bind = check_bind(bind)
     if not is_loopback(bind) and not plain_http:
