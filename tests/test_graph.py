@@ -451,9 +451,10 @@ def test_hosts_topology_doc_names_each_nodes_host_and_what_is_down():
     assert all(l["state"] == "up" for l in doc["links"]) and doc["states"]["s1"] == "up"
 
 
-def test_hosts_trouble_control_argv_and_answers():
-    from testbed.faults.control import FaultError
+def test_hosts_trouble_control_requests_and_answers():
     from testbed.cluster import graph as gh
+    from testbed.cluster.agents import HostFailed
+    from testbed.faults.control import FaultError
 
     top = {"h1": {"state": "ok", "why": None, "t": 1.0}, "h2": {"state": "failed", "why": "cannot reach host h2"}}
     assert gh.trouble_lines(["h1", "h2"], top, {}) == ["h2: top failed: cannot reach host h2"]
@@ -464,21 +465,18 @@ def test_hosts_trouble_control_argv_and_answers():
     assert gh.trouble_lines(["h1"], stale, {}, newest=100.0) == []                  # a little late: no banner
     assert gh.trouble_lines(["h1"], stale, {}, newest=97.0 + gh.STALE_S) == ["h1: top stale: no new reading for 3 s"]
     rec = _record()
-    assert gh.control_argv(rec, "mh", "link_down", ["s1", "s0"]) == ["link", "down", "s1", "s0", "--name", "mh"]
-    assert gh.control_argv(rec, "mh", "node_up", ["w2"]) == ["node", "up", "w2", "--name", "mh"]
+    assert gh.control_request(rec, "mh", "link_down", ["s1", "s0"]) == {"op": "link.down", "name": "mh", "a": "s1",
+                                                                        "b": "s0"}
+    assert gh.control_request(rec, "mh", "node_up", ["w2"]) == {"op": "node", "verb": "up", "name": "mh", "node": "w2"}
     with pytest.raises(FaultError, match="no node 'nope'"):
-        gh.control_argv(rec, "mh", "node_down", ["nope"])
+        gh.control_request(rec, "mh", "node_down", ["nope"])
     with pytest.raises(FaultError, match="no link between w0 and w2"):
-        gh.control_argv(rec, "mh", "link_down", ["w0", "w2"])
-    assert gh.still_down({"h1": _answer(stdout="s0 <-> s1: still down (node:s1, link)\n")}) == ["node:s1", "link"]
-    assert gh.still_down({"h1": _answer(stdout="s0 <-> s1: up\n")}) is None
+        gh.control_request(rec, "mh", "link_down", ["w0", "w2"])
     links = _link_show(rec)
-    got, failed = gh.link_answers({"h1": OSError("cannot reach host h1"), "h2": _answer(stdout=json.dumps(links))},
-                                  ["h1", "h2"])
+    got, failed = gh.link_answers({"h1": HostFailed("h1", "cannot reach host h1"), "h2": links}, ["h1", "h2"])
     assert got == links and failed == {"h1": "cannot reach host h1"}
-    got, failed = gh.link_answers({"h1": _answer(1, stderr="error: no testbed named 'mh' is up\n"),
-                                   "h2": _answer(stdout="not json")}, ["h1", "h2"])
-    assert got is None and failed == {"h1": "no testbed named 'mh' is up", "h2": "its `link show --json` was not JSON"}
+    got, failed = gh.link_answers({"h1": HostFailed("h1", "no testbed named 'mh' is up"), "h2": None}, ["h1", "h2"])
+    assert got is None and failed == {"h1": "no testbed named 'mh' is up", "h2": "no answer"}
 
 
 def test_a_host_whose_top_failed_is_watched_again_once_it_answers():
@@ -518,28 +516,36 @@ def test_a_host_whose_top_failed_is_watched_again_once_it_answers():
 
 
 class FakeHosts:
-    """The controller's run_on_every_host for h1 and h2, answered from here: h2's events fail."""
+    """testbed.cluster.agents.ask for h1 and h2, answered from here as the agents would: h2's events fail."""
 
     def __init__(self, record):
         self.record = record
         self.links = _link_show(record)
-        self.calls: list[list[str]] = []
+        self.calls: list[dict] = []
         self.fail_control: str | None = None
 
-    def __call__(self, name, argv, timeout=None):
-        self.calls.append(list(argv))
-        if argv[:2] == ["link", "show"]:
-            return {h: _answer(stdout=json.dumps(self.links)) for h in ("h1", "h2")}
-        if argv[0] == "events":
-            ev = {"t": 5.0, "kind": "link", "what": "link down s0 s1", "testbed": name}
-            return {"h1": _answer(stdout=json.dumps({**ev, "t": 4.0, "kind": "up", "what": "up"}) + "\n" +
-                                  json.dumps(ev) + "\n"),
-                    "h2": _answer(1, stderr="error: events.jsonl: permission denied\n")}
-        if argv[:2] == ["link", "down"]:
-            i = next(i for i, l in enumerate(self.links) if set(l["endpoints"]) == set(argv[2:4]))
-            self.links[i].update(state="down", down_by=["link"])
-        return {h: (_answer(1, stderr="error: boom\n") if h == self.fail_control else _answer(stdout="done\n"))
-                for h in ("h1", "h2")}
+    def __call__(self, name, requests, timeout=None):
+        from testbed.agent.protocol import VALUES, EventRecord, EventsEnd
+        from testbed.cluster.agents import HostFailed, Streamed
+
+        out = {h: [] for h in ("h1", "h2")}
+        for req in requests:
+            self.calls.append(req.model_dump(exclude_none=True))
+            if req.op == "link.show":
+                for h in out:
+                    out[h].append(VALUES["link.show"].validate_python(self.links))
+            elif req.op == "events":
+                ev = {"t": 5.0, "kind": "link", "what": "link down s0 s1", "testbed": name}
+                out["h1"].append(Streamed([EventRecord(**{**ev, "t": 4.0, "kind": "up", "what": "up"}),
+                                           EventRecord(**ev)], EventsEnd()))
+                out["h2"].append(HostFailed("h2", "events.jsonl: permission denied"))
+            else:
+                if req.op == "link.down":
+                    i = next(i for i, l in enumerate(self.links) if set(l["endpoints"]) == {req.a, req.b})
+                    self.links[i].update(state="down", down_by=["link"])
+                for h in out:
+                    out[h].append(HostFailed(h, "boom") if h == self.fail_control else None)
+        return out
 
 
 class FakeHostsTop:
@@ -576,7 +582,7 @@ def test_server_across_hosts_names_hosts_and_forwards_control(state_dir, monkeyp
     monkeypatch.setattr(controller, "exists", lambda name: name == "mh")
     rec = _record()
     hosts = FakeHosts(rec)
-    source = HostsSource("mh", record=rec, run_every=hosts, refresh_s=0.2)
+    source = HostsSource("mh", record=rec, ask=hosts, refresh_s=0.2)
     g = graph.Graph("mh", sampler=FakeHostsTop, interval=0.1, allow_control=True, source=source)
     server, access = graph.make_server(g, "127.0.0.1", 0, "tok", lambda _l: None)
     t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -599,7 +605,7 @@ def test_server_across_hosts_names_hosts_and_forwards_control(state_dir, monkeyp
         status, _, body = _get(base + "/api/control", post, "POST",
                                json.dumps({"action": "link_down", "a": "s0", "b": "s1"}).encode())
         assert status == 200 and json.loads(body)["ok"], body
-        assert ["link", "down", "s0", "s1", "--name", "mh"] in hosts.calls
+        assert {"op": "link.down", "name": "mh", "a": "s0", "b": "s1"} in hosts.calls
         wait_for(lambda: json.loads(_get(base + "/api/topology", auth)[2])["version"] > version, timeout=5,
                  interval=0.2, what="a new version of the topology")
         topo = json.loads(_get(base + "/api/topology", auth)[2])

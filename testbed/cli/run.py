@@ -10,45 +10,6 @@ from testbed.cli.common import NameOption, console, resolve_name
 from testbed.terminal import inert, plain
 
 
-def _run_over_hosts(name: str, cmd: List[str], workers: str, nproc_per_node: int, port: Optional[int],
-                    timeout: Optional[float], env: dict, real: Optional[str], record_ops: bool,
-                    replay: Optional[str], no_probe: bool, real_clock: bool, grace: float) -> None:
-    """A testbed over several hosts: every host runs its workers' ranks (`testbed run --this-host-only`
-    there, the same master and port), their run directories come back here, merged, and are
-    reported and judged as one run."""
-    from testbed.cli.common import err_console, fail
-    from testbed.cluster import controller
-
-    if cmd[:1] == ["--"]:
-        cmd = cmd[1:]
-    if replay and cmd:
-        fail("--replay runs no command: give either a command or --replay", 2)
-    if not cmd and not replay:
-        fail("nothing to run: give a command after --", 2)
-    if replay and (real is not None or record_ops):
-        fail("--replay plays a recorded run to phantoms only: no --real, no --record-ops", 2)
-    chosen = None if workers == "all" else [w.strip() for w in workers.split(",") if w.strip()]
-    if (real is not None or record_ops) and no_probe:
-        fail("--real and --record-ops need the probe (it announces and records the collectives): drop --no-probe", 2)
-    result = controller.run_job(name, cmd, workers=chosen, nproc_per_node=nproc_per_node, port=port,
-                                timeout=timeout, env=env, probe=not no_probe, real_clock=real_clock, grace=grace,
-                                progress=lambda m: err_console.print(inert(m), highlight=False, markup=False),
-                                on_output=_show_line,
-                                real=None if real is None else [w.strip() for w in real.split(",") if w.strip()],
-                                record_ops=record_ops, replay=replay)
-    from testbed.report import report as make_report
-
-    text, a, _plots = make_report(result["run_dir"], plots=False)
-    console.print(inert(text), highlight=False, markup=False)
-    _say_ranks(result["run_dir"])
-    for host, why in result.get("problems", {}).items():   # (a host's words in them: never markup)
-        err_console.print(f"[red]{plain(host)}:[/] {plain(why)}", highlight=False)
-    rd = result["run_dir"]
-    console.print(f"run directory: {rd}  (testbed report {rd})", highlight=False, markup=False)
-    if result["rc"] != 0:
-        raise typer.Exit(result["rc"] if 0 < result["rc"] < 256 else 1)
-
-
 def _say_ranks(run_dir, summary: Optional[dict] = None) -> None:
     """With phantoms: which ranks were real and which phantoms ("ranks: 1 real (0 on w0), 3 phantoms
     (1-3)"), from the run's summary (read from run_dir when not given: the controller's merge)."""
@@ -158,7 +119,6 @@ def register(app: typer.Typer) -> None:
         (CPUs, queues, delay lines): faithful, not faithful (with the reasons in numbers and what to
         change) or unverified."""
         from testbed.cli.common import err_console, require_root
-        from testbed.jobs import calibration
         from testbed.jobs.run import RunError, cluster_from_state, run
 
         require_root("testbed run")
@@ -168,11 +128,11 @@ def register(app: typer.Typer) -> None:
                 raise RunError(f"--env wants K=V (got {kv!r})")
             k, v = kv.split("=", 1)
             extra[k] = v
-        target = resolve_name(name)
-        from testbed import store
-        from testbed.cluster import controller
         from testbed.jobs import groups as groups_mod
 
+        cmd = list(cmd or [])
+        if cmd[:1] == ["--"]:
+            cmd = cmd[1:]
         the_job = None
         if job is not None and (group or service):
             raise RunError("give either --job FILE or --group/--service, not both")
@@ -183,54 +143,58 @@ def register(app: typer.Typer) -> None:
         elif restarts:
             raise RunError("--restarts is for groups (--group or --job): a plain run is one torch world; use "
                            "torchrun's --max-restarts for it")
-        if the_job is not None or groups_mod.is_job_file(cmd or []):
-            if cmd and the_job is not None:
-                raise RunError("with --group/--service/--job the commands are the groups': nothing after --")
-            if controller.exists(target) and not store.exists(target):
-                raise RunError(f"testbed {target} spans several hosts: groups run on a testbed of one host only")
-        if controller.exists(target) and not store.exists(target):
-            _run_over_hosts(target, cmd or [], workers, nproc_per_node, port, timeout, extra, real, record_ops,
-                            replay, no_probe, real_clock, grace)
-            return
-        cluster = cluster_from_state(target)
-        # one host's part of a run over several hosts: the controller judges it with its own constants
-        machine = None if this_host_only else \
-            calibration.constants_or_none(progress=lambda m: err_console.print(m, highlight=False))
-        hooks = _host_part_hooks(mirror_relay) if this_host_only else {}
-        result = run(cluster, cmd or [], workers=workers, nproc_per_node=nproc_per_node, master=master, port=port,
-                     timeout=timeout, env=extra, probe=not no_probe, grace=grace, machine=machine,
-                     emulated_clock=not real_clock,
-                     real=[w.strip() for w in real.split(",") if w.strip()] if real is not None else None,
-                     record_ops=record_ops, replay=replay, this_host_only=this_host_only,
-                     on_start=_tell_start if this_host_only else None, job=the_job, **hooks)
-        if this_host_only:
+        if cmd and the_job is not None:
+            raise RunError("with --group/--service/--job the commands are the groups': nothing after --")
+        real_list = [w.strip() for w in real.split(",") if w.strip()] if real is not None else None
+        if this_host_only:   # a controller's: one host's ranks of a run over several hosts (its own state)
+            result = run(cluster_from_state(resolve_name(name)), cmd, workers=workers, nproc_per_node=nproc_per_node,
+                         master=master, port=port, timeout=timeout, env=extra, probe=not no_probe, grace=grace,
+                         machine=None, emulated_clock=not real_clock, real=real_list, record_ops=record_ops,
+                         replay=replay, this_host_only=True, on_start=_tell_start, job=the_job,
+                         **_host_part_hooks(mirror_relay))
             import json
 
             print(json.dumps({"run_dir": str(result.run_dir), "rc": result.rc}))
             raise typer.Exit(result.rc)
-        from testbed.report import report as make_report
+        from testbed.handle import open_testbed
 
-        text, a, plots = make_report(result.run_dir, plots=report,
-                                     recheck=lambda m: err_console.print(m, highlight=False, markup=False))
+        tb = open_testbed(name)
+        done = tb.run(cmd, workers=workers, nproc_per_node=nproc_per_node, master=master, port=port, timeout=timeout,
+                      env=extra, probe=not no_probe, grace=grace, real_clock=real_clock, real=real_list,
+                      record_ops=record_ops, replay=replay, job=the_job,
+                      say=lambda m: err_console.print(inert(m), highlight=False, markup=False), on_output=_show_line)
+        from testbed.report import report as make_report
         from testbed.report import tell_verdict
 
-        tell_verdict(cluster.name, result.run_dir, a["verdict"])
+        if tb.hosts:   # a run over several hosts: its whole report (every host's ranks), and each host's trouble
+            text, _a, _plots = make_report(done.run_dir, plots=False)
+            console.print(inert(text), highlight=False, markup=False)
+            _say_ranks(done.run_dir)
+            for host, why in done.problems.items():   # (a host's words in them: never markup)
+                err_console.print(f"[red]{plain(host)}:[/] {plain(why)}", highlight=False)
+            console.print(f"run directory: {done.run_dir}  (testbed report {done.run_dir})", highlight=False,
+                          markup=False)
+            raise typer.Exit(done.rc if 0 < done.rc < 256 else (0 if done.rc == 0 else 1))
+        text, a, plots = make_report(done.run_dir, plots=report,
+                                     recheck=lambda m: err_console.print(m, highlight=False, markup=False))
+        tell_verdict(tb.name, done.run_dir, a["verdict"])
         if report:
             console.print(text, highlight=False, markup=False)
             for p in plots:
                 console.print(f"plot: {p}", highlight=False, markup=False)
         else:
             console.print("\n".join(a["verdict"].lines()), highlight=False, markup=False)
-        if result.summary.get("groups") and not report:   # (the report has them) its groups' steps and quorum
+        summary = done.summary or {}
+        if summary.get("groups") and not report:   # (the report has them) its groups' steps and quorum
             from testbed.report import quorum
 
-            ft = quorum.section(result.run_dir)
+            ft = quorum.section(done.run_dir)
             if ft:
                 console.print(ft, highlight=False, markup=False)
-            png = quorum.plot(result.run_dir)
+            png = quorum.plot(done.run_dir)
             if png:
                 console.print(f"plot: {png}", highlight=False, markup=False)
-        _say_ranks(result.run_dir, result.summary)
-        console.print(f"run directory: {result.run_dir}  (testbed report {result.run_dir})", highlight=False,
+        _say_ranks(done.run_dir, done.summary)
+        console.print(f"run directory: {done.run_dir}  (testbed report {done.run_dir})", highlight=False,
                       markup=False)
-        raise typer.Exit(result.rc)
+        raise typer.Exit(done.rc)

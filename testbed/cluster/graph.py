@@ -7,20 +7,21 @@ documents come from differs, behind the interface of testbed.observe.graph.Local
   link's "hosts" (its ends' hosts: two different ones for a cut link, a tunnel), the document's
   "hosts" (the hosts file's order); addresses from the address plan every host computes alike
   (testbed.topology.plan.plan_network);
-- link states, why each is down and the profile it runs at: every host's `link show --json` (the
+- link states, why each is down and the profile it runs at: every host's agent's `link.show` (the
   first host in the hosts file's order that answers: every host keeps the same records), asked
   every REFRESH_S seconds while a page watches, and at once after a control action. A node is
   down when a link is held down by it ("node:NAME" in its down_by); a worker's own state (up,
   down, crashed) comes with each sample;
-- samples: testbed.cluster.top.HostsTop (every host's `top --json`, merged): each link
+- samples: testbed.cluster.top.HostsTop (every host's top stream, merged): each link
   direction's utilisation measured where it is shaped, each worker's CPU and memory, the run's
   ranks and steps added up over the hosts (the step chart works as on one host). The sample keeps
   HostsTop's "hosts" (host -> state, why, t);
-- events: every host's `events --json`, at the same pace, merged in time order, each with its
-  "host" (testbed.observe.answers.merge; the latest answer of a host that fails now is kept);
-- control (--allow-control): the action sent to every host at once, as `testbed link down|up`
-  and `testbed node down|up` do from the controller; an unknown node or link is refused (400)
-  before any host is asked; a host that fails is answered 502, naming it and why.
+- events: every host's `events` (in the same agent session as its link records), at the same pace,
+  merged in time order, each with its "host" (testbed.observe.answers.merge; the latest answer of
+  a host that fails now is kept);
+- control (--allow-control): the action sent to every host's agent at once, as `testbed link
+  down|up` and `testbed node down|up` do from the controller; an unknown node or link is refused
+  (400) before any host is asked; a host that fails is answered 502, naming it and why.
 
 A host that fails (its top, its link show, its events) is a line of the sample's "trouble"
 ("HOST: what: why"; the page shows them in its banner), never an error of the server. A host whose
@@ -31,7 +32,6 @@ events again (HostsSampler starts the hosts' tops again).
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -44,8 +44,8 @@ REFRESH_S = 3.0            # the hosts' link records and events are asked for th
 STALE_S = 5.0              # a host whose top lags behind the newest reading this long is named in the banner
 ASK_TIMEOUT_S = 60.0
 CONTROL_TIMEOUT_S = 120.0
-CONTROL_ARGV = {"link_down": ("link", "down"), "link_up": ("link", "up"), "node_down": ("node", "down"),
-                "node_up": ("node", "up")}
+CONTROL_OPS = {"link_down": {"op": "link.down"}, "link_up": {"op": "link.up"},
+               "node_down": {"op": "node", "verb": "down"}, "node_up": {"op": "node", "verb": "up"}}
 
 
 # -- pure ----------------------------------------------------------------------------------------------------
@@ -108,31 +108,23 @@ def hosts_topology_doc(record: Mapping[str, Any], links: Sequence[Mapping[str, A
 
 
 def why(res: Any) -> str:
-    """One line: why a host's command failed (its exception, or its last line of stderr)."""
-    return "no answer" if res is None else answers.why(res)
+    """One line: why a host failed a request (its word, its exception, or its last line of stderr)."""
+    if res is None:
+        return "no answer"
+    return getattr(res, "why", None) or answers.why(res)
 
 
 def link_answers(results: Mapping[str, Any], hosts: Sequence[str]) -> tuple[list[dict[str, Any]] | None,
                                                                              dict[str, str]]:
-    """(the link records of the first host in `hosts` that answered `link show --json` (None: none
-    did), host -> why it failed)."""
-    import json
-
+    """(the link records of the first host in `hosts` that answered `link.show` (None: none did),
+    host -> why it failed). results: host -> its answer (checked records, or why it failed)."""
     got, failed = None, {}
     for h in hosts:
         r = results.get(h)
-        if isinstance(r, BaseException) or r is None or r.rc != 0:
+        if r is None or isinstance(r, BaseException):
             failed[h] = why(r)
-            continue
-        try:
-            doc = json.loads(r.stdout)
-        except ValueError:
-            failed[h] = "its `link show --json` was not JSON"
-            continue
-        if not isinstance(doc, list):
-            failed[h] = "its `link show --json` was not a list of links"
         elif got is None:
-            got = doc
+            got = [rec.model_dump() if hasattr(rec, "model_dump") else rec for rec in r]
     return got, failed
 
 
@@ -156,9 +148,9 @@ def trouble_lines(hosts: Sequence[str], top: Mapping[str, Mapping[str, Any]] | N
     return lines
 
 
-def control_argv(record: Mapping[str, Any], name: str, action: str, values: Sequence[str]) -> list[str]:
-    """The testbed command line every host runs for one action of the page; an unknown node or link
-    is refused here (FaultError), before any host is asked."""
+def control_request(record: Mapping[str, Any], name: str, action: str, values: Sequence[str]) -> dict[str, Any]:
+    """The agent request every host gets for one action of the page; an unknown node or link is
+    refused here (FaultError), before any host is asked."""
     from testbed.faults.control import FaultError
 
     nodes = list(record["placement"])
@@ -171,16 +163,8 @@ def control_argv(record: Mapping[str, Any], name: str, action: str, values: Sequ
         ends = {frozenset(l["endpoints"]) for l in (record.get("topology") or {}).get("links") or []}
         if frozenset((a, b)) not in ends:
             raise FaultError(f"link: testbed {name!r} has no link between {a} and {b}")
-    return [*CONTROL_ARGV[action], *values, "--name", name]
-
-
-def still_down(results: Mapping[str, Any]) -> list[str] | None:
-    """What still holds a link down after `link up` ("A <-> B: still down (node:s1)"), as a host said."""
-    for r in results.values():
-        m = re.search(r"still down \(([^)]*)\)", getattr(r, "stdout", "") or "")
-        if m:
-            return [x.strip() for x in m.group(1).split(",") if x.strip()]
-    return None
+        return {**CONTROL_OPS[action], "name": name, "a": a, "b": b}
+    return {**CONTROL_OPS[action], "name": name, "node": values[0]}
 
 
 # -- the source ----------------------------------------------------------------------------------------------
@@ -228,21 +212,21 @@ class HostsEvents:
 class HostsSource:
     """A testbed over several hosts, seen from its controller (the module text says what from where).
 
-    run_every(name, argv, timeout=...) and stream(...) are the controller's run_on_every_host and
-    stream_on_every_host (a test may give others)."""
+    ask(name, requests, timeout=...) and stream(...) are testbed.cluster.agents' (a test may give
+    others)."""
 
     overlay_states = False   # a sample's link states are the hosts' own, newer than the records asked for here
     close_wait_s = 25.0      # HostsTop.close waits up to testbed.cluster.top.CLOSE_WAIT_S for the hosts' tops
 
     def __init__(self, name: str, *, record: Mapping[str, Any] | None = None,
-                 run_every: Callable[..., dict[str, Any]] | None = None, stream: Callable[..., Any] | None = None,
+                 ask: Callable[..., dict[str, Any]] | None = None, stream: Callable[..., Any] | None = None,
                  refresh_s: float = REFRESH_S, idle_s: float = IDLE_S, background: bool = True):
-        from testbed.cluster import controller
+        from testbed.cluster import agents, controller
 
         self.name = name
         self.record = dict(record) if record is not None else controller.load(name)
         self.hosts = hosts_of(self.record)
-        self._run_every = run_every or controller.run_on_every_host
+        self._ask = ask or agents.ask
         self._stream = stream
         self.refresh_s, self.idle_s = refresh_s, idle_s
         self.lock = threading.Lock()
@@ -267,26 +251,24 @@ class HostsSource:
 
     # -- asking the hosts
     def refresh(self) -> None:
-        """Every host's `link show --json` and `events --json`, at once."""
+        """Every host's link records and events, at once, in one agent session each."""
+        from testbed.agent.protocol import REQUESTS
+
         with self._asking:
-            out: dict[str, dict[str, Any]] = {}
-
-            def ask(key: str, argv: list[str]) -> None:
-                try:
-                    out[key] = self._run_every(self.name, argv, timeout=ASK_TIMEOUT_S)
-                except Exception as exc:   # noqa: BLE001 - no host could be asked: each fails with it
-                    out[key] = {h: exc for h in self.hosts}
-
-            asks = [threading.Thread(target=ask, args=(key, argv), daemon=True) for key, argv in (
-                ("links", ["link", "show", "--json", "--name", self.name]),
-                ("events", ["events", "--json", "--name", self.name]))]
-            for t in asks:
-                t.start()
-            for t in asks:
-                t.join()
-            links, links_failed = link_answers(out.get("links") or {}, self.hosts)
-            got, events_failed, _said = answers.parse_answers({h: (out.get("events") or {}).get(h)
-                                                                  for h in self.hosts})
+            asks = [REQUESTS.validate_python({"op": "link.show", "name": self.name}),
+                    REQUESTS.validate_python({"op": "events", "name": self.name})]
+            try:
+                out = self._ask(self.name, asks, timeout=ASK_TIMEOUT_S)
+            except Exception as exc:   # noqa: BLE001 - no host could be asked: each fails with it
+                out = {h: [exc, exc] for h in self.hosts}
+            links, links_failed = link_answers({h: (out.get(h) or [None, None])[0] for h in self.hosts}, self.hosts)
+            got, events_failed = {}, {}
+            for h in self.hosts:
+                ev = (out.get(h) or [None, None])[1]
+                if ev is None or isinstance(ev, BaseException):
+                    events_failed[h] = why(ev)
+                else:
+                    got[h] = [r.model_dump() for r in ev.items]
             with self.lock:
                 if links is not None and links != self.links:
                     self.links = links
@@ -382,15 +364,22 @@ class HostsSource:
             return trouble_lines(self.hosts, top, self.failed, newest)
 
     def control(self, action: str, values: list[str]) -> Any:
-        argv = control_argv(self.record, self.name, action, values)
+        from testbed.agent.protocol import REQUESTS
+
+        req = REQUESTS.validate_python(control_request(self.record, self.name, action, values))
         try:
-            results = self._run_every(self.name, argv, timeout=CONTROL_TIMEOUT_S)
+            results = {h: vals[0] for h, vals in self._ask(self.name, [req], timeout=CONTROL_TIMEOUT_S).items()}
         finally:
             self.poke()
-        bad = {h: why(r) for h, r in results.items() if isinstance(r, BaseException) or r is None or r.rc != 0}
+        bad = {h: why(r) for h, r in results.items() if isinstance(r, BaseException)}
         if bad:
             raise GraphRequestError(502, "; ".join(f"{h}: {text}" for h, text in bad.items()))
-        return still_down(results) if action == "link_up" else None
+        if action != "link_up":
+            return None
+        left: list[str] = []
+        for reasons in results.values():
+            left += [r for r in reasons or [] if r not in left]
+        return left or None
 
     def touch(self) -> None:
         self._wanted = time.monotonic()

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass(frozen=True)
+class RunDone:
+    """How a run ended: its directory (spread: merged on the controller), its exit status, its
+    summary when at hand (None: read it from the directory), and the hosts that had trouble, with why."""
+    run_dir: Any
+    rc: int
+    summary: dict[str, Any] | None = None
+    problems: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -142,3 +152,13 @@ class Testbed(ABC):
     def cp(self, src: str, dst: str) -> int:
         """`testbed cp SRC DST` (NODE:PATH, a path here, or - for a tar stream on stdin or stdout);
         the exit status. Spread: streamed through the controller's SSH connections."""
+
+    @abstractmethod
+    def run(self, cmd: list[str], *, workers: str = "all", nproc_per_node: int = 1, master: str | None = None,
+            port: int | None = None, timeout: float | None = None, env: dict[str, str] | None = None,
+            probe: bool = True, grace: float = 5.0, real_clock: bool = False, real: list[str] | None = None,
+            record_ops: bool = False, replay: str | None = None, job: Any = None,
+            say: Callable[[str], None] = lambda _m: None,
+            on_output: Callable[[str, str], None] | None = None) -> RunDone:
+        """`testbed run`: cmd on the workers the torchrun way (or a job of groups: one host only),
+        measured; say() what it does, on_output(host, line) a rank's line from a host (spread)."""
