@@ -25,7 +25,7 @@ IS_ROOT = os.geteuid() == 0
 
 
 def _req(**fields):
-    return protocol.REQUESTS.validate_python(fields)
+    return protocol.request(fields)
 
 
 # -- requests -----------------------------------------------------------------------------------------------

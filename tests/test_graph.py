@@ -525,7 +525,7 @@ class FakeHosts:
         self.fail_control: str | None = None
 
     def __call__(self, name, requests, timeout=None):
-        from testbed.agent.protocol import VALUES, EventRecord, EventsEnd
+        from testbed.agent.protocol import EventRecord, EventsEnd, value_type
         from testbed.cluster.agents import HostFailed, Streamed
 
         out = {h: [] for h in ("h1", "h2")}
@@ -533,7 +533,7 @@ class FakeHosts:
             self.calls.append(req.model_dump(exclude_none=True))
             if req.op == "link.show":
                 for h in out:
-                    out[h].append(VALUES["link.show"].validate_python(self.links))
+                    out[h].append(value_type("link.show").validate_python(self.links))
             elif req.op == "events":
                 ev = {"t": 5.0, "kind": "link", "what": "link down s0 s1", "testbed": name}
                 out["h1"].append(Streamed([EventRecord(**{**ev, "t": 4.0, "kind": "up", "what": "up"}),

@@ -2,7 +2,7 @@
 
 The agent first says who it is: `{"agent": PROTOCOL, "version": "<testbed version>"}`. Then, for
 each request `{"op": "link.down", "name": "NAME", "a": "s0", "b": "s1"}` (the fields are the op's:
-REQUESTS), one reply: `{"ok": true, "value": ...}` or `{"ok": false, "error": "why", "exit_code": N}`.
+_OPS), one reply: `{"ok": true, "value": ...}` or `{"ok": false, "error": "why", "exit_code": N}`.
 A stream op (STREAMS: `events`, `logs`, `top`, `exec`) first sends its items, one `{"item": ...}` a line, as they come,
 then its reply. The controller closes the agent's stdin when it has nothing more to ask; the agent
 ends then, and a stream that follows (events -f) ends at once with its reply: closing stdin is how
@@ -10,14 +10,15 @@ a controller passes a Ctrl-C on.
 
 Both ends check what they read. A request names only the ops below, with the fields each takes,
 and a testbed's name in the form testbed gives names. A reply is a host's word, hostile input to
-the controller: its value is checked against the op's type (VALUES) before anything uses it, and a
+the controller: its value is checked against the op's type (value_type) before anything uses it, and a
 line longer than the caller's bound is refused, not read on.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
 
@@ -33,7 +34,7 @@ LinkField = Literal["bandwidth_bps", "delay_s", "jitter_s", "loss", "queue"]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
     name: TestbedName
 
 
@@ -132,9 +133,23 @@ class Ps(_Request):
     all_nodes: bool = False
 
 
-Request = Annotated[Union[Status, LinkShow, LinkSet, LinkDown, LinkUp, LinkReset, Partition, Heal, Node, Ps, Stacks, Events, Logs, ScenarioStep, Top, Exec],
-                    Field(discriminator="op")]
-REQUESTS = TypeAdapter(Request)
+# op -> its request's model (each built when first used: a process asks or answers few of them)
+_OPS: dict[str, type[_Request]] = {
+    "status": Status, "link.show": LinkShow, "link.set": LinkSet, "link.down": LinkDown, "link.up": LinkUp,
+    "link.reset": LinkReset, "partition": Partition, "heal": Heal, "node": Node, "ps": Ps, "stacks": Stacks,
+    "events": Events, "logs": Logs, "top": Top, "exec": Exec,
+    "scenario.check": ScenarioStep, "scenario.apply": ScenarioStep, "scenario.restore": ScenarioStep,
+}
+
+
+def request(fields: dict[str, Any]) -> Any:
+    """The request `fields` make ({"op": ..., "name": ..., and the op's own}), checked: pydantic's
+    ValidationError names a bad field; an op there is none of raises ProtocolError."""
+    model = _OPS.get(fields.get("op")) if isinstance(fields, dict) else None
+    if model is None:
+        raise ProtocolError(f"op: no op {fields.get('op') if isinstance(fields, dict) else fields!r} "
+                            f"({', '.join(_OPS)})")
+    return model.model_validate(fields)
 
 
 # -- what comes back ---------------------------------------------------------------------------------------------
@@ -145,7 +160,7 @@ _Word = Annotated[str, StringConstraints(max_length=100)]
 
 class Profile(BaseModel):
     """One direction of a link as `link show` gives it (emulated units)."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)
     bandwidth_bps: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     delay_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     jitter_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
@@ -155,7 +170,7 @@ class Profile(BaseModel):
 
 class LinkRecord(BaseModel):
     """One link of `link show`."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)
     index: Annotated[int, Field(ge=0)]
     endpoints: list[NodeName] = Field(min_length=2, max_length=2)
     tier: _Word
@@ -167,20 +182,20 @@ class LinkRecord(BaseModel):
 
 
 class LinkProfiles(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)
     ab: Profile
     ba: Profile
 
 
 class _LinkState(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", defer_build=True)
     state: _Word = "up"
 
 
 class HostStatus(BaseModel):
     """A host's `status` of its part: what the controller reads of it (the rest is passed on as given,
     to be printed as JSON, never as markup)."""
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", defer_build=True)
     name: TestbedName
     status: _Word
     missing: list[Annotated[str, StringConstraints(max_length=1000)]] = Field(default_factory=list)
@@ -189,7 +204,7 @@ class HostStatus(BaseModel):
 
 class ProcessRow(BaseModel):
     """One process of `ps` (its command line is whatever a job wrote: text, never markup)."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)
     node: NodeName
     pid: Annotated[int, Field(ge=1)]
     nspid: Annotated[int, Field(ge=1)] | None = None
@@ -200,7 +215,7 @@ class ProcessRow(BaseModel):
 
 
 class Frame(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)
     function: Annotated[str, StringConstraints(max_length=1000)]
     file: Annotated[str, StringConstraints(max_length=4096)]
     line: Annotated[int, Field(ge=0)]
@@ -208,7 +223,7 @@ class Frame(BaseModel):
 
 class RankDoc(BaseModel):
     """One rank's stack (testbed.jobs.stacks.to_json)."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)
     pid: Annotated[int, Field(ge=1)]
     rank: Annotated[int, Field(ge=0)] | None = None
     worker: NodeName | None = None
@@ -220,14 +235,14 @@ class RankDoc(BaseModel):
 
 class EventRecord(BaseModel):
     """One event (testbed.events: what a host's stream holds); its other fields are passed on as given."""
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", defer_build=True)
     t: Annotated[float, Field(allow_inf_nan=False)]
     kind: Literal[EVENT_KINDS]   # type: ignore[valid-type]
     what: Annotated[str, StringConstraints(max_length=16384)]
 
 
 class LogsEnd(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)
     shown: Annotated[int, Field(ge=0)] = 0   # files shown
     directory: Annotated[str, StringConstraints(max_length=4096)] = ""   # where the node's jobs write
 
@@ -235,53 +250,64 @@ class LogsEnd(BaseModel):
 class TopDoc(BaseModel):
     """One host's top document (testbed.observe.top): what testbed.cluster.top merges reads each
     field with care; here only its shape is checked."""
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", defer_build=True)
     links: list[dict[str, Any]] = Field(max_length=1_000_000)
     workers: list[dict[str, Any]] = Field(max_length=1_000_000)
 
 
 class Output(BaseModel):
     """A piece of a command's output: fd 1 (stdout) or 2 (stderr), as text."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)
     fd: Literal[1, 2]
     data: Annotated[str, StringConstraints(max_length=1 << 20)]
 
 
 class Exited(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)
     rc: Annotated[int, Field(ge=0, le=255)]
 
 
 class EventsEnd(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)
     skipped: Annotated[int, Field(ge=0)] = 0   # lines of the host's stream that were not events
 
 
-VALUES: dict[str, TypeAdapter[Any]] = {
-    "status": TypeAdapter(HostStatus),
-    "link.show": TypeAdapter(list[LinkRecord]),
-    "link.set": TypeAdapter(LinkProfiles),
-    "link.down": TypeAdapter(bool),
-    "link.up": TypeAdapter(list[_Reason]),
-    "link.reset": TypeAdapter(None),
-    "partition": TypeAdapter(list[list[NodeName]]),
-    "heal": TypeAdapter(bool),
-    "node": TypeAdapter(Annotated[int, Field(ge=0)] | None),
-    "ps": TypeAdapter(list[ProcessRow]),
-    "stacks": TypeAdapter(list[RankDoc]),
-    "events": TypeAdapter(EventsEnd),
-    "logs": TypeAdapter(LogsEnd),
-    "scenario.check": TypeAdapter(dict[str, Any]),     # (the controller reads each field with care:
-    "scenario.apply": TypeAdapter(dict[str, Any]),     #  testbed.cluster.scenario)
-    "scenario.restore": TypeAdapter(dict[str, Any]),
-    "top": TypeAdapter(dict[str, Any]),
-    "exec": TypeAdapter(Exited),
+# op -> the type of its reply's value, and of its items (a stream op): built when first used
+_VALUES: dict[str, Any] = {
+    "status": HostStatus,
+    "link.show": list[LinkRecord],
+    "link.set": LinkProfiles,
+    "link.down": bool,
+    "link.up": list[_Reason],
+    "link.reset": None,
+    "partition": list[list[NodeName]],
+    "heal": bool,
+    "node": Annotated[int, Field(ge=0)] | None,
+    "ps": list[ProcessRow],
+    "stacks": list[RankDoc],
+    "events": EventsEnd,
+    "logs": LogsEnd,
+    "scenario.check": dict[str, Any],     # (the controller reads each field with care: testbed.cluster.scenario)
+    "scenario.apply": dict[str, Any],
+    "scenario.restore": dict[str, Any],
+    "top": dict[str, Any],
+    "exec": Exited,
 }
-# op -> its items' type: an event; a top document; a piece of a command's output; a piece of a
-# node's logs (text, as the job wrote it, made inert)
-STREAMS: dict[str, TypeAdapter[Any]] = {"events": TypeAdapter(EventRecord), "top": TypeAdapter(TopDoc),
-                                        "exec": TypeAdapter(Output),
-                                        "logs": TypeAdapter(Annotated[str, StringConstraints(max_length=64 << 20)])}
+# an event; a top document; a piece of a command's output; a piece of a node's logs (text, as the
+# job wrote it, made inert)
+_ITEMS: dict[str, Any] = {"events": EventRecord, "top": TopDoc, "exec": Output,
+                          "logs": Annotated[str, StringConstraints(max_length=64 << 20)]}
+STREAMS = frozenset(_ITEMS)
+
+
+@functools.cache
+def value_type(op: str) -> TypeAdapter[Any]:
+    return TypeAdapter(_VALUES[op])
+
+
+@functools.cache
+def item_type(op: str) -> TypeAdapter[Any]:
+    return TypeAdapter(_ITEMS[op])
 
 
 class ProtocolError(ValueError):
@@ -306,7 +332,7 @@ def request_line(req: Any) -> str:
 
 def read_request(line: str) -> Any:
     try:
-        return REQUESTS.validate_json(line)
+        return request(_object(line, "the request"))
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err.get("loc", ())) or "the request"
@@ -326,7 +352,7 @@ def read_item(op: str, doc: dict[str, Any]) -> Any:
     if op not in STREAMS:
         raise ProtocolError(f"an item in its reply to {op}, which is no stream")
     try:
-        return STREAMS[op].validate_python(doc["item"], strict=True)
+        return item_type(op).validate_python(doc["item"], strict=True)
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err.get("loc", ())) or "item"
@@ -356,7 +382,7 @@ def read_reply(op: str, line: str | dict[str, Any]) -> Any:
     line = line if isinstance(line, str) else json.dumps(doc)[:200]
     if doc.get("ok") is True:
         try:
-            return VALUES[op].validate_python(doc.get("value"), strict=True)   # (strict: "yes" is no bool)
+            return value_type(op).validate_python(doc.get("value"), strict=True)   # (strict: "yes" is no bool)
         except ValidationError as exc:
             err = exc.errors()[0]
             where = ".".join(str(p) for p in err.get("loc", ())) or "value"

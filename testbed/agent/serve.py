@@ -61,7 +61,7 @@ def answer(req: Any, emit: Any = None, stop: threading.Event | None = None) -> A
         return ops.logs(req.name, req.node, req.follow, req.tail, emit, stop)
     if op == "events":
         return ops.events(req.name, None if req.kinds is None else list(req.kinds), req.follow, emit, stop)
-    raise protocol.ProtocolError(f"op: no op {op!r}")   # (REQUESTS admits none other)
+    raise protocol.ProtocolError(f"op: no op {op!r}")   # (protocol.request admits none other)
 
 
 class _Out:

@@ -114,25 +114,27 @@ def _answers(host: str, requests: Sequence[Any], res: Any) -> list[Any]:
     return talk.outcome(res)
 
 
-def _record(name: str) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
-    """(the controller's record, host name -> its hosts-file entry, the testbed's hosts in order)."""
+def _record(name: str, record: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """(the controller's record (loaded unless given, as controller.load gives it), host name -> its
+    hosts-file entry, the testbed's hosts in order)."""
     from testbed.cluster.controller import load
 
-    doc = load(name)
+    doc = record if record is not None else load(name)
     by_name = {h.name: h for h in doc["_hosts"]}
     return doc, by_name, [h for h in doc.get("hosts", {}) if h in by_name]
 
 
 def ask(name: str, requests: Sequence[Any] | Mapping[str, Sequence[Any]], *, every: bool = True,
-        timeout: float = ASK_TIMEOUT_S) -> dict[str, list[Any]]:
+        timeout: float = ASK_TIMEOUT_S, record: dict[str, Any] | None = None) -> dict[str, list[Any]]:
     """`requests` (testbed.agent.protocol requests), in order, to the agent on every host of testbed
     `name` at once, or (every=False: a read every host answers alike) to the first host that answers;
     a mapping host -> requests asks those hosts alone, each its own. Returns host -> each request's
-    value (a stream op's: a Streamed), or the HostFailed that stands for it."""
+    value (a stream op's: a Streamed), or the HostFailed that stands for it. record: the
+    controller's record, when the caller has it loaded."""
     from testbed.agent import protocol
     from testbed.cluster.controller import _close, _controls, _parallel
 
-    doc, by_name, hosts = _record(name)
+    doc, by_name, hosts = _record(name, record)
     if isinstance(requests, Mapping):
         unknown = [h for h in requests if h not in by_name]
         if unknown:
@@ -166,7 +168,8 @@ def ask(name: str, requests: Sequence[Any] | Mapping[str, Sequence[Any]], *, eve
 
 def stream(name: str, request: Any, on_item: Callable[[str, Any], None], *, hosts: Sequence[str] | None = None,
            on_end: Callable[[str, Any], None] | None = None, stop: threading.Event | None = None,
-           progress: Callable[[str], None] = lambda _m: None, timeout: float | None = None) -> dict[str, Any]:
+           progress: Callable[[str], None] = lambda _m: None, timeout: float | None = None,
+           record: dict[str, Any] | None = None) -> dict[str, Any]:
     """`request` (a stream op) to the agent on every host of testbed `name` (or on `hosts`) at once, each item passed
     on as it comes: on_item(host, item), from the hosts' threads. Until every host's stream ends,
     `stop` is set, or a Ctrl-C: then each agent's stdin is closed, which ends its stream, and its
@@ -176,7 +179,7 @@ def stream(name: str, request: Any, on_item: Callable[[str, Any], None], *, host
     from testbed.cluster.controller import _close, _controls, _parallel, _Pipe
     from testbed.cluster.remote import lines
 
-    doc, by_name, every = _record(name)
+    doc, by_name, every = _record(name, record)
     if hosts is None:
         hosts = every
     elif any(h not in by_name for h in hosts):

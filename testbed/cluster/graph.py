@@ -252,11 +252,11 @@ class HostsSource:
     # -- asking the hosts
     def refresh(self) -> None:
         """Every host's link records and events, at once, in one agent session each."""
-        from testbed.agent.protocol import REQUESTS
+        from testbed.agent.protocol import request
 
         with self._asking:
-            asks = [REQUESTS.validate_python({"op": "link.show", "name": self.name}),
-                    REQUESTS.validate_python({"op": "events", "name": self.name})]
+            asks = [request({"op": "link.show", "name": self.name}),
+                    request({"op": "events", "name": self.name})]
             try:
                 out = self._ask(self.name, asks, timeout=ASK_TIMEOUT_S)
             except Exception as exc:   # noqa: BLE001 - no host could be asked: each fails with it
@@ -364,9 +364,9 @@ class HostsSource:
             return trouble_lines(self.hosts, top, self.failed, newest)
 
     def control(self, action: str, values: list[str]) -> Any:
-        from testbed.agent.protocol import REQUESTS
+        from testbed.agent.protocol import request
 
-        req = REQUESTS.validate_python(control_request(self.record, self.name, action, values))
+        req = request(control_request(self.record, self.name, action, values))
         try:
             results = {h: vals[0] for h, vals in self._ask(self.name, [req], timeout=CONTROL_TIMEOUT_S).items()}
         finally:

@@ -68,10 +68,10 @@ def plan_for(name: str, scenario: Scenario, doc: dict[str, Any] | None = None) -
 def _verb(name: str, verb: str, data: dict[str, Any], timeout: float) -> dict[str, Any]:
     """The agent op `verb` (scenario.check, .apply, .restore) with `data` on every host at once:
     host -> its answer (a JSON object), or an Exception saying why there is none."""
-    from testbed.agent.protocol import REQUESTS
+    from testbed.agent.protocol import request
     from testbed.cluster import agents
 
-    req = REQUESTS.validate_python({"op": verb, "name": name, "data": data})
+    req = request({"op": verb, "name": name, "data": data})
     return {h: vals[0] for h, vals in agents.ask(name, [req], timeout=timeout).items()}
 
 
@@ -89,9 +89,9 @@ class _Followers:
         return self._sessions.alive()
 
     def apply(self, data: dict[str, Any], timeout: float) -> dict[str, Any]:
-        from testbed.agent.protocol import REQUESTS
+        from testbed.agent.protocol import request
 
-        req = REQUESTS.validate_python({"op": "scenario.apply", "name": self.name, "data": data})
+        req = request({"op": "scenario.apply", "name": self.name, "data": data})
         return self._sessions.ask(req, timeout)
 
     def close(self) -> None:

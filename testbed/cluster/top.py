@@ -320,10 +320,10 @@ class HostsTop:
         self._thread.start()
 
     def _run(self) -> None:
-        from testbed.agent.protocol import REQUESTS
+        from testbed.agent.protocol import request
 
         try:   # on_end: a host whose stream ends (an unreachable one: at once) is shown failed then
-            results = self._stream(self.name, REQUESTS.validate_python(self.request),
+            results = self._stream(self.name, request(self.request),
                                    lambda host, doc: self.gather.doc(host, doc.model_dump()),
                                    stop=self.stop, on_end=self.gather.ended)
         except Exception as exc:  # noqa: BLE001 - no host could be asked: every host fails with it

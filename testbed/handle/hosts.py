@@ -57,11 +57,11 @@ class HostsTestbed(Testbed):
 
     def _request(self, op: str, **fields: Any) -> Any:
         """The request, checked here before any host is asked: a bad value names its field."""
-        from testbed.agent.protocol import REQUESTS
+        from testbed.agent.protocol import request
         from testbed.running import FaultError
 
         try:
-            return REQUESTS.validate_python({"op": op, "name": self.name, **fields})
+            return request({"op": op, "name": self.name, **fields})
         except ValidationError as exc:
             err = exc.errors()[0]
             where = ".".join(str(p) for p in err.get("loc", ())[1:]) or op
@@ -71,7 +71,8 @@ class HostsTestbed(Testbed):
         """host -> value, from every host; HostsFailed if any failed."""
         from testbed.cluster.agents import HostFailed, ask
 
-        answers = {h: vals[0] for h, vals in ask(self.name, [self._request(op, **fields)]).items()}
+        asked = ask(self.name, [self._request(op, **fields)], record=self._record)
+        answers = {h: vals[0] for h, vals in asked.items()}
         failed = {h: v for h, v in answers.items() if isinstance(v, HostFailed)}
         if failed:
             raise HostsFailed(failed, [h for h in answers if h not in failed])
@@ -81,7 +82,8 @@ class HostsTestbed(Testbed):
         """The value from the first host that answers (a read every host answers alike)."""
         from testbed.cluster.agents import HostFailed, ask
 
-        answers = {h: vals[0] for h, vals in ask(self.name, [self._request(op, **fields)], every=False).items()}
+        asked = ask(self.name, [self._request(op, **fields)], every=False, record=self._record)
+        answers = {h: vals[0] for h, vals in asked.items()}
         for value in answers.values():
             if not isinstance(value, HostFailed):
                 return value
@@ -109,7 +111,7 @@ class HostsTestbed(Testbed):
         "time_dilation"}."""
         from testbed.cluster.agents import HostFailed, ask
 
-        answers = ask(self.name, [self._request("status")], timeout=120)
+        answers = ask(self.name, [self._request("status")], timeout=120, record=self._record)
         hosts = {h: ({"lost": v.why} if isinstance(v, HostFailed) else v.model_dump())
                  for h, (v,) in answers.items()}
         rec = self._record
@@ -185,7 +187,7 @@ class HostsTestbed(Testbed):
             groups.setdefault(placement[n], []).append(n)
         asks = {h: [self._request("ps", nodes=groups.get(h, []), all_nodes=all_nodes)] for h in (groups or self.hosts)}
         rows, failed = [], {}
-        for host, (value,) in sorted(ask(self.name, asks, timeout=120).items()):
+        for host, (value,) in sorted(ask(self.name, asks, timeout=120, record=self._record).items()):
             if isinstance(value, HostFailed):
                 failed[host] = value.why
             else:
@@ -206,7 +208,7 @@ class HostsTestbed(Testbed):
                  if kinds.get(n, "worker") == "worker" and (workers is None or n in workers)}
         by_host, failed = {}, {}
         for host, (value,) in ask(self.name, {h: [self._request("stacks")] for h in sorted(hosts)},
-                                  timeout=120).items():
+                                  timeout=120, record=self._record).items():
             if isinstance(value, HostFailed):
                 failed[host] = value.why
             else:
@@ -272,7 +274,7 @@ class HostsTestbed(Testbed):
                              f"{' ...' if len(nodes) > 12 else ''}")
         req = self._request("exec", node=node, argv=cmd)
         end = stream(self.name, req, lambda _h, piece: out(piece.fd, piece.data), hosts=[host],
-                     progress=progress)[host]
+                     progress=progress, record=self._record)[host]
         if isinstance(end, HostFailed):
             raise HostsFailed({host: end}, [])
         return end.rc
@@ -338,9 +340,9 @@ class HostsTestbed(Testbed):
                              f"{' ...' if len(nodes) > 12 else ''}")
         req = self._request("logs", node=node, follow=follow, tail=tail)
         if follow:
-            end = stream(self.name, req, lambda _h, text: out(text), hosts=[host])[host]
+            end = stream(self.name, req, lambda _h, text: out(text), hosts=[host], record=self._record)[host]
         else:
-            (end,) = ask(self.name, {host: [req]}, timeout=120)[host]
+            (end,) = ask(self.name, {host: [req]}, timeout=120, record=self._record)[host]
             if not isinstance(end, HostFailed):
                 for text in end.items:
                     out(text)
@@ -363,7 +365,7 @@ class HostsTestbed(Testbed):
 
         if not follow:
             got, notes = {}, []
-            for host, (value,) in ask(self.name, [req], timeout=120).items():
+            for host, (value,) in ask(self.name, [req], timeout=120, record=self._record).items():
                 if not isinstance(value, HostFailed):
                     got[host] = [r.model_dump() for r in value.items]
                 notes.append(note(host, value if isinstance(value, HostFailed) else value.end))
@@ -376,7 +378,7 @@ class HostsTestbed(Testbed):
         def run() -> None:
             try:
                 stream(self.name, req, lambda host, rec: came.put({**rec.model_dump(), "host": host}),
-                       on_end=lambda host, value: came.put(note(host, value)), stop=stop)
+                       on_end=lambda host, value: came.put(note(host, value)), stop=stop, record=self._record)
             except Exception as exc:  # noqa: BLE001 - the record could not be read: said as a failure
                 came.put(Note(None, str(exc), failed=True))
             finally:
