@@ -9,7 +9,7 @@ def test_the_hosts_phantom_records_merge_into_one():
     """Pure: every host's `phantoms` record in one. Under torchrun a host knows only its own
     phantoms (it calls every other rank real): a rank is phantom if any host says so. The lateness
     is the latest host's median, the one every collective waits for."""
-    from testbed.cluster.controller import _merge_phantoms
+    from testbed.cluster.job import _merge_phantoms
 
     merged = _merge_phantoms({
         "h1": {"real_workers": ["w0"], "real_ranks": [0, 2, 3], "phantom_ranks": [1], "ops_mirrored": [45],
@@ -31,7 +31,7 @@ def test_the_hosts_monitors_merge_into_one_the_verdict_reads():
     """Every host's queues and delay lines (each samples its own nodes and links); the CPU samples
     of the host that decides (the most loaded machine's); cores: the world's compute devices, the
     sampled machine's own in cpu_cores; garbage from a host is left out."""
-    from testbed.cluster.controller import _merge_monitors
+    from testbed.cluster.job import _merge_monitors
 
     h1 = {"t0": 10.0, "t1": 20.0, "cores": 8, "cpu": [{"t": 11.0, "busy": 0.5, "runnable": 4}],
           "psi_cpu_some_share": 0.1, "qdiscs": {"w0": {"eth0": {"drops": 0}}, "s0": {"s0-s1": {"drops": 3}}},
@@ -49,7 +49,7 @@ def test_the_hosts_monitors_merge_into_one_the_verdict_reads():
 def test_a_cut_links_two_delay_lines_are_both_kept():
     """Without netem a delayed cut link has a delay line on each of its hosts, under one link id:
     both reach the verdict, named by host; a line only one host has keeps its plain id."""
-    from testbed.cluster.controller import _merge_monitors
+    from testbed.cluster.job import _merge_monitors
 
     line = {"ab": {"delay_s": 0.001}}
     h1 = {"delay_lines": {"first": {"4": line, "0": line}, "last": {"4": line, "0": line}}}

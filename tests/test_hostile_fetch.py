@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.cluster import controller
+from testbed.cluster import job as hosts_job
 from testbed.cluster.remote import RemoteResult
 from testbed import errors
 
@@ -51,7 +51,7 @@ class Host:
 
 
 def _fetch(host: Host, remote: str, part: Path) -> None:
-    controller.fetch_run_dir(host, "h1", remote, part)
+    hosts_job.fetch_run_dir(host, "h1", remote, part)
 
 
 def _tar(*members: tuple[tarfile.TarInfo, bytes | None], fmt=tarfile.PAX_FORMAT) -> bytes:

@@ -243,7 +243,7 @@ def test_the_merged_run_of_several_hosts_is_written_through_no_planted_link(tmp_
     import json
     import shutil
 
-    from testbed.cluster import controller
+    from testbed.cluster import job as hosts_job
     from testbed.topology.loader import load_topology_text
 
     victim = tmp_path / "victim"
@@ -262,7 +262,7 @@ def test_the_merged_run_of_several_hosts_is_written_through_no_planted_link(tmp_
     for name in ("probe/rank-0.jsonl", "logs/w0.log", "topology.json", "testbed-events.jsonl"):
         (rd / name).symlink_to(victim)
     topo = load_topology_text(TOPO, "<test>")
-    controller._merge_parts(rd, ["h1"], "h1", {"topology": topo.to_json(), "placement": {"w0": "h1"}}, {})
+    hosts_job._merge_parts(rd, ["h1"], "h1", {"topology": topo.to_json(), "placement": {"w0": "h1"}}, {})
     assert victim.read_text() == "precious"
     for name in ("probe/rank-0.jsonl", "logs/w0.log", "topology.json", "testbed-events.jsonl"):
         assert not (rd / name).is_symlink() and (rd / name).read_bytes() == (part / name).read_bytes(), name
@@ -272,7 +272,7 @@ def test_the_merged_run_of_several_hosts_is_written_through_no_planted_link(tmp_
     shutil.rmtree(rd / "logs")
     (rd / "logs").symlink_to(elsewhere)
     with pytest.raises(safeio.Unsafe, match="logs"):
-        controller._merge_parts(rd, ["h1"], "h1", {"topology": topo.to_json(), "placement": {"w0": "h1"}}, {})
+        hosts_job._merge_parts(rd, ["h1"], "h1", {"topology": topo.to_json(), "placement": {"w0": "h1"}}, {})
     assert list(elsewhere.iterdir()) == []
 
 
@@ -319,7 +319,7 @@ def test_a_fetched_run_directory_lands_in_no_folder_a_job_linked(tmp_path):
     local job planted at runs/RUN/parts is refused, nothing lands where it points."""
     from test_hostile_fetch import Host
 
-    from testbed.cluster import controller
+    from testbed.cluster import job as hosts_job
 
     remote = tmp_path / "remote-run"
     (remote / "logs").mkdir(parents=True)
@@ -330,10 +330,10 @@ def test_a_fetched_run_directory_lands_in_no_folder_a_job_linked(tmp_path):
     elsewhere.mkdir()
     (rd / "parts").symlink_to(elsewhere)
     with pytest.raises(safeio.Unsafe, match="parts"):
-        controller.fetch_run_dir(Host(), "h1", str(remote), rd / "parts" / "h1")
+        hosts_job.fetch_run_dir(Host(), "h1", str(remote), rd / "parts" / "h1")
     assert list(elsewhere.iterdir()) == []
     # the same fetch into the run directory as made: lands, and nothing else beside it
     (rd / "parts").unlink()
-    controller.fetch_run_dir(Host(), "h1", str(remote), rd / "parts" / "h1")
+    hosts_job.fetch_run_dir(Host(), "h1", str(remote), rd / "parts" / "h1")
     assert (rd / "parts" / "h1" / "logs" / "w0.log").read_text() == "hello\n"
     assert [p.name for p in (rd / "parts").iterdir()] == ["h1"]

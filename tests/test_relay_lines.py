@@ -21,7 +21,8 @@ import threading
 import tracemalloc
 from pathlib import Path
 
-from testbed.cluster import controller, remote
+from testbed.cluster import remote
+from testbed.cluster import up as hosts_up
 from testbed.jobs import relay
 from waiting import wait_for
 
@@ -137,11 +138,11 @@ class _FloodingHost:
 
 
 def test_a_host_that_never_ends_its_answers_line_holds_at_most_part_line_max():
-    flood = 8 * controller.PART_LINE_MAX
-    box: dict[str, controller._PartSession] = {}
+    flood = 8 * hosts_up.PART_LINE_MAX
+    box: dict[str, hosts_up._PartSession] = {}
 
     def up_asks() -> None:
-        s = box["s"] = controller._PartSession(_FloodingHost(flood), ["testbed", "part", "up", "--check"])
+        s = box["s"] = hosts_up._PartSession(_FloodingHost(flood), ["testbed", "part", "up", "--check"])
         s.send(None)
         s.wait(60)
 
@@ -150,8 +151,8 @@ def test_a_host_that_never_ends_its_answers_line_holds_at_most_part_line_max():
     assert s.done and s.result.rc == 0
     # the cut line is not the answers (refused as JSON); the host's last line still counts
     assert s.answers(0) is None and s.built == {"built": True, "name": "t", "nodes": ["s0"]}
-    assert grew < bound(controller.PART_LINE_MAX), \
-        f"held {grew / MiB:.1f} MiB of a {flood / MiB:.0f} MiB line (the bound: {controller.PART_LINE_MAX / MiB:.0f} MiB)"
+    assert grew < bound(hosts_up.PART_LINE_MAX), \
+        f"held {grew / MiB:.1f} MiB of a {flood / MiB:.0f} MiB line (the bound: {hosts_up.PART_LINE_MAX / MiB:.0f} MiB)"
 
 
 def test_a_phantom_that_stops_reading_costs_at_most_queue_max_and_never_holds_the_end(tmp_path: Path):

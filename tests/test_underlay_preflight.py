@@ -23,6 +23,7 @@ import yaml
 from cluster_hosts import PINS, REPO, TOPOLOGY, on_host, tb
 
 from testbed.cluster import controller
+from testbed.cluster import up as hosts_up
 from testbed.net.underlay_filter import INSTALL_HINT
 
 
@@ -55,36 +56,36 @@ def test_only_hosts_a_cut_link_joins_need_nft():
     placement = _Placement((_Cut("h1", "h2"),))
     bad = _doctor({"ok": False, "why": f"nft is not installed: {INSTALL_HINT}"})
     answers = {"h1": _doctor({"ok": True, "why": None}), "h2": bad, "h3": bad}   # h3: no tunnel end
-    (problem,) = controller._filter_problems(answers, placement)
+    (problem,) = hosts_up._filter_problems(answers, placement)
     assert problem.startswith("h2: a cut link joins it") and "nft is not installed" in problem
     assert problem.count(INSTALL_HINT) == 1, problem   # said once, not twice
-    assert controller._filter_problems(answers, _Placement(())) == []   # no cut link: nothing needed
+    assert hosts_up._filter_problems(answers, _Placement(())) == []   # no cut link: nothing needed
 
 
 @pytest.mark.parametrize("uf", [None, "ok", {"ok": "true"}, {"ok": 1}, {"why": None}, {"ok": False, "why": 7}])
 def test_an_answer_that_does_not_say_ok_is_refused_with_the_hint(uf):
     answers = {"h1": _doctor(uf), "h2": _doctor({"ok": True, "why": None})}
-    (problem,) = controller._filter_problems(answers, _Placement((_Cut("h1", "h2"),)))
+    (problem,) = hosts_up._filter_problems(answers, _Placement((_Cut("h1", "h2"),)))
     assert problem.startswith("h1: ") and INSTALL_HINT in problem and "on h1" in problem, problem
 
 
 def test_a_hosts_words_are_shown_inert_and_short():
     said = "\x1b]0;owned\x07\x1b[2J[red]x[/]" + "y" * 10_000
     answers = {"h1": _doctor({"ok": False, "why": said}), "h2": _doctor({"ok": True})}
-    (problem,) = controller._filter_problems(answers, _Placement((_Cut("h1", "h2"),)))
+    (problem,) = hosts_up._filter_problems(answers, _Placement((_Cut("h1", "h2"),)))
     assert "\x1b" not in problem and "\x07" not in problem and len(problem) < 800, problem[:200]
 
 
 def test_a_host_without_answers_is_left_to_its_check_report():
     answers = {"h2": _doctor({"ok": True}), "h1": {"doctor_error": "boom"}}
-    assert controller._filter_problems(answers, _Placement((_Cut("h1", "h2"),))) == []
+    assert hosts_up._filter_problems(answers, _Placement((_Cut("h1", "h2"),))) == []
 
 
 def test_a_doctor_from_before_the_check_is_left_to_the_tunnel_end():
     # the same version built before underlay_filter existed (an install from an older tree): making
     # its tunnel end refuses without nft, with a rollback; this check cannot tell
     answers = {"h1": {"doctor": {"kernel": "6.1"}}, "h2": _doctor({"ok": True})}
-    assert controller._filter_problems(answers, _Placement((_Cut("h1", "h2"),))) == []
+    assert hosts_up._filter_problems(answers, _Placement((_Cut("h1", "h2"),))) == []
 
 
 # -- doctor on this machine -------------------------------------------------------------------------

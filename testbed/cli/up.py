@@ -199,13 +199,13 @@ def up_cmd(
 
 def _up_over_hosts(topo: Any, name: Optional[str], hosts_file: str, pins: list[str], time_dilation: Optional[str],
                    runtime: Optional[str], net_admin: bool, known_hosts: Optional[str], trust_new: bool) -> None:
-    from testbed.cluster import controller
+    from testbed.cluster import up as hosts_up
     from testbed.cluster.hosts import load_hosts
     from testbed.cluster.placement import parse_pins
 
     hosts = load_hosts(hosts_file)
     t0 = time.perf_counter()
-    doc = controller.up(topo, hosts, name, pins=parse_pins(pins), time_dilation=time_dilation, runtime=runtime,
+    doc = hosts_up.up(topo, hosts, name, pins=parse_pins(pins), time_dilation=time_dilation, runtime=runtime,
                         net_admin=net_admin, known_hosts=known_hosts, trust_new=trust_new,
                         progress=lambda m: err_console.print(m, highlight=False))
     name = doc["name"]

@@ -8,7 +8,7 @@ each host's agent (testbed.agent.scenario is the host's side):
 1. plan against the controller's record (its topology and dilation factor); every host checks the
    steps it will shape against its own kernel (`scenario.check`: player.preflight on its part),
    which also proves every host answers before anything starts;
-2. the job runs as `testbed run` does across hosts (controller.run_job), in a thread of its own;
+2. the job runs as `testbed run` does across hosts (testbed.cluster.job.run_job), in a thread of its own;
 3. a watcher polls the master host's probe step records (with phantoms: the leading real rank's
    host's) over one SSH connection it keeps (controller.open_host): t0 is
    the first training step's time as the record says (not when the poll saw it), and no step
@@ -200,6 +200,7 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
     """The scenario's job on testbed `name` over several hosts, its steps applied on every host
     (see the module's docstring). Returns what player.play returns."""
     from testbed.cluster import controller
+    from testbed.cluster import job as hosts_job
 
     doc = controller.load(name)
     plan = plan_for(name, scenario, doc)     # refuses bad input before anything happens
@@ -339,7 +340,7 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
         t.start()
     result: dict[str, Any] | None = None
     try:
-        result = controller.run_job(name, cmd, workers=plan.workers, timeout=timeout_s, env=dict(scenario.job.env),
+        result = hosts_job.run_job(name, cmd, workers=plan.workers, timeout=timeout_s, env=dict(scenario.job.env),
                                     base_dir=base_dir, on_output=on_output, on_started=on_started, stop=stop,
                                     real=real,
                                     progress=(lambda m: say(f"[scenario] {m}")) if say else (lambda _m: None))

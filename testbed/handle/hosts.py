@@ -228,7 +228,7 @@ class HostsTestbed(Testbed):
         port); their run directories come back here, merged, one run (testbed.cluster.controller)."""
         from pathlib import Path
 
-        from testbed.cluster import controller
+        from testbed.cluster import job as hosts_job
         from testbed.jobs.groups import is_job_file
         from testbed.jobs.run import RunError
 
@@ -244,7 +244,7 @@ class HostsTestbed(Testbed):
             raise RunError("--real and --record-ops need the probe (it announces and records the collectives): "
                            "drop --no-probe")
         chosen = None if workers == "all" else [w.strip() for w in workers.split(",") if w.strip()]
-        result = controller.run_job(self.name, cmd, workers=chosen, nproc_per_node=nproc_per_node, port=port,
+        result = hosts_job.run_job(self.name, cmd, workers=chosen, nproc_per_node=nproc_per_node, port=port,
                                     timeout=timeout, env=env or {}, probe=probe, real_clock=real_clock, grace=grace,
                                     progress=say, on_output=on_output, real=real, record_ops=record_ops,
                                     replay=replay)
