@@ -18,25 +18,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
-from testbed import terminal
+from testbed import nodeside, terminal
 from testbed.errors import TestbedError
 from testbed.tarstream import Gate, Refused
 
 
 STDERR_MAX = 64 << 10   # of what a side's command said: its start
 OUTPUT_MAX = 4 << 20    # what a node's look or step prints, on each stream (a few lines): past it, it is ended
-# the kind of each argument, one letter a line; then whether the first is a symbolic link (L or -), and
-# where it leads (readlink -f)
-_KINDS = ('for p; do if [ -d "$p" ]; then echo d; elif [ -e "$p" ]; then echo f; else echo -; fi; done; '
-          'if [ -L "$1" ]; then echo L; else echo -; fi; readlink -f -- "$1" || true')
-# $1: a new directory to unpack into; the options that follow go to tar (onto this machine, files are
-# the caller's, not the stream's owners')
-_UNPACK = 'mkdir -m 700 -- "$1" && cd -- "$1" && shift && exec tar -xf - "$@"'
-_HERE_OPTIONS = ["--no-same-owner"]
-_PLACE = 'mv -f -T -- "$1/$2" "$3" && rmdir -- "$1"'            # the copy takes its place at once (a rename)
-# a directory into one that exists: merged, file by file (not at once: a failure midway leaves part of it);
-# an existing entry is replaced, never written through (a symbolic link there stays unfollowed)
-_MERGE = 'cp -a --remove-destination -- "$1/$2/." "$3/" && rm -rf -- "$1"'
+# cp's looks and steps inside a node, sh programs (testbed/nodeside/: each says what it takes)
+_KINDS = nodeside.text("cp_kinds.sh")
+_UNPACK = nodeside.text("cp_unpack.sh")
+_HERE_OPTIONS = ["--no-same-owner"]   # (unpacking onto this machine: the caller's files, not the stream's owners')
+_PLACE = nodeside.text("cp_place.sh")
+_MERGE = nodeside.text("cp_merge.sh")
 
 
 class CopyFailed(TestbedError):

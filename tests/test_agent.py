@@ -257,3 +257,18 @@ def test_events_followed_through_the_agent_end_when_its_stdin_closes(testbed):
         if agent.poll() is None:
             agent.kill()
             agent.wait()
+
+
+def test_a_hung_scenarios_stacks_come_from_every_hosts_agent(monkeypatch):
+    """What a scenario across hosts saves when its job hangs: each host's ranks' stacks as its agent
+    answered them, rendered; a host that failed says why."""
+    from testbed.cluster import agents, scenario
+    from testbed.cluster.agents import HostFailed
+
+    rank = protocol.RankDoc(pid=7, rank=0, worker="w0", frames=[
+        protocol.Frame(function="all_reduce", file="/x/torch/distributed/distributed_c10d.py", line=1)])
+    monkeypatch.setattr(agents, "ask", lambda name, reqs, **kw: {"h1": [[rank]], "h2": [HostFailed("h2", "no py-spy")],
+                                                                 "h3": [[]]})
+    text = scenario._stacks("tb1")
+    assert "== host h1 ==" in text and "all_reduce" in text
+    assert "== host h2 ==\nno py-spy" in text and "== host h3 ==\nno rank of a job is running" in text

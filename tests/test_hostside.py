@@ -37,7 +37,7 @@ from testbed.cluster.remote import RemoteResult
 from testbed.cluster.scenario import _POLL_SH, RemoteSteps
 
 ROOT = Path(__file__).resolve().parent.parent
-PROGRAM_DIRS = {"testbed.cluster.hostside": ROOT / "testbed/cluster/hostside"}
+PROGRAM_DIRS = {"testbed.cluster.hostside": ROOT / "testbed/cluster/hostside", "testbed.nodeside": ROOT / "testbed/nodeside"}
 VERSION = "9.9.9"
 
 

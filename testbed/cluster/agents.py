@@ -269,12 +269,11 @@ class Sessions:
         from testbed.agent import protocol
 
         line = (protocol.request_line(request) + "\n").encode()
-        with self._changed:
+        with self._changed:   # (a request's line goes in the order it is counted: asks from two threads)
             index = {h: len(self._talks[h].requests) for h in self.hosts}
             for h in self.hosts:
                 self._talks[h].requests.append(request)   # (before the line goes: its answer may come at once)
-        for h in self.hosts:
-            self._pipes[h].write(line)
+                self._pipes[h].write(line)
         until = time.monotonic() + timeout
         with self._changed:
             while not all(len(self._talks[h].values) > index[h] or h in self.ended or self._talks[h].broken

@@ -30,9 +30,6 @@ if TYPE_CHECKING:   # (the CLI imports this module for exists() and list_names()
     from testbed.cluster.hosts import Host, Hosts
 
 DOWN_TIMEOUT_S = 600.0
-# What of a host's stdout may wait for its newline (remote.lines: a longer line is passed on cut,
-# which its JSON reader then refuses), per kind of line; what a host sends is hostile input
-DOC_LINE_MAX = 16 << 20   # streams of documents, one a line (top --json: 313 B per link direction; k=16: ~2 MB)
 
 
 class ClusterError(TestbedError):
@@ -183,7 +180,6 @@ class _Pipe:
             os.close(w)
 
 
-Lifeline = _Pipe   # (public name: callers of stream_on_every_host make their own)
 
 # A remote testbed started under this env takes the end of its stdin as a Ctrl-C (cli.common: the
 # SSH session's end sends no signal to a command without a tty, so nothing else would stop it).
@@ -312,75 +308,6 @@ def run_on_node_host(name: str, node: str, argv: Sequence[str], timeout: float |
         _close(ctls)
 
 
-def run_on_one_host(name: str, argv: Sequence[str], timeout: float | None = 600) -> dict[str, Any]:
-    """argv on the first of the testbed's hosts that answers (a read every host answers alike):
-    {host: RemoteResult}, or every host's exception if none answers."""
-    from testbed.cluster.remote import HostUnreachable
-
-    doc = load(name)
-    by_name = {h.name: h for h in doc["_hosts"]}
-    tried: dict[str, Any] = {}
-    for host in [h for h in doc.get("hosts", {}) if h in by_name]:
-        ctls = _controls([by_name[host]], doc.get("known_hosts"), False)
-        try:
-            return {host: ctls[host].run([*by_name[host].testbed_argv, *argv], timeout=timeout)}
-        except HostUnreachable as exc:
-            tried[host] = exc
-        finally:
-            _close(ctls)
-    return tried
-
-
-def run_on_every_host(name: str, argv: Sequence[str], timeout: float | None = 600) -> dict[str, Any]:
-    """argv (a testbed command line, without the `testbed`) on every host of the testbed at once:
-    host -> RemoteResult or the exception."""
-    doc = load(name)
-    by_name = {h.name: h for h in doc["_hosts"]}
-    names = [h for h in doc.get("hosts", {}) if h in by_name]
-    ctls = _controls([by_name[h] for h in names], doc.get("known_hosts"), False)
-    try:
-        return _parallel(ctls, names, lambda c: c.run([*by_name[c.name].testbed_argv, *argv], timeout=timeout))
-    finally:
-        _close(ctls)
-
-
-def stream_on_every_host(name: str, argv: Sequence[str], on_line: Callable[[str, str], None], *,
-                         stop: threading.Event | None = None, timeout: float | None = None,
-                         progress: Callable[[str], None] = lambda _m: None,
-                         on_end: Callable[[str, Any], None] | None = None,
-                         lifelines: dict[str, Lifeline] | None = None) -> dict[str, Any]:
-    """argv (a testbed command line, without the `testbed`) on every host of the testbed at once, each
-    line of its stdout passed on as it comes: on_line(host, line), from the hosts' threads. Until
-    every host's command ends, `stop` is set, or a Ctrl-C (then each host's testbed stops as on a
-    Ctrl-C there). on_end(host, RemoteResult or exception): as each host's command ends (an
-    unreachable host is known at once, not when the others end). Returns host -> the same.
-    lifelines: host -> Lifeline, for every host of the testbed: what the caller writes on one
-    reaches that host's testbed (cli.common.on_lifeline_input); closing it is a Ctrl-C there."""
-    from testbed.cluster.remote import lines
-
-    doc = load(name)
-    by_name = {h.name: h for h in doc["_hosts"]}
-    names = [h for h in doc.get("hosts", {}) if h in by_name]
-    ctls = _controls([by_name[h] for h in names], doc.get("known_hosts"), False)
-
-    def one(c: Any, stdin: Any) -> Any:
-        try:
-            res = c.run([*LIFELINE_ARGV, *by_name[c.name].testbed_argv, *argv], stdin=stdin, timeout=timeout,
-                        on_stdout=lines(lambda line: on_line(c.name, line), DOC_LINE_MAX))
-        except Exception as exc:
-            if on_end is not None:
-                on_end(c.name, exc)
-            raise
-        if on_end is not None:
-            on_end(c.name, res)
-        return res
-
-    try:
-        return _parallel(ctls, names, one, lifeline=True, progress=progress, stop=stop, pipes=lifelines)
-    finally:
-        _close(ctls)
-
-
 def host_of(name: str, node: str) -> str:
     """The host that holds `node` of testbed `name`."""
     doc = load(name)
@@ -398,16 +325,3 @@ def open_host(name: str, host: str) -> Any:
     if h is None:
         raise TestbedError(f"no host {host!r} in testbed {name}")
     return _controls([h], doc.get("known_hosts"), False)[host]
-
-
-def run_on_host(name: str, host: str, argv: Sequence[str], timeout: float | None = 120) -> Any:
-    """argv (a plain command line, not a testbed one) on `host` of testbed `name`: RemoteResult."""
-    doc = load(name)
-    h = next((x for x in doc["_hosts"] if x.name == host), None)
-    if h is None:
-        raise TestbedError(f"no host {host!r} in testbed {name}")
-    ctls = _controls([h], doc.get("known_hosts"), False)
-    try:
-        return ctls[host].run(list(argv), timeout=timeout)
-    finally:
-        _close(ctls)

@@ -69,6 +69,7 @@ from typing import IO, Any, Protocol, Self, TypeVar, runtime_checkable
 
 from testbed import __version__
 from testbed.errors import TestbedError
+from testbed.cluster import hostside
 from testbed.cluster.hosts import Host
 
 __all__ = ["HostAuthFailed", "HostControl", "HostKeyRejected", "HostReport", "HostUnreachable", "OutputTooLarge",
@@ -594,8 +595,7 @@ class SshHost:
         result = RemoteResult(rc=-1 if rc is None else rc, stdout=stdout, stderr=stderr, host=self.name, argv=args)
         return result.check() if check else result
 
-    _PUT = ('set -e; mkdir -p -- "$(dirname -- "$1")"; t="$1.tbput.$$"; trap \'rm -f -- "$t"\' EXIT; '
-            '(umask 077; cat >"$t"); chmod "$2" "$t"; mv -f -- "$t" "$1"; trap - EXIT')
+    _PUT = hostside.text("put.sh")   # sh -c _PUT sh PATH MODE, the file on stdin
 
     def put(self, local: Path, remote: str) -> None:
         """Copy `local` to `remote` on the host as root, streamed through the SSH session (works the

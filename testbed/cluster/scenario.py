@@ -84,6 +84,10 @@ class _Followers:
 
         self.name = name
         self._sessions = Sessions(name)
+        # each agent loads what applying a step uses now, while the job starts: a step due right
+        # after t0 finds it ready (an empty batch: agent.scenario.apply_here warms up, applies nothing)
+        threading.Thread(target=lambda: self.apply({"scenario": "", "steps": []}, timeout=120), daemon=True,
+                         name="scenario-warm-up").start()
 
     def alive(self) -> bool:
         return self._sessions.alive()
@@ -448,15 +452,21 @@ def _restored(res: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
 
 
 def _stacks(name: str) -> str | None:
-    """Every host's `testbed stacks` of its ranks (a hung job), as one text."""
-    from testbed.cluster import controller
+    """Every host's ranks' stacks (a hung job), as one text: each host's agent asked at once."""
+    from testbed.agent.protocol import request
+    from testbed.cluster import agents
+    from testbed.jobs import stacks
 
     try:
-        res = controller.run_on_every_host(name, ["stacks", "--name", name], timeout=60)
+        res = agents.ask(name, [request({"op": "stacks", "name": name})], timeout=60)
     except Exception as exc:  # noqa: BLE001 - the stacks are a help, the outcome stands without them
         return f"stacks could not be taken: {exc}\n"
     parts = []
-    for host, r in res.items():
-        body = str(r) if isinstance(r, Exception) else (r.stdout if r.rc == 0 else r.stderr or r.stdout)
+    for host, (got,) in res.items():
+        if isinstance(got, Exception):
+            body = getattr(got, "why", None) or str(got)
+        else:
+            ranks = stacks.from_json([r.model_dump() for r in got], host)
+            body = stacks.render(ranks) if ranks else "no rank of a job is running"
         parts.append(f"== host {host} ==\n{body.rstrip()}\n")
     return "\n".join(parts)

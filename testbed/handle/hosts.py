@@ -212,9 +212,7 @@ class HostsTestbed(Testbed):
             if isinstance(value, HostFailed):
                 failed[host] = value.why
             else:
-                by_host[host] = [stacks.RankStack(r.pid, r.rank, r.worker, r.phantom,
-                                                  [(f.function, f.file, f.line) for f in r.frames], r.threads,
-                                                  r.error, host) for r in value]
+                by_host[host] = stacks.from_json([r.model_dump() for r in value], host)
         got = stacks.merge_hosts(by_host, placement)
         return [s for s in got if workers is None or s.worker in workers], failed
 
