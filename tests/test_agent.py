@@ -272,3 +272,16 @@ def test_a_hung_scenarios_stacks_come_from_every_hosts_agent(monkeypatch):
     text = scenario._stacks("tb1")
     assert "== host h1 ==" in text and "all_reduce" in text
     assert "== host h2 ==\nno py-spy" in text and "== host h3 ==\nno rank of a job is running" in text
+
+
+def test_a_bad_value_for_the_hosts_names_its_field_before_any_host_is_asked(monkeypatch):
+    from testbed.cluster import agents
+    from testbed.handle.hosts import HostsFailed, HostsTestbed
+    from testbed.running import FaultError
+
+    tb = HostsTestbed.__new__(HostsTestbed)
+    tb.name, tb.hosts, tb._record = "tb1", ("h1",), {"placement": {"w0": "h1"}}
+    monkeypatch.setattr(agents, "ask", lambda *a, **k: pytest.fail("a host was asked"))
+    with pytest.raises(FaultError, match=r"^a: String should match pattern .*\(got 'w0;reboot'\)"):
+        tb.link_down("w0;reboot", "s0")
+    assert HostsFailed({}, []).exit_code == 1   # (no host's word: a failure all the same)

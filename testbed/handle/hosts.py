@@ -32,7 +32,7 @@ class HostsFailed(TestbedError):
         text = "; ".join(f"{why} (on {', '.join(hosts)})" for why, hosts in whys.items())
         super().__init__(text + (f"; done on {', '.join(done)}" if done else ""))
         self.failed, self.done = failed, done
-        self.exit_code = max(f.exit_code for f in failed.values())
+        self.exit_code = max((f.exit_code for f in failed.values()), default=1)
 
 
 class AcrossHosts(TestbedError):
@@ -64,7 +64,7 @@ class HostsTestbed(Testbed):
             return request({"op": op, "name": self.name, **fields})
         except ValidationError as exc:
             err = exc.errors()[0]
-            where = ".".join(str(p) for p in err.get("loc", ())[1:]) or op
+            where = ".".join(str(p) for p in err.get("loc", ())) or op
             raise FaultError(f"{where}: {err.get('msg')} (got {err.get('input')!r})") from None
 
     def _every(self, op: str, **fields: Any) -> dict[str, Any]:
