@@ -233,6 +233,7 @@ class Sessions:
         self._pipes = {h: _Pipe() for h in self.hosts}
         self.ended: dict[str, Any] = {}   # host -> why its session ended
         self._changed = threading.Condition()
+        self._sending = threading.Lock()
 
         def feed(host: str) -> Callable[[str], None]:
             def one(line: str) -> None:
@@ -269,10 +270,12 @@ class Sessions:
         from testbed.agent import protocol
 
         line = (protocol.request_line(request) + "\n").encode()
-        with self._changed:   # (a request's line goes in the order it is counted: asks from two threads)
-            index = {h: len(self._talks[h].requests) for h in self.hosts}
-            for h in self.hosts:
-                self._talks[h].requests.append(request)   # (before the line goes: its answer may come at once)
+        with self._sending:   # (one request at a time: its line goes in the order it is counted)
+            with self._changed:
+                index = {h: len(self._talks[h].requests) for h in self.hosts}
+                for h in self.hosts:
+                    self._talks[h].requests.append(request)   # (before the line goes: its answer may come at once)
+            for h in self.hosts:   # (outside _changed: a full pipe waits for a feeder that may be reading)
                 self._pipes[h].write(line)
         until = time.monotonic() + timeout
         with self._changed:
