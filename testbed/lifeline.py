@@ -2,7 +2,8 @@
 host started it over SSH with TESTBED_LIFELINE=stdin (cluster.controller holds the other end).
 
 A leaf: the CLI starts watching it (cli.common.run_app), and what runs below the CLI reads from it
-(`scenario host-follow`'s steps, phantom ranks' announcements) without importing the CLI.
+(phantom ranks' announcements, in a run across hosts) without importing the CLI. The hosts'
+agents (testbed.agent) read their stdin themselves: its end is their stop.
 """
 
 from __future__ import annotations
