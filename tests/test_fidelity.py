@@ -4,7 +4,8 @@ At the verdict's own tolerance (a class's: 10%, or its measured noise when that 
 held to its class's model, the one the verdict used (the run's own per-message cost, measured in the
 run), so the moment the boot's calibration was taken does not decide the outcome (CI's run of
 2026-12-02 failed when the cell used the calibration's alpha, 1.08 ms, and its class the run's):
-- every cell gets a verdict, and a cell called faithful is within its class's tolerance;
+- every cell gets a verdict, and a cell called faithful is within 10% of the model (its class's
+  instances and its own loop: one further off within only its noise is undecided);
 - the two clocks agree on every cell with a class: the benchmark's loop of calls and the probe's
   instances of the same calls, within 5% or the instances' own 95% interval when that is wider
   (the instances include the warm-up call). Measured here: all_reduce 16-64 MiB within 0.0-2.7%,
@@ -41,7 +42,7 @@ def test_reduced_fidelity_matrix(root, state_dir, tmp_path):
         assert c.measured_s > 0 and c.model_s > 0 and 0 < c.links_s <= c.model_s, c
         if c.probe_s > 0:
             assert abs(c.probe_s / c.measured_s - 1) <= max(0.05, c.noise), c
-        if c.verdict == "faithful":
-            assert abs(c.probe_s / c.model_s - 1) <= c.tolerance, c
+        if c.verdict == "faithful":   # within the floor itself, never only within a noise-widened tolerance
+            assert abs(c.probe_s / c.model_s - 1) <= 0.10 and abs(c.error) <= 0.10, c
     ddp = [c for c in cells if c.op == "all_reduce" and c.bytes == 16 << 20 and c.topology == "dumbbell"]
     assert len(ddp) == 1 and ddp[0].verdict == "faithful", (ddp, said)

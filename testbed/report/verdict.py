@@ -12,11 +12,13 @@ Evidence (a run directory, see testbed.jobs.rundir):
    the hosts the topology declares (Topology.host_rate). Each class has its
    own tolerance: TOLERANCE, or the 95% confidence interval of its mean
    (its instances' spread) with the calibration's spread on the model's
-   latency part, whichever is larger. A class whose uncertainty (those two
-   together) is wider than MAX_NOISE is off if it is off by more than even
-   that, and otherwise cannot be judged (the run is INCONCLUSIVE unless
-   something else fails): no class is called within the model under a
-   tolerance wider than MAX_NOISE. A class off by more than its tolerance is named, whatever
+   latency part, whichever is larger. A class off by more than its tolerance
+   is off. A class is within only when it is within TOLERANCE itself: one
+   further off that its uncertainty keeps within its tolerance is undecided
+   (it may be within TOLERANCE or not), and so is every class whose
+   uncertainty (those two together) is wider than MAX_NOISE; undecided
+   classes make the run INCONCLUSIVE unless something else fails, so
+   "within" always means within TOLERANCE. A class off by more than its tolerance is named, whatever
    its share; it fails the run when it holds at least MATERIAL of the
    measured communication time, and so does the total. A model with ECMP
    bounds is judged at its median placement; whether the measurement fell
@@ -93,7 +95,8 @@ class ClassRow:
     tolerance: float = TOLERANCE
     model_noise: float = 0.0   # the model's own uncertainty (alpha's spread on its latency part), relative
     backend: str = "gloo"
-    status: str = "within"  # "within" | "off" | "noisy"
+    status: str = "within"  # "within" | "off" | "undecided" (off by more than TOLERANCE, within its
+    #                          uncertainty) | "noisy" (an uncertainty wider than MAX_NOISE)
 
     @property
     def bounded(self) -> bool:
@@ -334,8 +337,14 @@ def model_classes(run: Path, probe: dict[str, list[dict[str, Any]]], summary: di
         tol = max(TOLERANCE, uncertain)
         err = mean / p.time_s - 1 if p.time_s > 0 else math.inf
         # off beyond even a wide tolerance is off; within one wider than MAX_NOISE cannot be told (either
-        # side too uncertain: a tolerance that wide would call a class that far off within)
-        status = "off" if abs(err) > tol else ("noisy" if uncertain > MAX_NOISE else "within")
+        # side too uncertain); further off than TOLERANCE but within its uncertainty, neither "within
+        # TOLERANCE" nor "off" is shown: the verdict never calls a class within that it measured further off
+        if abs(err) > tol:
+            status = "off"
+        elif uncertain > MAX_NOISE:
+            status = "noisy"
+        else:
+            status = "undecided" if abs(err) > TOLERANCE else "within"
         rows.append(ClassRow(op, nbytes, len(xs), mean, p.time_s, p.lo_s, p.hi_s, err,
                              sum(times) / total if total > 0 else 0.0, p.bottleneck,
                              (min(i["start"] for i in xs), max(i["end"] for i in xs)),
@@ -540,7 +549,8 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
     fixes: list[str] = []
 
     rows, unjudged, constants, why_none = model_classes(run, probe, summary, machine)
-    judged = [r for r in rows if r.status != "noisy"]
+    iteration_undecided = False
+    judged = [r for r in rows if r.status in ("within", "off")]
     total = sum(r.measured_s * r.count for r in judged)
     predicted = sum(r.model_s * r.count for r in judged)
     verified = bool(judged)
@@ -563,9 +573,13 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
             mid = min((r for r in a["ranks"] if r.get("iter_p50_s")), key=lambda r: abs(r["iter_p50_s"] - it))
             noise = _interval([x["dt"] for x in mid.get("step_times") or []])
             tol = max(TOLERANCE, noise)
-            checks.append(Check("iteration", abs(err) <= tol,
+            # as for a class: further off than TOLERANCE but within the steps' noise is undecided
+            iteration_undecided = TOLERANCE < abs(err) <= tol
+            checks.append(Check("iteration", None if iteration_undecided else abs(err) <= tol,
                                 f"iteration p50 {it * 1e3:.4g} ms, {100 * err:+.1f}% against the expected "
                                 f"{expected_iteration_s * 1e3:.4g} ms, tolerance +-{100 * tol:.0f}%"
+                                + (f" (undecided: more than {TOLERANCE:.0%} off, within the steps' own noise)"
+                                   if iteration_undecided else "")
                                 + _arrival_spread(probe, summary, s)))
 
     cpu = cpu_check(monitor, s, _active_window(probe), _recording(summary, int(summary.get("world_size") or 1)),
@@ -624,11 +638,11 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
                      + " ran faster than the model: docs/fidelity.md says where the emulation is "
                      "optimistic (latency-bound messages); `testbed calibrate --history` shows whether this "
                      "machine's constants moved")
-    wide = [r for r in rows if r.status == "within" and abs(r.error) > TOLERANCE]
-    if wide:   # within, but only because their own uncertainty widened the tolerance: named all the same
-        reasons.append(f"more than {TOLERANCE:.0%} off the model, within only the wider tolerance their uncertainty "
-                       "gives (named, not failing): " + "; ".join(
-                           f"{_class_what(r)}, tolerance +-{100 * r.tolerance:.0f}%" for r in wide))
+    undecided = [r for r in rows if r.status == "undecided"]
+    if undecided:   # neither within TOLERANCE nor off by more than their uncertainty
+        reasons.append(f"undecided: more than {TOLERANCE:.0%} off the model, but within their own uncertainty, so "
+                       f"whether they are within {TOLERANCE:.0%} is not shown: " + "; ".join(
+                           f"{_class_what(r)}, {_uncertainty(r)}" for r in undecided))
     minor = [r for r in rows if r.status == "off" and r.share < MATERIAL]
     if minor:
         reasons.append("off the model but a minor share of the communication time (named, not deciding): "
@@ -651,12 +665,16 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
         status = "not faithful"
         if shared_busy:
             reasons.append(shared.detail)
-    elif noisy and sum(r.share for r in noisy) >= MATERIAL:   # (one alpha makes many classes uncertain at once)
+    elif iteration_undecided or ((noisy or undecided) and sum(r.share for r in noisy + undecided) >= MATERIAL):
+        # (one alpha makes many classes uncertain at once: their shares count together)
         status = "inconclusive"
-        if any(r.noise >= r.model_noise for r in noisy):
+        if iteration_undecided:
+            reasons += [c.detail for c in checks if c.name == "iteration"]
+            fixes.append("a longer run (more steps) narrows the iteration's interval; so does a quieter machine")
+        if any(r.noise >= r.model_noise for r in noisy + undecided):
             fixes.append("more instances of the noisy classes (a longer run) narrow their intervals; so does a "
                          "quieter machine")
-        if any(r.model_noise > r.noise for r in noisy):
+        if any(r.model_noise > r.noise for r in noisy + undecided):
             fixes.append("the model's uncertainty is alpha's, which the run measures with a burst of small "
                          "all_reduces after init_process_group: `testbed run --env TESTBED_LATENCY_BURST=40 ...` "
                          "measures it with more")
@@ -672,7 +690,8 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
         reasons.append(cpu.detail)
     else:
         status = "unverified"
-        reasons.insert(0, why_none or ("every class was too uncertain to judge" if noisy else "nothing to compare with"))
+        reasons.insert(0, why_none or ("every class was too uncertain to judge" if noisy or undecided
+                                       else "nothing to compare with"))
     if ph is not None and ph.ok is not False:   # which ranks were real is said whatever the verdict
         reasons.append(ph.detail)
     return Verdict(status, reasons, fixes, checks, rows, constants, unjudged)
@@ -697,6 +716,9 @@ def _class_check(r: ClassRow) -> Check:
     what = _class_what(r) + f", tolerance +-{100 * r.tolerance:.0f}%"
     if r.status == "noisy":
         return Check("model", None, what + f": too uncertain to judge ({_uncertainty(r)})")
+    if r.status == "undecided":
+        return Check("model", None, what + f": undecided, more than {TOLERANCE:.0%} off but within its "
+                                           f"uncertainty ({_uncertainty(r)})")
     if r.status == "off":
         return Check("model", False if r.share >= MATERIAL else None, what)
     return Check("model", True, what)
