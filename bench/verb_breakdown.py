@@ -8,9 +8,9 @@ is). It times, with perf_counter from the interpreter's start (time.perf_counter
 line of this file, which Python reaches after its own start-up):
 
 - cli imports: `testbed.cli`, the verb's module (testbed.cli.status) and what its body imports
-  first (testbed.lifecycle), so that the next part holds none of them;
+  first (testbed.handle), so that the next part holds none of them;
 - argument parsing: typer and the CLI's own start (testbed.cli.common.run_app), until the verb's
-  body reaches its first call (resolve_name); typer >= 0.2x builds a pydantic TypeAdapter per
+  body reaches its first call (open_testbed); typer >= 0.2x builds a pydantic TypeAdapter per
   parameter, and imports pydantic the first time;
 - state read: store.load_unchecked (the file and its JSON);
 - state validation: store.validate, including the import of testbed.state_schema (the schema's
@@ -39,18 +39,18 @@ def main(argv: list[str]) -> int:
     import testbed.cli.status as verb_module
     from testbed import store
 
-    importlib.import_module("testbed.lifecycle")   # what the verb's body imports before its first call
+    handle = importlib.import_module("testbed.handle")   # what the verb's body imports before its first call
 
     t_imports = time.perf_counter()
     spent = {"state read": 0.0, "state validation": 0.0}
     body: list[float] = []
-    resolve = verb_module.resolve_name
+    opener = handle.open_testbed
 
-    def resolve_name(*a, **kw):
+    def open_testbed(*a, **kw):
         body.append(time.perf_counter())
-        return resolve(*a, **kw)
+        return opener(*a, **kw)
 
-    verb_module.resolve_name = resolve_name
+    handle.open_testbed = open_testbed   # the body imports it from testbed.handle when it runs
 
     def timed(label: str, fn):
         def wrapper(*a, **kw):

@@ -280,7 +280,8 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         raise TestbedError(f"--time-dilation: {exc}") from None
     factor = dilation.factor
     nominal = topo
-    topo = dilate_topology(topo, factor, cap_cpu=dilation.cap_cpu)  # what the kernel gets; the state keeps `nominal`
+    # what the kernel gets; the state keeps `nominal`
+    topo = dilate_topology(topo, factor, cap_cpu=dilation.cap_cpu, cap_cores=dilation.cap_cores)
     t0 = time.perf_counter()
     caps = check_capabilities(topo, caps)
     timings["capabilities"] = time.perf_counter() - t0

@@ -79,8 +79,8 @@ def measured_split(run_dir: Path, s: float) -> dict[str, float] | None:
 def own_work(recs: list[dict[str, Any]], s: float) -> dict[int, dict[str, float]]:
     """Step n -> one rank's own work between its all_reduces: from the completion of its last DDP
     bucket of step n-1 to the launch of its first bucket of step n (the optimizer, then forward and
-    backward). `wall_s`: emulated seconds; `cpu_s`: the process's CPU seconds, which under its 1/s
-    cap take one emulated second each when it waits for nothing; `sys_s`, `faults`, `gc_s`: of them
+    backward). `wall_s`: emulated seconds; `cpu_s`: the process's CPU seconds, which under its cap
+    take 1/rank_cores emulated seconds each when it waits for nothing (run_cores); `sys_s`, `faults`, `gc_s`: of them
     in the kernel, minor page faults, Python's garbage collector (the probe's "w" readings; steps
     without them are left out). From step 3: the first two are warm-up (the optimizer's first
     step makes its state: 45 MiB of page faults in the main job)."""
@@ -129,19 +129,35 @@ def step_compute(run_dir: Path, s: float) -> dict[str, float] | None:
     steps = sorted(set.intersection(*(set(w) for w in per_rank)))
     if not steps:
         return None
+    cores = run_cores(run_dir)   # CPU seconds -> emulated seconds
     slowest = [max((w[n] for w in per_rank), key=lambda x: x["cpu_s"]) for n in steps]
     typical = [statistics.median(w[n]["cpu_s"] for w in per_rank) for n in steps]
     med = lambda key: statistics.median(x[key] for x in slowest)   # noqa: E731
-    return {"compute_s": med("cpu_s"), "typical_s": statistics.median(typical), "sys_s": med("sys_s"),
-            "faults": med("faults"), "gc_s": med("gc_s"),
-            "lag_s": statistics.median(max(w[n]["wall_s"] for w in per_rank) - x["cpu_s"]
+    return {"compute_s": med("cpu_s") / cores, "typical_s": statistics.median(typical) / cores,
+            "sys_s": med("sys_s") / cores, "faults": med("faults"), "gc_s": med("gc_s") / cores,
+            "lag_s": statistics.median(max(w[n]["wall_s"] for w in per_rank) - x["cpu_s"] / cores
                                        for n, x in zip(steps, slowest)),
-            "ranks": len(per_rank), "steps": len(steps)}
+            "ranks": len(per_rank), "steps": len(steps), "rank_cores": cores}
+
+
+RANK_CORES_MAX = 1000.0
+
+
+def run_cores(run_dir: Path) -> float:
+    """The cores of this machine each rank had in emulated time (Choice.rank_cores), as the run
+    recorded it: 1 when it did not, or when the record is not a sane number (it is read from disk)."""
+    from testbed.jobs import rundir
+
+    dil = (rundir.read_json(Path(run_dir) / "summary.json") or {}).get("time_dilation")
+    v = dil.get("rank_cores") if isinstance(dil, dict) else None
+    return float(v) if _finite(v) and 1.0 <= v <= RANK_CORES_MAX else 1.0
 
 
 def compute_line(c: dict[str, float]) -> str:
+    cores = c.get("rank_cores", 1.0)
+    per = "" if cores <= 1.0001 else f", at {cores:.2f} of this machine's cores per rank"
     return (f"compute per step {c['compute_s'] * 1e3:.1f} ms: the slowest of {c['ranks']:.0f} ranks' own work "
-            f"(CPU time from one all_reduce to the next, median of {c['steps']:.0f} steps; the median rank "
+            f"(CPU time from one all_reduce to the next{per}, median of {c['steps']:.0f} steps; the median rank "
             f"{c['typical_s'] * 1e3:.1f} ms; the slowest one's kernel time {c['sys_s'] * 1e3:.1f} ms, "
             f"{c['faults']:.0f} page faults, garbage collection {c['gc_s'] * 1e3:.1f} ms; the last arrival "
             f"{c['lag_s'] * 1e3:.1f} ms later than that work explains)")

@@ -117,8 +117,10 @@ def _restore(h: running.Handle, node: str) -> None:
         rt = running.runtime_of(h)
         rec = running.worker_record(h, node)
         cpus = n.cpus
-        if (h.st.get("dilation") or {}).get("cap_cpu"):   # what `up` gave it: 1/s of its CPUs
-            cpus = (n.cpus or 1.0) / h.dilation
+        if (h.st.get("dilation") or {}).get("cap_cpu"):   # what `up` gave it (Choice.cap_cores)
+            from testbed.topology.dilation import rank_cores
+
+            cpus = (n.cpus or 1.0) * rank_cores(h.st.get("dilation")) / h.dilation
         if cpus is not None:
             running.try_runtime(rt.set_limits, node, rec, cpus=cpus)
         else:

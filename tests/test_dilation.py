@@ -42,7 +42,7 @@ def test_undilate():
 
 from dataclasses import replace  # noqa: E402
 
-from testbed.topology.dilation import HOST_MARGIN, Choice, choose, dilate_topology  # noqa: E402
+from testbed.topology.dilation import HOST_MARGIN, Choice, choose, dilate_topology, rank_cores  # noqa: E402
 from testbed.topology.loader import load_topology, load_topology_text  # noqa: E402
 from testbed.topology.plan import plan_network  # noqa: E402
 from testbed.topology.reference import MachineConstants, goodput  # noqa: E402
@@ -73,6 +73,32 @@ def test_auto_counts_ranks_per_core_and_the_traffic():
     assert any("network-bound hosts" in r for r in c.reasons)
     faster = replace(t, host_rate=50e9)                 # declared hosts at 50 Gbit/s: still link-bound
     assert choose("auto", faster, plan, 0, 2, constants=HOST_BOUND).network == pytest.approx(need, rel=0.01)
+
+
+def test_auto_caps_a_rank_at_its_share_of_the_cores_not_at_one_over_s():
+    """auto raises s above what compute needs (8 ranks per core) so that the ranks have the CPU to move
+    their bytes at the links' rate; a cap of 1/s would leave each rank one core's rate here whatever s
+    (measured: docs/fidelity.md). So each worker is capped at its share, 2 cores / 16 ranks, and its rank
+    has s/8 of this machine's cores in emulated time. A fixed factor keeps DieCast's 1/s."""
+    t, plan = _ft()
+    c = choose("auto", t, plan, n_gpus=0, n_cpus=2, constants=HOST_BOUND)
+    assert c.cap_cpu and c.factor > 8.5
+    assert c.cap_cores == pytest.approx(1 / 8) and c.rank_cores == pytest.approx(c.factor / 8)
+    assert any("its share of this machine" in r for r in c.reasons), c.reasons
+    again = Choice.from_json(c.to_json())
+    assert again == c and rank_cores(c.to_json()) == pytest.approx(c.factor / 8)
+    capped = dilate_topology(t, c.factor, cap_cpu=True, cap_cores=c.cap_cores)
+    assert all(capped.nodes[w].cpus == pytest.approx(1 / 8) for w in t.workers)
+    fixed = choose(16, t, plan, 0, 2)
+    assert fixed.cap_cores == pytest.approx(1 / 16) and fixed.rank_cores == 1.0
+    gpus = choose("auto", t, plan, n_gpus=1, n_cpus=2, constants=HOST_BOUND)   # GPUs: DieCast's 1/s as before
+    assert gpus.cap_divisor is None and (not gpus.cap_cpu or gpus.cap_cores == pytest.approx(1 / gpus.factor))
+    uncapped = choose("auto", replace(t, host_rate="this-machine"), plan, 0, 2, constants=HOST_BOUND)
+    assert not uncapped.cap_cpu and uncapped.rank_cores == 1.0
+    # what is read back from disk is not trusted: anything but a sane record is one core
+    for bad in (None, {}, {"factor": "x"}, {"factor": 12, "cap_divisor": -3, "compute": 8}, "12"):
+        assert rank_cores(bad) == 1.0, bad
+    assert rank_cores({"factor": 12.0, "compute": 8.0, "cap_divisor": 0.5}) == 1.0   # a divisor < 1 is dropped
 
 
 def test_phantoms_compute_nothing_but_still_send():

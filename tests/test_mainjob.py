@@ -98,6 +98,13 @@ def test_the_compute_term_is_the_slowest_ranks_own_work_per_step(tmp_path):
     # the slowest per step: 0.6 (rank 1), 0.5 (rank 0), 0.7 (rank 1): median 0.6; the median rank: 0.4, 0.45, 0.45
     assert round(c["compute_s"], 6) == 0.6 and round(c["typical_s"], 6) == 0.45
     assert (round(c["sys_s"], 6), c["faults"], round(c["lag_s"], 6)) == (0.2, 2304, 0.1)
+    # a rank capped at its share of the cores (auto's cap) had 1.5 of this machine's cores in emulated
+    # time: its CPU seconds take 1/1.5 emulated second each; a record that is not a sane number is 1
+    for cores, expect in ((1.5, 0.4), ("1.5", 0.6), (float("nan"), 0.6), (0.5, 0.6), (1e9, 0.6)):
+        (tmp_path / "summary.json").write_text(json.dumps({"time_dilation": {"factor": s, "rank_cores": cores}}))
+        c = step_compute(tmp_path, s)
+        assert round(c["compute_s"], 6) == expect, (cores, c)
+    (tmp_path / "summary.json").unlink()
     split = measured_split(tmp_path, s)
     assert split is not None
     # a probe without work readings (an older run): no term, and the main job then states no expected iteration

@@ -545,6 +545,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                     echo(f"[{label}] {line}")
         proc.stdout.close()
 
+    from testbed.topology.dilation import rank_cores
+
     summary: dict[str, Any] = {
         "testbed": cluster.name, "run_id": run_id, "run_dir": str(rd), "cmd": cmd,
         "launcher": "groups" if job is not None else "torchrun" if torchrun else "env",
@@ -553,7 +555,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         "workdir": workdir, "probe": probe, "env": dict(env or {}), "grace_s": grace, "timeout_s": timeout,
         "time_dilation": {"factor": float(cluster.time_dilation), "source": cluster.dilation_source,
                           "setting": cluster.dilation.get("setting"), "reasons": cluster.dilation.get("reasons"),
-                          "cap_cpu": bool(cluster.dilation.get("cap_cpu"))},
+                          "cap_cpu": bool(cluster.dilation.get("cap_cpu")),
+                          "rank_cores": rank_cores(cluster.dilation)},
         "emulated_clock": bool(probe and emulated_clock and cluster.time_dilation > 1),
         "machine": machine.to_json() if machine is not None else None, "gpus": cluster.gpus, "cores": _cores(),
         "started": time.time(),

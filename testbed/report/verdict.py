@@ -435,7 +435,7 @@ def _interval(times: list[float]) -> float:
 
 
 def cpu_check(monitor: dict[str, Any], s: float, window: tuple[float, float] | None, ranks: int,
-              devices: int | None, capped: bool = False) -> Check:
+              devices: int | None, capped: bool = False, rank_cores: float = 1.0) -> Check:
     """Ranks per compute device against the factor; the CPU samples say how busy the machine was.
 
     A rank that shares its device with r - 1 others computes r times slower, so the factor must
@@ -448,6 +448,10 @@ def cpu_check(monitor: dict[str, Any], s: float, window: tuple[float, float] | N
     samples = [c for c in monitor.get("cpu") or [] if window is None or window[0] <= c["t"] <= window[1]]
     cores = int(monitor.get("cpu_cores") or monitor.get("cores") or 1)   # (over hosts: the sampled machine's)
     detail = f"{ranks} ranks on {devices} compute device(s) need dilation >= {need:.3g}, the run had {s:g}"
+    if capped and rank_cores > 1.0001:   # auto's cap: each rank its share of the cores (dilation.Choice.cap_cores)
+        detail += (f", each rank capped at its share of the cores: {rank_cores:.2f} of this machine's cores in "
+                   f"emulated time, for its traffic's host work (its compute runs {rank_cores:.2f}x as fast as on "
+                   "one core here)")
     if samples:
         runnable = statistics.mean(c["runnable"] for c in samples) / cores
         busy = statistics.mean(c["busy"] for c in samples)
@@ -584,7 +588,8 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
 
     cpu = cpu_check(monitor, s, _active_window(probe), _recording(summary, int(summary.get("world_size") or 1)),
                     _devices(summary, monitor),
-                    capped=bool((summary.get("time_dilation") or {}).get("cap_cpu") or summary.get("real_cpu_cap")))
+                    capped=bool((summary.get("time_dilation") or {}).get("cap_cpu") or summary.get("real_cpu_cap")),
+                    rank_cores=_rank_cores(summary))
     checks.append(cpu)
     ph = phantom_check(summary, rows, s)
     if ph is not None:
@@ -722,6 +727,11 @@ def _class_check(r: ClassRow) -> Check:
     if r.status == "off":
         return Check("model", False if r.share >= MATERIAL else None, what)
     return Check("model", True, what)
+
+
+def _rank_cores(summary: dict[str, Any]) -> float:
+    v = (summary.get("time_dilation") or {}).get("rank_cores")
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 1 <= v <= 1000 else 1.0
 
 
 def _devices(summary: dict[str, Any], monitor: dict[str, Any]) -> int | None:

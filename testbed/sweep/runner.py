@@ -139,7 +139,8 @@ def same_dilation(setting: str, topo: Topology, st: dict[str, Any] | None, machi
         old = Choice.from_json(st["dilation"]) if st is not None else choice(*other)   # type: ignore[misc]
     except (ValueError, KeyError, TypeError):
         return False
-    return abs(new.factor - old.factor) < 1e-9 and new.cap_cpu == old.cap_cpu
+    return (abs(new.factor - old.factor) < 1e-9 and new.cap_cpu == old.cap_cpu
+            and abs(new.cap_cores - old.cap_cores) < 1e-9)
 
 
 def predict_builds(plan: Plan, runs: list[Run], machine: Any, cores: int, first_up: bool = True) -> list[bool]:

@@ -103,22 +103,51 @@ class Choice:
     compute: float                 # the factor compute needs (ranks per device)
     network: float | None          # the factor the traffic needs (None: not known, uncalibrated)
     reasons: tuple[str, ...]
+    cap_divisor: float | None = None   # a capped worker gets its CPUs / this (None: / factor)
 
     @property
     def cap_cpu(self) -> bool:
-        """Above what sharing the CPUs slows compute by, each worker's CPU is capped at 1/s: compute
-        then slows by s too (DieCast's rule), at the price of coarser scheduling (docs/fidelity.md)."""
+        """Above what sharing the CPUs slows compute by, each worker's CPU is capped (cap_cores):
+        compute then slows by s / rank_cores (DieCast's rule when that is s), at the price of
+        coarser scheduling (docs/fidelity.md)."""
         return self.factor > self.compute * 1.01
+
+    @property
+    def cap_cores(self) -> float:
+        """What a capped worker's CPUs are multiplied by: 1/s for a fixed factor (compute slows by
+        s); for auto on CPUs, 1/compute, its share of this machine's cores: auto raised s above
+        what compute needs so that the ranks have the CPU to move their bytes at the links' rate,
+        and a cap of 1/s would take that CPU away again (each rank would move bytes at one core's
+        rate here, whatever s: docs/fidelity.md, "The CPU cap decided the collectives")."""
+        return 1.0 / (self.cap_divisor or self.factor)
+
+    @property
+    def rank_cores(self) -> float:
+        """The cores of this machine a worker CPU gives its rank in emulated time: s x its cap, 1
+        when not capped (sharing the cores already slows it by s)."""
+        return self.factor * self.cap_cores if self.cap_cpu else 1.0
 
     def to_json(self) -> dict[str, Any]:
         return {"factor": self.factor, "setting": self.setting, "compute": self.compute, "network": self.network,
-                "cap_cpu": self.cap_cpu, "reasons": list(self.reasons)}
+                "cap_cpu": self.cap_cpu, "cap_divisor": self.cap_divisor, "rank_cores": self.rank_cores,
+                "reasons": list(self.reasons)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Choice":
+        divisor = data.get("cap_divisor")
         return cls(float(data["factor"]), str(data.get("setting", "fixed")), float(data.get("compute") or 1.0),
                    None if data.get("network") is None else float(data["network"]),
-                   tuple(str(r) for r in data.get("reasons") or ()))
+                   tuple(str(r) for r in data.get("reasons") or ()),
+                   float(divisor) if isinstance(divisor, (int, float)) and divisor >= 1 else None)
+
+
+def rank_cores(dilation: dict[str, Any] | None) -> float:
+    """Choice.rank_cores of a recorded choice (a state's or a run's `dilation`); 1 when there is none
+    or it is not one (the record comes from disk)."""
+    try:
+        return Choice.from_json(dilation).rank_cores if isinstance(dilation, dict) else 1.0
+    except (KeyError, TypeError, ValueError):
+        return 1.0
 
 
 def spread(workers: list[str], ranks: int) -> list[str]:
@@ -176,7 +205,10 @@ def choose(setting: float | str | None, topo: Topology, plan: NetworkPlan, n_gpu
                            f"{'' if host_beta(topo.host_rate) is None else f' with a {HOST_MARGIN:g}x margin'}"
                            f": the network needs s >= {network:.3g}")
         s = _round_up(max(1.0, compute, network or 1.0))
-        return _with_cap_reason(Choice(s, "auto", compute, network, tuple(reasons)))
+        # on CPUs, a rank keeps its share of the cores that s was raised for (Choice.cap_cores): all
+        # ranks move bytes, phantoms too
+        return _with_cap_reason(Choice(s, "auto", compute, network, tuple(reasons),
+                                       cap_divisor=None if n_gpus else auto_factor(len(rank_workers), 0, n_cpus)))
     try:
         s = float(setting)
     except (TypeError, ValueError):
@@ -239,7 +271,9 @@ def choose_over_machines(setting: float | str | None, topo: Topology, plan: Netw
                            f"against {m.cores} core(s): the network needs s >= {need:.3g}")
             network = max(network or 1.0, need)
         s = _round_up(max(1.0, compute, network or 1.0))
-        return _with_cap_reason(Choice(s, "auto", compute, network, tuple(reasons)))
+        cpus_only = not any(m.gpus for m in ranked)
+        return _with_cap_reason(Choice(s, "auto", compute, network, tuple(reasons),
+                                       cap_divisor=compute if cpus_only else None))
     try:
         s = float(setting)
     except (TypeError, ValueError):
@@ -255,12 +289,20 @@ CPU_CAP_FLOOR = 0.001   # cores: the kernel's least CPU quota, 1 ms per 1 s peri
 def _with_cap_reason(choice: Choice) -> Choice:
     if not choice.cap_cpu:
         return choice
-    why = (f"s = {choice.factor:g} is above the {choice.compute:.3g} that sharing the CPUs gives: each worker's "
-           f"CPU is capped at 1/{choice.factor:g} of its cores so that compute slows by {choice.factor:g} too")
-    if 1 / choice.factor < CPU_CAP_FLOOR:
+    divisor = 1 / choice.cap_cores
+    if choice.rank_cores > 1.0001:
+        why = (f"s = {choice.factor:g} is above the {choice.compute:.3g} that sharing the CPUs gives, for the "
+               f"traffic: each worker's CPU is capped at 1/{divisor:.3g} of its cores, its share of this "
+               f"machine, so that its rank has {choice.rank_cores:.2f} of this machine's cores in emulated time "
+               f"to move its bytes (a cap of 1/{choice.factor:g} would leave it one core's rate here, below the "
+               f"links'); its compute then runs {choice.rank_cores:.2f}x as fast as on one core here")
+    else:
+        why = (f"s = {choice.factor:g} is above the {choice.compute:.3g} that sharing the CPUs gives: each "
+               f"worker's CPU is capped at 1/{divisor:g} of its cores so that compute slows by {choice.factor:g} too")
+    if choice.cap_cores < CPU_CAP_FLOOR:
         why += (f"; but the kernel caps a group at {CPU_CAP_FLOOR:g} core at the least, so a one-core worker's "
-                f"compute slows by {1 / CPU_CAP_FLOOR:g}, not {choice.factor:g}: it runs "
-                f"{choice.factor * CPU_CAP_FLOOR:.2f}x faster than the emulated cluster's (fewer workers, or "
+                f"compute slows by {1 / CPU_CAP_FLOOR:g}, not {divisor:g}: it runs "
+                f"{divisor * CPU_CAP_FLOOR:.2f}x faster than asked (fewer workers, or "
                 "more CPUs per worker, keep it exact)")
     return replace(choice, reasons=choice.reasons + (why,))
 
@@ -270,17 +312,19 @@ def undilate(seconds: float, s: float) -> float:
     return seconds / s
 
 
-def dilate_topology(topo: Topology, s: float, cap_cpu: bool = False) -> Topology:
+def dilate_topology(topo: Topology, s: float, cap_cpu: bool = False, cap_cores: float | None = None) -> Topology:
     """The topology the kernel builds under dilation s (the same object when s == 1).
 
-    Links run at bandwidth/s and delay*s. cap_cpu: every worker also gets 1/s of its CPUs
-    (`cpus`, one core when unset: a rank's own core, as the calibration measures it), for a
-    factor above what sharing the machine already slows compute by (Choice.cap_cpu).
+    Links run at bandwidth/s and delay*s. cap_cpu: every worker also gets cap_cores (default
+    1/s) of its CPUs (`cpus`, one core when unset: a rank's own core, as the calibration measures
+    it), for a factor above what sharing the machine already slows compute by (Choice.cap_cpu,
+    Choice.cap_cores).
     """
     if s == 1:
         return topo
     links = [replace(link, ab=dilate(link.ab, s), ba=dilate(link.ba, s)) for link in topo.links]
     nodes = topo.nodes
     if cap_cpu:
-        nodes = {name: replace(n, cpus=(n.cpus or 1.0) / s) if n.is_worker else n for name, n in nodes.items()}
+        share = cap_cores if cap_cores is not None else 1.0 / s
+        nodes = {name: replace(n, cpus=(n.cpus or 1.0) * share) if n.is_worker else n for name, n in nodes.items()}
     return replace(topo, links=links, nodes=nodes)
