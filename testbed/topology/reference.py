@@ -10,6 +10,8 @@ An algorithm is a list of phases; a phase is a set of concurrent flows
 
     alpha x messages + the slowest flow's (trips x path delay + time to move its bytes)
 
+(gloo's ring all_reduce overlaps the two: see its algorithm below).
+
 - alpha: the software cost of one message (a send and the matching receive,
   wake-ups included), calibrated on this machine with two ranks on their own
   cores (`MachineConstants`).
@@ -36,7 +38,11 @@ hash gives most often.
 Algorithms (what the backends do, from their sources):
   gloo  all_reduce: ring, reduce-scatter then all-gather, rank r sends to r-1,
         2(n-1) steps of S/n (fewer messages for fewer than 2(n-1) elements:
-        _gloo_ring_messages). all_gather: ring to r+1, n-1 steps of S/n (S is
+        _gloo_ring_messages). A step's bytes go in k segments of at most 1 MiB
+        (k >= 2, gloo_segments), two in flight: a segment's software cost
+        (alpha / 2) is paid while the other is on the wire, so a step takes
+        max(transfer + alpha/2, k alpha/2 + transfer/k), not alpha + transfer.
+        all_gather: ring to r+1, n-1 steps of S/n (S is
         the gathered size). reduce_scatter: gloo runs a full all_reduce of the
         input S. broadcast: binomial tree, ceil(log2 n) rounds of the whole S.
         all_to_all: every rank posts its n-1 sends of S/n at once. barrier:
@@ -181,6 +187,8 @@ class Phase:
     count: int = 1         # how many times the phase repeats (ring steps)
     messages: float = 1.0  # messages a rank sends per repetition (alpha is paid per message; gloo's
     #                        small all_reduce sends fewer than one per step: see _gloo_ring_messages)
+    segments: int = 0      # gloo's ring: the segments a step's bytes go in, two in flight (0: one
+    #                        message, its software cost and its transfer one after the other)
 
 
 @dataclass(frozen=True)
@@ -266,7 +274,7 @@ def phases(op: str, nbytes: float, n: int, backend: str = "gloo", root: int = 0)
             if S <= 0:
                 return []   # gloo returns at once for an empty buffer
             return [Phase(ring(-1, S / n, 2 * (n - 1)).flows, count=2 * (n - 1),
-                          messages=_gloo_ring_messages(S, n))]
+                          messages=_gloo_ring_messages(S, n), segments=gloo_segments(S, n))]
         if op == "all_gather":   # host work: copies of the whole output, whatever n (measured here)
             return [Phase(tuple(Flow(r, (r + 1) % n, S / n, S / (n - 1)) for r in range(n)), count=n - 1)]
         if op == "broadcast":
@@ -296,6 +304,17 @@ def _gloo_ring_messages(S: float, n: int) -> float:
     passes every hop of the ring in turn, so the path delays stay 2(n-1)."""
     elements = math.ceil(S / GLOO_ELEMENT_BYTES)
     return min(elements, 2 * (n - 1)) / (2 * (n - 1))
+
+
+GLOO_MAX_SEGMENT = 1 << 20   # gloo's allreduce.cc: kMaxSegmentSize
+
+
+def gloo_segments(S: float, n: int) -> int:
+    """How many segments each ring step of gloo's all_reduce sends: gloo cuts the buffer into
+    max(2n, ceil(S / 1 MiB)) segments, rounded up to a multiple of n, and a step moves one rank's
+    share of them, at least 2, with two in flight."""
+    total = max(2 * n, math.ceil(S / GLOO_MAX_SEGMENT))
+    return math.ceil(total / n)
 
 
 def _binomial_broadcast(S: float, n: int, root: int) -> list[Phase]:
@@ -412,14 +431,25 @@ def _phase_time(phase: Phase, routes: Sequence[tuple[tuple[str, str], ...]], net
             slowest, lat_of, bw_of = t, delay, moving
             if f.nbytes == 0:
                 why = "latency (empty messages)"
-            elif t_host >= t_net:
+            elif t_host >= t_net and t_host > 0:
                 why = (f"host (rank {f.src}: {sending[f.src]} flow(s) at "
                        f"{8 / (beta * sending[f.src]) / 1e9:.3g} Gbit/s of host work)")
+            elif t_net == 0:
+                why = "nothing (unshaped links, no host cost)"
             else:
                 tight = min((l for l in route if net.capacity[l] != math.inf),
                             key=lambda l: net.capacity[l], default=None)
                 why = f"link share {8 * rate / 1e9:.3g} Gbit/s" + (f" (on {_link_name(tight)})" if tight else "")
     software = alpha * phase.messages
+    if phase.segments >= 2 and phase.messages >= 1 and bw_of > 0:
+        # gloo's ring: a step's bytes go in k segments, two in flight, and one thread pays each
+        # segment's software cost (alpha / 2: alpha, measured on small messages, is a step of two).
+        # One segment's cost is paid while the other is on the wire: the step takes the wire's
+        # time and the last segment's cost, or, when the software is the slower, k costs and one
+        # segment's transfer (docs/fidelity.md, "gloo's two segments in flight")
+        k, a = phase.segments, alpha / 2
+        step = max(bw_of + a, k * a + bw_of / k)
+        return lat_of + step, lat_of + step - bw_of, bw_of, why
     return software + slowest, software + lat_of, bw_of, why
 
 
