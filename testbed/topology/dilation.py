@@ -115,10 +115,11 @@ class Choice:
     @property
     def cap_cores(self) -> float:
         """What a capped worker's CPUs are multiplied by: 1/s for a fixed factor (compute slows by
-        s); for auto on CPUs, 1/compute, its share of this machine's cores: auto raised s above
-        what compute needs so that the ranks have the CPU to move their bytes at the links' rate,
-        and a cap of 1/s would take that CPU away again (each rank would move bytes at one core's
-        rate here, whatever s: docs/fidelity.md, "The CPU cap decided the collectives")."""
+        s); for auto on CPUs, 1 / (ranks per core, phantoms too), its share of this machine's
+        cores: auto raised s above what compute needs so that the ranks have the CPU to move their
+        bytes at the links' rate, and a cap of 1/s would take that CPU away again (each rank would
+        move bytes at one core's rate here, whatever s: docs/fidelity.md, "The CPU cap decided
+        the collectives")."""
         return 1.0 / (self.cap_divisor or self.factor)
 
     @property
