@@ -36,7 +36,7 @@ import sys  # noqa: E402
 
 def main(argv: list[str]) -> int:
     import testbed.cli as cli
-    import testbed.cli.status as verb_module
+    importlib.import_module("testbed.cli.status")   # the verb's module, before the clock for parsing
     from testbed import store
 
     handle = importlib.import_module("testbed.handle")   # what the verb's body imports before its first call
