@@ -157,12 +157,14 @@ def register(app: typer.Typer) -> None:
             print(json.dumps({"run_dir": str(result.run_dir), "rc": result.rc}))
             raise typer.Exit(result.rc)
         from testbed.handle import open_testbed
+        from testbed.handle.base import RunOptions
 
         tb = open_testbed(name)
-        done = tb.run(cmd, workers=workers, nproc_per_node=nproc_per_node, master=master, port=port, timeout=timeout,
-                      env=extra, probe=not no_probe, grace=grace, real_clock=real_clock, real=real_list,
-                      record_ops=record_ops, replay=replay, job=the_job,
-                      say=lambda m: err_console.print(inert(m), highlight=False, markup=False), on_output=_show_line)
+        options = RunOptions(workers=workers, nproc_per_node=nproc_per_node, master=master, port=port, timeout=timeout,
+                             env=extra, probe=not no_probe, grace=grace, real_clock=real_clock, real=real_list,
+                             record_ops=record_ops, replay=replay, job=the_job)
+        done = tb.run(cmd, options, say=lambda m: err_console.print(inert(m), highlight=False, markup=False),
+                      on_output=_show_line)
         from testbed.report import report as make_report
         from testbed.report import tell_verdict
 

@@ -19,6 +19,24 @@ class RunDone:
 
 
 @dataclass(frozen=True)
+class RunOptions:
+    """What `testbed run` asks for besides its command (its options; testbed.jobs.run.run says each)."""
+    workers: str = "all"                 # "all" or a comma list of workers
+    nproc_per_node: int = 1
+    master: str | None = None
+    port: int | None = None
+    timeout: float | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    probe: bool = True
+    grace: float = 5.0
+    real_clock: bool = False
+    real: list[str] | None = None        # --real: the workers whose ranks run; the others are phantoms
+    record_ops: bool = False
+    replay: str | None = None
+    job: Any = None                      # a job of groups (testbed.jobs.groups): one host only
+
+
+@dataclass(frozen=True)
 class Note:
     """What a host said besides its answer: why it failed (failed), or a remark; host None: here."""
     host: str | None
@@ -154,11 +172,7 @@ class Testbed(ABC):
         the exit status. Spread: streamed through the controller's SSH connections."""
 
     @abstractmethod
-    def run(self, cmd: list[str], *, workers: str = "all", nproc_per_node: int = 1, master: str | None = None,
-            port: int | None = None, timeout: float | None = None, env: dict[str, str] | None = None,
-            probe: bool = True, grace: float = 5.0, real_clock: bool = False, real: list[str] | None = None,
-            record_ops: bool = False, replay: str | None = None, job: Any = None,
-            say: Callable[[str], None] = lambda _m: None,
+    def run(self, cmd: list[str], options: RunOptions = RunOptions(), *, say: Callable[[str], None] = lambda _m: None,
             on_output: Callable[[str, str], None] | None = None) -> RunDone:
         """`testbed run`: cmd on the workers the torchrun way (or a job of groups: one host only),
         measured; say() what it does, on_output(host, line) a rank's line from a host (spread)."""

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from testbed.errors import TestbedError
-from testbed.handle.base import Note, RunDone, Testbed
+from testbed.handle.base import Note, RunDone, RunOptions, Testbed
 
 _DONE = object()
 
@@ -216,11 +216,7 @@ class HostsTestbed(Testbed):
         got = stacks.merge_hosts(by_host, placement)
         return [s for s in got if workers is None or s.worker in workers], failed
 
-    def run(self, cmd: list[str], *, workers: str = "all", nproc_per_node: int = 1, master: str | None = None,
-            port: int | None = None, timeout: float | None = None, env: dict[str, str] | None = None,
-            probe: bool = True, grace: float = 5.0, real_clock: bool = False, real: list[str] | None = None,
-            record_ops: bool = False, replay: str | None = None, job: Any = None,
-            say: Callable[[str], None] = lambda _m: None,
+    def run(self, cmd: list[str], options: RunOptions = RunOptions(), *, say: Callable[[str], None] = lambda _m: None,
             on_output: Callable[[str, str], None] | None = None) -> RunDone:
         """Every host runs its workers' ranks (`testbed run --this-host-only` there, the same master and
         port); their run directories come back here, merged, one run (testbed.cluster.controller)."""
@@ -230,22 +226,23 @@ class HostsTestbed(Testbed):
         from testbed.jobs.groups import is_job_file
         from testbed.jobs.run import RunError
 
-        if job is not None or is_job_file(cmd):
+        o = options
+        if o.job is not None or is_job_file(cmd):
             raise RunError(f"testbed {self.name} spans several hosts: groups run on a testbed of one host only")
-        if replay and cmd:
+        if o.replay and cmd:
             raise RunError("--replay runs no command: give either a command or --replay")
-        if not cmd and not replay:
+        if not cmd and not o.replay:
             raise RunError("nothing to run: give a command after --")
-        if replay and (real is not None or record_ops):
+        if o.replay and (o.real is not None or o.record_ops):
             raise RunError("--replay plays a recorded run to phantoms only: no --real, no --record-ops")
-        if (real is not None or record_ops) and not probe:
+        if (o.real is not None or o.record_ops) and not o.probe:
             raise RunError("--real and --record-ops need the probe (it announces and records the collectives): "
                            "drop --no-probe")
-        chosen = None if workers == "all" else [w.strip() for w in workers.split(",") if w.strip()]
-        result = hosts_job.run_job(self.name, cmd, workers=chosen, nproc_per_node=nproc_per_node, port=port,
-                                    timeout=timeout, env=env or {}, probe=probe, real_clock=real_clock, grace=grace,
-                                    progress=say, on_output=on_output, real=real, record_ops=record_ops,
-                                    replay=replay)
+        chosen = None if o.workers == "all" else [w.strip() for w in o.workers.split(",") if w.strip()]
+        result = hosts_job.run_job(self.name, cmd, workers=chosen, nproc_per_node=o.nproc_per_node, port=o.port,
+                                    timeout=o.timeout, env=dict(o.env), probe=o.probe, real_clock=o.real_clock,
+                                    grace=o.grace, progress=say, on_output=on_output, real=o.real,
+                                    record_ops=o.record_ops, replay=o.replay)
         return RunDone(Path(result["run_dir"]), int(result["rc"]), None, dict(result.get("problems") or {}))
 
     def top(self, interval: float, runs: str | None, live: bool = False) -> Any:

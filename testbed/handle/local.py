@@ -7,7 +7,7 @@ from typing import Any
 
 from testbed.agent import ops
 from testbed.errors import TestbedError
-from testbed.handle.base import Note, RunDone, Testbed
+from testbed.handle.base import Note, RunDone, RunOptions, Testbed
 
 
 class LocalTestbed(Testbed):
@@ -142,21 +142,19 @@ class LocalTestbed(Testbed):
 
         return LocalSource(self.name)
 
-    def run(self, cmd: list[str], *, workers: str = "all", nproc_per_node: int = 1, master: str | None = None,
-            port: int | None = None, timeout: float | None = None, env: dict[str, str] | None = None,
-            probe: bool = True, grace: float = 5.0, real_clock: bool = False, real: list[str] | None = None,
-            record_ops: bool = False, replay: str | None = None, job: Any = None,
-            say: Callable[[str], None] = lambda _m: None,
+    def run(self, cmd: list[str], options: RunOptions = RunOptions(), *, say: Callable[[str], None] = lambda _m: None,
             on_output: Callable[[str, str], None] | None = None) -> RunDone:
         from testbed.jobs import calibration
         from testbed.jobs.run import cluster_from_state
         from testbed.jobs.run import run as run_job
 
+        o = options
         cluster = cluster_from_state(self.name)
         machine = calibration.constants_or_none(progress=say)
-        result = run_job(cluster, cmd, workers=workers, nproc_per_node=nproc_per_node, master=master, port=port,
-                         timeout=timeout, env=env or {}, probe=probe, grace=grace, machine=machine,
-                         emulated_clock=not real_clock, real=real, record_ops=record_ops, replay=replay, job=job)
+        result = run_job(cluster, cmd, workers=o.workers, nproc_per_node=o.nproc_per_node, master=o.master,
+                         port=o.port, timeout=o.timeout, env=dict(o.env), probe=o.probe, grace=o.grace,
+                         machine=machine, emulated_clock=not o.real_clock, real=o.real, record_ops=o.record_ops,
+                         replay=o.replay, job=o.job)
         return RunDone(result.run_dir, result.rc, result.summary)
 
     def top(self, interval: float, runs: str | None, live: bool = False) -> Any:
