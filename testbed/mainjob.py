@@ -140,17 +140,13 @@ def step_compute(run_dir: Path, s: float) -> dict[str, float] | None:
             "ranks": len(per_rank), "steps": len(steps), "rank_cores": cores}
 
 
-RANK_CORES_MAX = 1000.0
-
-
 def run_cores(run_dir: Path) -> float:
-    """The cores of this machine each rank had in emulated time (Choice.rank_cores), as the run
-    recorded it: 1 when it did not, or when the record is not a sane number (it is read from disk)."""
+    """The cores of this machine each rank of the run had in emulated time (verdict.recorded_rank_cores)."""
     from testbed.jobs import rundir
+    from testbed.report.verdict import recorded_rank_cores
 
-    dil = (rundir.read_json(Path(run_dir) / "summary.json") or {}).get("time_dilation")
-    v = dil.get("rank_cores") if isinstance(dil, dict) else None
-    return float(v) if _finite(v) and 1.0 <= v <= RANK_CORES_MAX else 1.0
+    summary = rundir.read_json(Path(run_dir) / "summary.json")
+    return recorded_rank_cores(summary if isinstance(summary, dict) else {})
 
 
 def compute_line(c: dict[str, float]) -> str:

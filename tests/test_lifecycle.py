@@ -292,3 +292,33 @@ def test_down_all(root, state_dir):
     r = cli("down", "--all")
     assert r.returncode == 0, r.stderr
     assert lifecycle.list_testbeds() == []
+
+
+def test_auto_caps_each_worker_at_its_share_of_the_cores(root, state_dir, tb_name):
+    """`up` at auto, where the traffic needs more dilation than compute: the quota the kernel enforces
+    on each worker is its share of the cores (cores / ranks), not 1/s (dilation.Choice.cap_cores)."""
+    from testbed.runtime import cgroups
+    from testbed.topology.dilation import auto_factor
+    from testbed.topology.reference import MachineConstants
+
+    slow_host = MachineConstants(alpha_s=100e-6, beta_s_per_byte=8 / 2e9)   # 2 Gbit/s per rank: s above compute
+    topo = load_topology_text("name: s\ngenerator: star\nparams: {n: 4}\ntiers:\n  host: {bandwidth: 10gbit}\n")
+    lifecycle.up(topo, tb_name, time_dilation="auto", machine=slow_host)
+    try:
+        st = store.load(tb_name)
+        dil = st["dilation"]
+        share = 1 / auto_factor(4, 0, lifecycle.cores())
+        assert dil["cap_cpu"] and dil["factor"] > dil["compute"] * 1.01, dil
+        assert dil["rank_cores"] == pytest.approx(dil["factor"] * share), dil
+        rec = st["runtime"]["workers"]["w0"]
+        quota, period = cgroups.cfs(share)
+        v1 = [Path(p) / "cpu.cfs_quota_us" for p in rec["cgroups"] if (Path(p) / "cpu.cfs_quota_us").exists()]
+        v2 = [Path(p) / "cpu.max" for p in rec["cgroups"] if (Path(p) / "cpu.max").exists()]
+        if v1:
+            assert int(v1[0].read_text()) == quota
+        else:
+            assert v2[0].read_text().split() == [str(quota), str(period)]
+        assert cgroups.cfs(share) != cgroups.cfs(1 / dil["factor"])   # not DieCast's 1/s
+    finally:
+        lifecycle.down(tb_name)
+    assert_nothing_left(tb_name, state_dir)

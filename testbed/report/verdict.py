@@ -589,7 +589,7 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
     cpu = cpu_check(monitor, s, _active_window(probe), _recording(summary, int(summary.get("world_size") or 1)),
                     _devices(summary, monitor),
                     capped=bool((summary.get("time_dilation") or {}).get("cap_cpu") or summary.get("real_cpu_cap")),
-                    rank_cores=_rank_cores(summary))
+                    rank_cores=recorded_rank_cores(summary))
     checks.append(cpu)
     ph = phantom_check(summary, rows, s)
     if ph is not None:
@@ -719,9 +719,17 @@ def _class_check(r: ClassRow) -> Check:
     return Check("model", True, what)
 
 
-def _rank_cores(summary: dict[str, Any]) -> float:
-    v = (summary.get("time_dilation") or {}).get("rank_cores")
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 1 <= v <= 1000 else 1.0
+RANK_CORES_MAX = 1000.0
+
+
+def recorded_rank_cores(summary: dict[str, Any]) -> float:
+    """The cores of this machine each rank had in emulated time (dilation.Choice.rank_cores), as the
+    run's summary recorded it: 1 when it did not, or when the record is not a sane number (it comes
+    from disk)."""
+    dil = summary.get("time_dilation")
+    v = dil.get("rank_cores") if isinstance(dil, dict) else None
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 1 <= v <= RANK_CORES_MAX
+    return float(v) if ok else 1.0
 
 
 def _devices(summary: dict[str, Any], monitor: dict[str, Any]) -> int | None:
