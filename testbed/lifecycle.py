@@ -794,8 +794,7 @@ def list_testbeds() -> list[dict[str, Any]]:
 
 def status(name: str) -> dict[str, Any]:
     """The `testbed status --json` document."""
-    st = store.load(name)
-    topo = Topology.from_json(st["topology"])
+    st, topo = store.load_with_topology(name)
     plan = st.get("plan", {})
     addrs: dict[str, list[str]] = {n: [] for n in topo.nodes}
     for sw, sub in plan.get("subnets", {}).items():

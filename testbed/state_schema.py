@@ -39,7 +39,8 @@ pydantic-core plus one realpath per file path: for a k=8 fat-tree (128 workers) 
 hand-written checks this replaced took.
 
 `check(data, name, directory)` returns the problems found ([] when the state is valid) as
-(dotted field, why, value); the store turns the first into its StateError.
+(dotted field, why, value); the store turns the first into its StateError. `checked` also gives
+the Topology the snapshot was checked as.
 """
 
 import os
@@ -361,7 +362,7 @@ class TopologySnapshot(_Record):
     name: StrictStr
     source: StrictStr | None = None
     generator: StrictStr | None = None
-    params: dict[str, Any] = {}
+    params: dict[str, Any] = Field(default_factory=dict)
     runtime: Literal["netns", "docker"] | None = None
     time_dilation: Any = None                 # a factor >= 1, "auto", "none" or null (Topology.validate)
     gpu_policy: StrictStr = "round-robin"
@@ -402,7 +403,7 @@ class WorkerRecord(_Record):
     runtime: Literal["netns", "docker", "bare"] | None = None
     pid: Pid | None = None
     starttime: Ticks | None = None
-    cgroups: list[CgroupDir] = []
+    cgroups: list[CgroupDir] = Field(default_factory=list)
     dir: AbsolutePath | None = None
     log_dir: AbsolutePath | None = None
     share_ipc: StrictBool | None = None
@@ -496,10 +497,10 @@ class Resources(_Record):
     """What `up` makes outside the workers' records: namespaces (listed before they are made)
     and the delay-line helpers."""
 
-    switch_netns: list[SwitchNetns] = []
-    worker_netns: list[WorkerNetns] = []
-    cut_netns: list[CutNetns] = []   # over several hosts, without netem: the delayed cut links' own
-    delay_lines: list[DelayLine] = []
+    switch_netns: list[SwitchNetns] = Field(default_factory=list)
+    worker_netns: list[WorkerNetns] = Field(default_factory=list)
+    cut_netns: list[CutNetns] = Field(default_factory=list)   # over several hosts, without netem: the delayed cut links' own
+    delay_lines: list[DelayLine] = Field(default_factory=list)
 
 
 class MpsDaemon(_Record):
@@ -523,8 +524,8 @@ class MpsDaemon(_Record):
 class GpuRecord(_Record):
     policy: Literal["round-robin", "packed"] = "round-robin"
     mps: StrictBool = False
-    devices: list[dict[str, Any]] = []
-    assignment: dict[str, Any] = {}
+    devices: list[dict[str, Any]] = Field(default_factory=list)
+    assignment: dict[str, Any] = Field(default_factory=dict)
     mps_daemon: MpsDaemon | None = None
 
 
@@ -542,7 +543,7 @@ class LinkRecord(_Record):
     kind: Literal["access", "fabric", "direct"]
     ifnames: Annotated[list[IfName], Field(min_length=2, max_length=2)]
     state: Literal["up", "down"] = "up"
-    down_by: list[StrictStr] = []
+    down_by: list[StrictStr] = Field(default_factory=list)
     profile: LinkPair | None = None
 
 
@@ -565,8 +566,8 @@ class FaultLogEntry(_Record):
 
 
 class Faults(_Record):
-    nodes: dict[NodeKey, NodeFault] = {}
-    log: list[FaultLogEntry] = []
+    nodes: dict[NodeKey, NodeFault] = Field(default_factory=dict)
+    log: list[FaultLogEntry] = Field(default_factory=list)
     partition: Partition | None = None
 
     @model_validator(mode="after")
@@ -594,8 +595,8 @@ class PartRecord(_Record):
 
     host: Annotated[StrictStr, Field(min_length=1)]
     nodes: list[NodeKey]
-    tunnels: list[dict[str, Any]] = []
-    underlay_s: dict[Annotated[StrictStr, AfterValidator(_link_index_key)], Annotated[float, Field(ge=0, lt=10)]] = {}
+    tunnels: list[dict[str, Any]] = Field(default_factory=list)
+    underlay_s: dict[Annotated[StrictStr, AfterValidator(_link_index_key)], Annotated[float, Field(ge=0, lt=10)]] = Field(default_factory=dict)
 
 
 class Leftover(_Record):
@@ -622,14 +623,14 @@ class StateDocument(_Record):
     plan: dict[str, Any] | None = None
     capabilities: dict[str, Any] | None = None
     latency_floor_s: Number | None = None
-    no_delay_element: list[dict[str, Any]] = []
+    no_delay_element: list[dict[str, Any]] = Field(default_factory=list)
     delay_threshold_s: Number | None = None
     runtime: RuntimeRecord
     links: list[LinkRecord]
     resources: Resources
-    timings: dict[str, Any] = {}
+    timings: dict[str, Any] = Field(default_factory=dict)
     faults: Faults | None = None
-    leftovers: list[Leftover] = []
+    leftovers: list[Leftover] = Field(default_factory=list)
     part: PartRecord | None = None       # one host's part of a testbed over several hosts
 
     @field_validator("schema_version")
@@ -738,10 +739,18 @@ def problems(exc: ValidationError) -> list[tuple[str, str, Any]]:
 
 def check(data: Any, name: str, directory: str | os.PathLike[str]) -> list[tuple[str, str, Any]]:
     """The problems of `data` as the state of testbed `name` kept in `directory` ([]: it is valid)."""
+    return checked(data, name, directory)[0]
+
+
+def checked(data: Any, name: str, directory: str | os.PathLike[str]
+            ) -> tuple[list[tuple[str, str, Any]], Topology | None]:
+    """check(), and the topology the snapshot was checked as (None unless the state is valid): a
+    reader that needs it does not parse a k=16 topology a second time."""
     if not names.valid_testbed_name(name):
-        return [("name", "not a testbed name", name)]
+        return [("name", "not a testbed name", name)], None
+    ctx = StateContext.of(name, directory)
     try:
-        StateDocument.model_validate(data, context=StateContext.of(name, directory))
+        StateDocument.model_validate(data, context=ctx)
     except ValidationError as exc:
-        return problems(exc) or [("(the document)", str(exc), data)]
-    return []
+        return problems(exc) or [("(the document)", str(exc), data)], None
+    return [], ctx.topology

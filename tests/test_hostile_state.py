@@ -144,6 +144,9 @@ def test_truncated_and_symlinked_states(canaries, state_dir, tmp_path):
     sf.write_text(good[: len(good) // 2])
     with pytest.raises(StateError, match="corrupt"):
         lifecycle.down(name)
+    sf.write_text("[" * 100_000)   # deeper than any JSON parser recurses: an error of ours, not a crash
+    with pytest.raises(StateError, match="corrupt"):
+        lifecycle.down(name)
     # the state directory replaced by a link to a copy elsewhere: not followed
     sf.write_text(good)
     elsewhere = tmp_path / "elsewhere"

@@ -189,6 +189,20 @@ def test_synthetic_states_validate(tbdir, runtime):
     assert check(synthetic_state(tbdir, runtime=runtime), NAME, tbdir) == []
 
 
+def test_checked_gives_the_topology_only_of_a_valid_state(tbdir):
+    """`store.load_with_topology` (status at k=16) reuses the check's own parse of the topology."""
+    from testbed.state_schema import checked
+    from testbed.topology.model import Topology
+
+    good = synthetic_state(tbdir)
+    found, topo = checked(good, NAME, tbdir)
+    assert found == [] and topo == Topology.from_json(good["topology"]).validate()
+    bad = copy.deepcopy(good)
+    bad["runtime"]["workers"]["w0"]["pid"] = True
+    found, topo = checked(bad, NAME, tbdir)
+    assert [f for f, _, _ in found] == ["runtime.workers.w0.pid"] and topo is None
+
+
 def test_a_state_being_built_validates(tbdir):
     """The first state `up` saves: workers known by their namespace only, no delay line, no MPS."""
     st_ = synthetic_state(tbdir, runtime="netns")
