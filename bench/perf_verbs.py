@@ -11,7 +11,8 @@ the output) and the CPU it and its reaped children used. Per size, repeat and di
 (--time-dilation, default `auto,none`: the default a user gets, and real time as Mininet runs):
 `up fat-tree --set params.k=K --time-dilation D`, then `status --json`, `ls`, `link show`, `link
 set` (a bandwidth change on w0's link) and `link reset` (each --repeats times), then `down`;
-`--help` alone first. On a kernel without sch_netem, `auto` gives every link whose dilated delay
+`--help` alone first. A setting D+no-netem (`auto+no-netem`) brings its testbeds up with
+TESTBED_WITHOUT=netem: the no-netem column on a kernel that has netem. On a kernel without sch_netem, `auto` gives every link whose dilated delay
 passes the machine's floor a delay line (userspace engines): the page states the kernel's
 capabilities and, per size and setting, how many delay lines and engines `up` made. Where
 up's time goes comes from the state file's `timings` (lifecycle's phases); the rest of the
@@ -272,13 +273,15 @@ class Sweep:
         name = f"perf{k}-{os.urandom(2).hex()}"
         mark = {"warmup": True, "dilation": dilation} if warmup else {"dilation": dilation}
         limit = self.args.timeout_per_size
+        setting = dilation.removesuffix(NO_NETEM)
+        env = {**self.env, "TESTBED_WITHOUT": "netem"} if setting != dilation else self.env
         mem0 = _meminfo()
         up: dict[str, Any] = {}
         try:
             up = self.row(tool="testbed", k=k, verb="up", repeat=r, name=name, **mark,
                           **run_timed(self.tb("up", "fat-tree", "--name", name, "--set", f"params.k={k}",
-                                              "--time-dilation", dilation),
-                                      self.env, limit))
+                                              "--time-dilation", setting),
+                                      env, limit))
             if up["rc"] != 0:
                 return up
             mem1 = _meminfo()
@@ -289,7 +292,7 @@ class Sweep:
             lines = (state.get("resources") or {}).get("delay_lines") or []
             up["delay_lines"] = len(lines)
             up["engines"] = len({(d.get("pid"), d.get("start")) for d in lines})
-            if state.get("capabilities") and "capabilities" not in self.doc["machine"]:
+            if state.get("capabilities") and "capabilities" not in self.doc["machine"] and env is self.env:
                 self.doc["machine"]["capabilities"] = state["capabilities"]
                 self.doc["machine"]["delay_threshold_s"] = state.get("delay_threshold_s")
             if not warmup:
@@ -299,9 +302,9 @@ class Sweep:
                 for label, argv in LIGHT_VERBS:
                     for i in range(self.args.repeats):
                         self.row(tool="testbed", k=k, verb=label, repeat=r * self.args.repeats + i,
-                                 dilation=dilation, **run_timed(self.tb(*(a.format(name=name) for a in argv)), self.env, limit))
+                                 dilation=dilation, **run_timed(self.tb(*(a.format(name=name) for a in argv)), env, limit))
             down = self.row(tool="testbed", k=k, verb="down", repeat=r, name=name, **mark,
-                            **run_timed(self.tb("down", name), self.env, limit))
+                            **run_timed(self.tb("down", name), env, limit))
             if not warmup and down["rc"] == 0:
                 up["memory"]["after_down"] = _meminfo()
             return up
@@ -732,7 +735,7 @@ def up_facts(doc: dict[str, Any], k: int, dilation: str) -> str:
            and not r.get("warmup") and not r.get("error") and dilation_of(doc, r) == dilation]
     factors = sorted({f"{r['time_dilation']:g}" for r in ups if isinstance(r.get("time_dilation"), (int, float))})
     lines = sorted({(r["delay_lines"], r.get("engines", 0)) for r in ups if r.get("delay_lines") is not None})
-    out = f"{dilation}" + (f" (s = {', '.join(factors)})" if factors and dilation == "auto" else "")
+    out = f"{dilation}" + (f" (s = {', '.join(factors)})" if factors and dilation.startswith("auto") else "")
     if lines:
         out += "; " + ", ".join(f"{n} delay line(s) in {e} engine(s)" if n else "no delay line" for n, e in lines)
     return out
@@ -997,7 +1000,9 @@ METHOD = (
      "tier, the netns runtime), for each setting D of `--time-dilation` (default `auto,none`). `auto` is what "
      "a user gets: it uses this boot's calibration when there is one (/run/testbed/.calibration.json, outside "
      "the private root), and the page's dilation column says what it chose. The capability probe is cached "
-     "per state root, so the warm-up `up` pays what the first `up` of a boot pays for it."),
+     "per state root, so the warm-up `up` pays what the first `up` of a boot pays for it. A setting D+no-netem "
+     "(e.g. `auto+no-netem`) runs `up` with `TESTBED_WITHOUT=netem`: on a kernel with sch_netem, every delayed "
+     "link then takes the delay line, as on a kernel without it (on one without, it is the same as D)."),
     ("Alternation: for each size and repeat, testbed's cycle runs once per dilation setting, then Mininet's, "
      "so a slow drift of the machine hits all of them."),
     ("Mininet: `bench/mininet_fattree.py` under Debian's python3 builds `Mininet(topo=FatTree(k), "
@@ -1176,19 +1181,23 @@ def parse_sizes(text: str) -> list[int]:
     return ks
 
 
+NO_NETEM = "+no-netem"   # a setting's suffix: its testbeds come up with TESTBED_WITHOUT=netem
+
+
 def parse_dilations(text: str) -> list[str]:
     out = []
     for x in (x.strip() for x in text.split(",") if x.strip()):
+        x, flag = (x[:-len(NO_NETEM)], NO_NETEM) if x.endswith(NO_NETEM) else (x, "")
         if x not in ("auto", "none"):
             try:
                 f = float(x)
             except ValueError:
                 f = math.nan
             if not (math.isfinite(f) and f >= 1):
-                raise argparse.ArgumentTypeError(f"--time-dilation: auto, none or a finite factor >= 1, "
-                                                 f"comma-separated (got {x!r} in {text!r})")
+                raise argparse.ArgumentTypeError(f"--time-dilation: auto, none or a finite factor >= 1, each "
+                                                 f"optionally with {NO_NETEM}, comma-separated (got {x!r} in {text!r})")
             x = f"{f:g}"
-        out.append(x)
+        out.append(x + flag)
     if not out or len(set(out)) != len(out):
         raise argparse.ArgumentTypeError(f"--time-dilation: one or more distinct settings (got {text!r})")
     return out

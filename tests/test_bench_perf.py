@@ -120,7 +120,9 @@ def test_dilation_flag():
     assert pv.parse_dilations("auto,none") == ["auto", "none"]
     assert pv.parse_dilations("8") == ["8"]
     assert pv.parse_dilations("8.0,auto") == ["8", "auto"]
-    for bad in ("", "auto,auto", "fast", "0.5", "nan", "inf", "1e309", "8,8.0"):
+    assert pv.parse_dilations("auto,auto+no-netem,8.0+no-netem") == ["auto", "auto+no-netem", "8+no-netem"]
+    for bad in ("", "auto,auto", "fast", "0.5", "nan", "inf", "1e309", "8,8.0", "+no-netem", "auto+netem",
+                "auto+no-netem,auto+no-netem"):
         with pytest.raises(argparse.ArgumentTypeError):
             pv.parse_dilations(bad)
 

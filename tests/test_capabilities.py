@@ -103,3 +103,27 @@ def test_an_unchanged_probe_leaves_the_boot_cache_alone(tmp_path, monkeypatch):
     capabilities.probe()
     assert cache.stat().st_ino != before
     assert json.loads(cache.read_text())["cgroup"] == "a mode not seen before"
+
+
+def test_without_turns_features_off_and_says_so():
+    """TESTBED_WITHOUT: a kernel that has a feature runs the paths of one that lacks it."""
+    caps = capmod.Capabilities(netem=True, htb=True, tun=True, bpf=True, notes={"gact_random": "not built"})
+    assert capmod.without(caps, "") is caps and capmod.without(caps, " , ") is caps
+    off = capmod.without(caps, "netem, bpf")
+    assert (off.netem, off.bpf, off.tun, off.htb) == (False, False, True, True)
+    assert off.notes["netem"] == "turned off by TESTBED_WITHOUT=netem, bpf"
+    assert off.notes["gact_random"] == "not built"
+    assert (caps.netem, caps.bpf) == (True, True) and "netem" not in caps.notes   # the probe's answer stays
+    assert off.can_delay and off.delay_line and not off.can_lose
+    assert dict((n, w) for n, _, w in off.rows())["netem"].startswith("turned off by TESTBED_WITHOUT")
+    lacking = capmod.without(capmod.Capabilities(netem=False), "netem")
+    assert lacking.notes["netem"].endswith("(the kernel lacks it too)")
+
+
+@pytest.mark.parametrize("text", ["netm", "netem,htb", "root", "docker"])
+def test_without_refuses_what_it_cannot_turn_off(text):
+    from testbed.errors import CapabilityError
+
+    with pytest.raises(CapabilityError) as err:
+        capmod.without(capmod.Capabilities(netem=True, htb=True), text)
+    assert f"TESTBED_WITHOUT={text!r}" in str(err.value) and "one of: netem" in str(err.value)

@@ -294,6 +294,31 @@ def test_down_all(root, state_dir):
     assert lifecycle.list_testbeds() == []
 
 
+DELAYED = "name: s\ngenerator: star\nparams: {n: 2}\ntiers:\n  host: {bandwidth: 1gbit, delay: 5ms}\n"
+
+
+def test_without_netem_every_delayed_link_gets_a_delay_line(root, state_dir, tb_name, monkeypatch):
+    """TESTBED_WITHOUT=netem: on a kernel with netem too, delays go on delay lines (CI's VM has netem)."""
+    monkeypatch.setenv("TESTBED_WITHOUT", "netem")
+    lifecycle.up(load_topology_text(DELAYED), tb_name, time_dilation="none")
+    try:
+        st = store.load(tb_name)
+        assert st["capabilities"]["netem"] is False and "TESTBED_WITHOUT" in st["capabilities"]["notes"]["netem"]
+        assert len(st["resources"]["delay_lines"]) == 2, st["resources"]
+    finally:
+        lifecycle.down(tb_name)
+    assert_nothing_left(tb_name, state_dir)
+
+
+def test_without_netem_and_tun_a_delay_is_refused_before_anything_is_made(root, state_dir, tb_name, monkeypatch):
+    from testbed.errors import CapabilityError
+
+    monkeypatch.setenv("TESTBED_WITHOUT", "netem,tun")
+    with pytest.raises(CapabilityError, match="(?s)delay 5ms needs.*turned off by TESTBED_WITHOUT=netem,tun"):
+        lifecycle.up(load_topology_text(DELAYED), tb_name, time_dilation="none")
+    assert_nothing_left(tb_name, state_dir)
+
+
 def test_auto_caps_each_worker_at_its_share_of_the_cores(root, state_dir, tb_name):
     """`up` at auto, where the traffic needs more dilation than compute: the quota the kernel enforces
     on each worker is its share of the cores (cores / ranks), not 1/s (dilation.Choice.cap_cores)."""

@@ -21,11 +21,12 @@ import socket
 import statistics
 import subprocess
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from testbed import procs
+from testbed.errors import CapabilityError
 from testbed.net.netns import run_in_netns  # noqa: F401  (also used by delayline)
 
 # -- the result ------------------------------------------------------------------
@@ -76,7 +77,7 @@ class Capabilities:
         floor = ("not measured" if self.latency_floor_s is None
                  else f"{self.latency_floor_s * 1e6:.0f} us one-way")
         gpu_text = (", ".join(self.gpus) if self.gpus else "no NVIDIA GPU (nvidia-smi -L found none): CPU/gloo only")
-        return [
+        rows = [
             ("root", self.is_root, "namespaces and tc need root: run with sudo"),
             ("htb", self.htb, "link bandwidth (sch_htb; CONFIG_NET_SCH_HTB)"),
             ("netem", self.netem,
@@ -95,6 +96,8 @@ class Capabilities:
             ("latency_floor", self.latency_floor_s is not None,
              f"{floor}: delays at or below it get no delay element"),
         ]
+        return [(name, found, self.notes[name] if not found and name in self.notes
+                 and self.notes[name].startswith("turned off by") else what) for name, found, what in rows]
 
 
 _CACHE: Capabilities | None = None
@@ -124,7 +127,31 @@ def probe(measure_floor: bool = True, refresh: bool = False) -> Capabilities:
         # failed (a loaded machine) and must not be believed for the rest of the boot.
         if _CACHE.is_root and _CACHE.htb and "kernel" not in _CACHE.notes:
             _save_boot_cache(_CACHE)
-        return _CACHE
+        return without(_CACHE, os.environ.get(WITHOUT_VAR, ""))
+
+
+# What a user may ask testbed to do without (WITHOUT_VAR="netem,bpf"): the kernel features that have a
+# fallback or a refusal of their own, so that a machine whose kernel has them can run, test and time
+# the paths of one that does not (`TESTBED_WITHOUT=netem`: every delayed link on a delay line).
+WITHOUT_VAR = "TESTBED_WITHOUT"
+OPTIONAL = ("netem", "bpf", "gact_random", "tbf", "ifb", "nftables", "tun")
+
+
+def without(caps: Capabilities, text: str) -> Capabilities:
+    """caps with the features named in `text` (comma-separated, from WITHOUT_VAR) turned off, each with
+    a note saying so; caps itself when it names none. The probe's own answers (and its cache on disk)
+    are not changed."""
+    wanted = [w.strip() for w in text.split(",") if w.strip()]
+    if not wanted:
+        return caps
+    unknown = [w for w in wanted if w not in OPTIONAL]
+    if unknown:
+        raise CapabilityError(f"{WITHOUT_VAR}={text!r}: {', '.join(map(repr, unknown))} is not a kernel feature "
+                              f"testbed can do without (one of: {', '.join(OPTIONAL)})")
+    notes = dict(caps.notes)
+    for w in wanted:
+        notes[w] = f"turned off by {WITHOUT_VAR}={text}" + ("" if getattr(caps, w) else " (the kernel lacks it too)")
+    return replace(caps, **{w: False for w in wanted}, notes=notes, gpus=list(caps.gpus))
 
 
 def boot_id() -> str:
