@@ -10,7 +10,9 @@ give:
          kernel's TCP path through veths and bridges).
 
 They come from a dedicated two-rank measurement: a 2-worker star with
-unshaped, undelayed links (the netns runtime), two gloo ranks running
+unshaped, undelayed links (the netns runtime), two gloo ranks, each pinned to
+a core of its own (the cost beta stands for; unpinned, a calibration sometimes
+ran both on one core and measured 1.6x the cost), running
 testbed/jobs/collectives_bench.py over every collective at 4 KiB, 16 MiB and
 64 MiB, three repetitions each (medians). For each collective, beta is the
 slope between the two large sizes (fixed costs cancel) and alpha what the
@@ -373,7 +375,10 @@ def _measure_once(busy: float, progress: Callable[[str], None] | None) -> Calibr
                               "  host: {bandwidth: null, delay: 0s}\n", "<calibration>")
     with lifecycle.running(topo, name, runtime="netns", time_dilation=1):
         out = paths.directory(name) / "runs" / "calibration.json"   # the one folder workers may write
-        cmd = [sys.executable, "-m", "testbed.jobs.collectives_bench", "--ops", ",".join(OPS),
+        # --pin-cpu: each rank on a core of its own, the cost the model's beta is. Unpinned, the scheduler
+        # now and then ran both ranks on one core for a whole calibration, and beta came out 1.6x as high
+        # (0.70-0.89 against 1.22-1.36 ns/B here; docs/fidelity.md, "Two modes of the calibration").
+        cmd = [sys.executable, "-m", "testbed.jobs.collectives_bench", "--pin-cpu", "--ops", ",".join(OPS),
                "--sizes", ",".join(str(x) for x in (SMALL, *LARGE)), "--budget", "0.15", "--min-iters", "3",
                "--max-iters", "300", "--repeat", str(REPEATS), "--json", str(out)]
         with _Watch(name) as watch:

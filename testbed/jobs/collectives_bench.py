@@ -18,6 +18,8 @@ buffer of all_to_all; send_recv sends S from rank 0 to rank 1 (other ranks idle)
 The number of timed calls adapts so that each size takes about --budget
 seconds (at least --min-iters, at most --max-iters); --repeat R measures each
 size R times (JSON: every repetition in "times_s", their median in "time_s").
+--pin-cpu puts rank r on the r-th CPU this process may use (all its threads), so that
+every rank has a core of its own, as the calibration measures.
 """
 
 from __future__ import annotations
@@ -79,6 +81,18 @@ def make_call(op: str, nbytes: int, rank: int, n: int, device):
     raise SystemExit(f"unknown collective {op!r}; known: {', '.join(OPS)}")
 
 
+def pin_to_own_cpu(rank: int) -> int:
+    """Run every thread of this process on one CPU, the rank-th of those it may use (mod their number)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    cpu = cpus[rank % len(cpus)]
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {cpu})
+        except (ProcessLookupError, ValueError):
+            pass   # a thread that ended meanwhile
+    return cpu
+
+
 def slowest(x: float, device) -> float:
     t = torch.tensor([x], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -96,9 +110,13 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1, help="measure each size this many times")
     ap.add_argument("--backend", default=None)
     ap.add_argument("--json", default=None, help="rank 0 writes the results here")
+    ap.add_argument("--pin-cpu", action="store_true",
+                    help="rank r runs on the r-th CPU this process may use: a core of its own per rank")
     args = ap.parse_args()
 
     rank, n = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if args.pin_cpu:
+        pin_to_own_cpu(rank)
     use_cuda = torch.cuda.is_available()
     backend = args.backend or ("nccl" if use_cuda else "gloo")
     if use_cuda:
