@@ -186,7 +186,7 @@ def _ifname(v: str) -> str:
 
 def _absolute(v: str) -> str:
     """An absolute path without '..' or NUL (where it leads is checked with the context)."""
-    if not v.startswith("/") or "\0" in v or ".." in v.split("/"):
+    if not v.startswith("/") or "\0" in v or "/../" in v + "/":   # (a '..' part; no split: 13,312 at k=16)
         raise _fail("not an absolute path without '..'", v)
     return v
 
@@ -218,7 +218,7 @@ def _netns_of(v: str, info: ValidationInfo, which: str) -> str:
     """v is tb-NAME-NODE for a NODE among the topology's `which` (nodes, switches or workers)."""
     ctx = _topology(info)
     prefix = names.netns_prefix(ctx.name)
-    among = {"nodes": ctx.topology.nodes, "switches": ctx.switches, "workers": ctx.workers}[which]
+    among = ctx.topology.nodes if which == "nodes" else ctx.switches if which == "switches" else ctx.workers
     if not (v.startswith(prefix) and v[len(prefix):] in among):
         what = {"nodes": "one of this testbed's namespaces ({p}NODE)",
                 "switches": "the namespace of one of this testbed's switches ({p}SWITCH)",
@@ -313,8 +313,8 @@ def _path_is(ctx: StateContext, v: str, *rel: str) -> str | None:
 
 def _cgroup_of(ctx: StateContext, v: str, group: str, node: str) -> str | None:
     """Why cgroup directory `v` (its form already checked) is not testbed/GROUP/NODE, or None."""
-    parent, name = os.path.split(v)   # (string operations, not Path: k=16 has 5,120 of these)
-    if name != node or os.path.basename(parent) != group:
+    parent, _, name = v.rpartition("/")   # (string operations: k=16 has 5,120 of these; v has no '//')
+    if name != node or parent.rpartition("/")[2] != group:
         return f"not {cgroupfs.TOP}/{group}/{node} (a cgroup of another node or group)"
     return None
 
