@@ -93,9 +93,11 @@ def test_auto_caps_a_rank_at_its_share_of_the_cores_not_at_one_over_s():
     assert fixed.cap_cores == pytest.approx(1 / 16) and fixed.rank_cores == 1.0
     gpus = choose("auto", t, plan, n_gpus=1, n_cpus=2, constants=HOST_BOUND)   # GPUs: DieCast's 1/s as before
     assert gpus.cap_divisor is None and (not gpus.cap_cpu or gpus.cap_cores == pytest.approx(1 / gpus.factor))
-    # phantoms (up --real-ranks): judged with the calibration's per-message cost, one core per rank: 1/s
+    # phantoms (up --real-ranks): the traffic is all 16 ranks', so each keeps its share of the cores too
+    # (their runs measure their own per-message cost: the probe's burst is mirrored)
     phantoms = choose("auto", t, plan, n_gpus=0, n_cpus=2, constants=HOST_BOUND, real_ranks=1)
-    assert phantoms.cap_cpu and phantoms.cap_divisor is None and phantoms.rank_cores == 1.0
+    assert phantoms.cap_cpu and phantoms.cap_cores == pytest.approx(1 / 8)
+    assert phantoms.rank_cores == pytest.approx(phantoms.factor / 8)
     uncapped = choose("auto", replace(t, host_rate="this-machine"), plan, 0, 2, constants=HOST_BOUND)
     assert not uncapped.cap_cpu and uncapped.rank_cores == 1.0
     # what is read back from disk is not trusted: anything but a sane record is one core

@@ -5,6 +5,7 @@ Kernel tests (root), on testbeds brought up by the conftest `testbed` fixture.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -86,6 +87,18 @@ def test_ddp_with_phantoms_puts_the_same_bytes_on_every_link(star, tmp_path, cap
     assert total > 30 * 4 * 1_000_000     # megabytes of gradients per step: the comparison means something
     # only the real rank wrote probe records: step times are its
     assert sorted(p.name for p in (ph.run_dir / "probe").glob("rank-*.jsonl")) == ["rank-0.jsonl"]
+    # its burst of small all_reduces ran too, the phantoms mirroring it: the run is judged with the
+    # per-message cost it paid itself, announcements included, not the calibration's
+    from testbed.jobs.run import LATENCY_BURST
+    from testbed.report.analyze import LATENCY_OP
+    from testbed.report.verdict import RUN_ALPHA, run_constants
+    from testbed.topology.reference import MachineConstants
+
+    records = [json.loads(r) for r in (ph.run_dir / "probe" / "rank-0.jsonl").read_text().splitlines() if r]
+    assert sum(r.get("op") == LATENCY_OP for r in records) == LATENCY_BURST
+    judged = run_constants(ph.run_dir, MachineConstants(alpha_s=1e-3, beta_s_per_byte=1e-9), star.topology,
+                           star.workers)
+    assert RUN_ALPHA in judged.source and judged.alpha_s != 1e-3, judged
     _no_orphans(ph)
 
 

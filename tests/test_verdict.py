@@ -107,6 +107,20 @@ def test_every_class_off_is_named_even_a_minor_one(tmp_path):
     assert [r.status for r in v.classes] == ["within", "off"]
 
 
+def test_a_minor_class_alone_does_not_fail_the_run_as_the_total(tmp_path):
+    """The 64-rank phantom run (2026-12-06): its all_reduce too uncertain to judge, its one barrier off.
+    The total of what was judged was the barrier alone, and it failed the run as "communication in
+    total 1.49x": the run is inconclusive, the barrier named as a minor class."""
+    m = _model()
+    barrier = _model(0, "barrier")
+    times = [m * 0.5, m * 1.6, m * 0.55, m * 1.5]
+    v = judge(_write_run(tmp_path, times, s=4, monitor=QUIET, extra=[("barrier", 0, barrier * 1.5, {})]))
+    assert [r.status for r in v.classes] == ["noisy", "off"], v.lines()
+    assert v.status == "inconclusive", v.lines()
+    text = "\n".join(v.lines())
+    assert "communication in total" not in text and "minor share" in text, text
+
+
 def test_a_class_too_noisy_to_judge_makes_the_run_inconclusive(tmp_path):
     m = _model()
     times = [m * 0.5, m * 1.6, m * 0.55, m * 1.5]   # the mean is on the model, its interval is not

@@ -109,6 +109,7 @@ class Mirror:
         self.groups: dict[int, Any] = {}
         self.rank = dist.get_rank()
         self.ops = 0
+        self.probe_ops = 0   # of them, the probe's own (its burst): not numbered among the job's
         self.late: list[float] = []
         self.pending: list[tuple[Any, str, Any]] = []   # (work, what it is, its buffers: kept alive)
         self.pool: dict[tuple[int, str, str], list[Any]] = {}   # (elements, dtype, device) -> free zero buffers
@@ -231,7 +232,10 @@ class Mirror:
         # Issued, not waited for: the real rank may have several in flight (DDP's buckets run
         # while backward goes on); the backend runs them in the order issued, as on the real rank.
         self.ops += 1
-        what = (f"{name} #{self.ops} on group {msg['g']} "
+        if msg.get("probe"):
+            self.probe_ops += 1
+        number = f"the probe's own #{self.probe_ops}" if msg.get("probe") else f"#{self.ops - self.probe_ops}"
+        what = (f"{name} {number} on group {msg['g']} "
                 f"({', '.join(str(n) for n in msg.get('n', []))} elements of {msg.get('dtype')})")
         self.pending.append((work, what, (ts, extra)))
         while self.pending and self.pending[0][0].is_completed():

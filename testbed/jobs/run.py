@@ -488,7 +488,9 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         if probe:
             wenv["TESTBED_PROBE_DIR"] = str(probe_dir)
             wenv["PYTHONPATH"] = probe_path + (os.pathsep + pythonpath if pythonpath else "")
-            if real is None and replay is None and not record_ops:   # every rank runs it, or none
+            # every rank runs it, or none: phantoms mirror the real ranks' (the leader announces it);
+            # not into a recorded trace, which a replay would play back as the job's own
+            if replay is None and not record_ops:
                 wenv["TESTBED_LATENCY_BURST"] = str(LATENCY_BURST)
         wenv.update(env or {})
         if torchrun:

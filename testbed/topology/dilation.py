@@ -115,7 +115,7 @@ class Choice:
     @property
     def cap_cores(self) -> float:
         """What a capped worker's CPUs are multiplied by: 1/s for a fixed factor (compute slows by
-        s); for auto on CPUs without phantoms, 1 / (ranks per core), its share of this machine's
+        s); for auto on CPUs (phantoms or not), 1 / (ranks per core), its share of this machine's
         cores: auto raised s above what compute needs so that the ranks have the CPU to move their
         bytes at the links' rate, and a cap of 1/s would take that CPU away again (each rank would
         move bytes at one core's rate here, whatever s: docs/fidelity.md, "The CPU cap decided
@@ -206,11 +206,9 @@ def choose(setting: float | str | None, topo: Topology, plan: NetworkPlan, n_gpu
                            f"{'' if host_beta(topo.host_rate) is None else f' with a {HOST_MARGIN:g}x margin'}"
                            f": the network needs s >= {network:.3g}")
         s = _round_up(max(1.0, compute, network or 1.0))
-        # on CPUs, a rank keeps its share of the cores that s was raised for (Choice.cap_cores). Not with
-        # phantoms: their runs have no burst to measure the per-message cost under that share, and are
-        # judged with the calibration's, measured on one core per rank, which a 1/s cap keeps them at
-        # (64 ranks under a share: 0.51x the model; docs/fidelity.md)
-        share = not n_gpus and real_ranks is None
+        # on CPUs, a rank keeps its share of the cores that s was raised for (Choice.cap_cores); phantom
+        # runs too, now that they measure their own per-message cost (the probe's burst, mirrored)
+        share = not n_gpus
         return _with_cap_reason(Choice(s, "auto", compute, network, tuple(reasons),
                                        cap_divisor=auto_factor(len(rank_workers), 0, n_cpus) if share else None))
     try:

@@ -31,6 +31,7 @@ Standard library and torch only: it runs inside the user's job.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import inspect
 import json
@@ -77,7 +78,7 @@ class _Checker:
     group and in order, with the leader's announcement; a difference raises here, naming both, so
     rank-dependent control flow ends the run with a message instead of hanging the phantoms."""
 
-    _KEYS = ("op", "dtype", "n", "root", "red", "ranks")
+    _KEYS = ("op", "dtype", "n", "root", "red", "ranks", "probe")
 
     def __init__(self, path: str, leader: str):
         # O_RDWR: reads wait for data (select) and never see end-of-file while the leader is away
@@ -105,7 +106,9 @@ class _Checker:
         return json.loads(line)
 
     def expect(self, key, mine: dict) -> None:
-        n = self.count[key] = self.count.get(key, 0) + 1
+        counted = (key, bool(mine.get("probe")))   # the job's operations are numbered apart from the probe's
+        n = self.count[counted] = self.count.get(counted, 0) + 1
+        where = ("the probe's own " if mine.get("probe") else "") + f"operation {n} of group {key}"
         deadline = time.monotonic() + CHECK_TIMEOUT_S
         queue = self.pending.setdefault(key, [])
         while not queue:
@@ -114,7 +117,7 @@ class _Checker:
             except TimeoutError:
                 raise RuntimeError(
                     f"testbed phantoms: rank {os.environ.get('RANK', '?')} issued {_describe(mine)} "
-                    f"(operation {n} of group {key}) but rank {self.leader}, which the phantoms mirror, "
+                    f"({where}) but rank {self.leader}, which the phantoms mirror, "
                     f"issued nothing there for {CHECK_TIMEOUT_S:g} s: ranks that take different paths "
                     "cannot share phantoms") from None
             ev = obj.get("ev")
@@ -126,9 +129,21 @@ class _Checker:
         if any(theirs.get(k) != mine.get(k) for k in self._KEYS):
             raise RuntimeError(
                 f"testbed phantoms: rank {os.environ.get('RANK', '?')} and rank {self.leader} diverge at "
-                f"operation {n} of group {key}: this rank issues {_describe(mine)}, rank {self.leader} "
+                f"{where}: this rank issues {_describe(mine)}, rank {self.leader} "
                 f"(which the phantoms mirror) issued {_describe(theirs)}. Phantoms can only mirror ranks "
                 "that issue the same collectives; make every rank with its own sequence a real one")
+
+
+@contextlib.contextmanager
+def probes_own():
+    """Around the probe's own collectives (its burst of small all_reduces after init_process_group):
+    announced and checked like the job's, and marked, so that neither a checking rank nor a phantom
+    numbers them among the job's operations in what it says."""
+    _tls.probe = True
+    try:
+        yield
+    finally:
+        _tls.probe = False
 
 
 def _describe(op: dict) -> str:
@@ -260,6 +275,8 @@ def _make_group_class(dist):
             return dist.distributed_c10d._world.pg_names.get(self, "")
 
         def _say(self, op: str, **kw) -> None:
+            if getattr(_tls, "probe", False):
+                kw["probe"] = True
             if _check is not None:
                 _check.expect(self.gid, {"op": op, **kw})
             else:

@@ -33,6 +33,7 @@ nothing. Overhead per event: two clock reads, one getrusage and one buffered wri
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -276,13 +277,16 @@ def _time_completion(work, rec, t0) -> bool:
 
 LATENCY_OP = "latency_burst"   # the verdict's name for these records (report/verdict.py reads it)
 LATENCY_BYTES = 4096
+MIRROR_BACKEND = "testbed_mirror"   # the gloo job's groups with phantoms (_testbed_mirror.BACKEND)
 
 
 def _latency_burst() -> None:
     """TESTBED_LATENCY_BURST small all_reduces on the whole world right after init_process_group:
     what one message costs in this run's own conditions (its ranks per core, its dilation, the
     machine as it is now), which a calibration taken elsewhere cannot say. The launcher asks for it
-    on every rank or on none (a rank alone in a collective would wait forever)."""
+    on every rank or on none (a rank alone in a collective would wait forever). With phantoms the
+    real ranks run it on the mirror's group (MIRROR_BACKEND), which announces each all_reduce, and
+    the phantoms take their part as in any other (so it pays what the job's collectives pay)."""
     n = _int_env("TESTBED_LATENCY_BURST") or 0
     if n <= 0:
         return
@@ -291,17 +295,20 @@ def _latency_burst() -> None:
         import torch.distributed as dist
 
         g, gn, be = _group(None)
-        if not gn or gn < 2 or be != "gloo":   # nccl would need a device buffer; one rank has no messages
+        if not gn or gn < 2 or be not in ("gloo", MIRROR_BACKEND):   # nccl: a device buffer; one rank: no messages
             return
         buf = torch.zeros(LATENCY_BYTES // 4)
+        mirror = sys.modules.get("_testbed_mirror")   # with phantoms: marked as the probe's, not the job's
+        marked = mirror.probes_own() if mirror is not None else contextlib.nullcontext()
         _tls.inside = True   # not a job collective: the wrapper passes it through unrecorded
         try:
-            for i in range(n):
-                seq = _next_seq(g)
-                t, t0 = _real_time(), _real_perf()
-                dist.all_reduce(buf)
-                _emit({"ev": "coll", "op": LATENCY_OP, "bytes": LATENCY_BYTES, "t": t, "dur": _real_perf() - t0,
-                       "async": False, "src": "probe", "g": g, "gn": gn, "seq": seq, "be": be, "i": i})
+            with marked:
+                for i in range(n):
+                    seq = _next_seq(g)
+                    t, t0 = _real_time(), _real_perf()
+                    dist.all_reduce(buf)
+                    _emit({"ev": "coll", "op": LATENCY_OP, "bytes": LATENCY_BYTES, "t": t, "dur": _real_perf() - t0,
+                           "async": False, "src": "probe", "g": g, "gn": gn, "seq": seq, "be": be, "i": i})
         finally:
             _tls.inside = False
     except Exception as exc:
