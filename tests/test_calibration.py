@@ -129,6 +129,40 @@ def test_history_keeps_the_last_attempts_and_passes_over_bad_lines(tmp_path, mon
     assert "+-3%" in lines[1] and "40%" in lines[1]
 
 
+def test_auto_plans_for_the_slowest_per_byte_cost_this_boot_measured(tmp_path, monkeypatch):
+    """This VM moves bytes in two modes 1.5-1.7x apart and one calibration sees one: auto plans host
+    work for the slowest cost this boot measured (this calibration's slowest repetition, this boot's
+    kept calibrations), never above SLOW_MODE_MAX times this one's; the model keeps this one's."""
+    monkeypatch.setenv("TESTBED_CALIBRATION_FILE", str(tmp_path / "cal.json"))
+    rows = _rows(300e-6, 1.0e-9, ops=("all_reduce",))
+    cal = calibration.parse(_doc(beta_s_per_byte=1.0e-9, rows=rows))
+    assert cal.slowest_beta() == pytest.approx(1.02e-9, rel=1e-6)       # no history: its slowest repetition
+    for r in rows:   # the last repetition 10% slower at both large sizes: its own beta is 1.1 ns/B
+        if r["bytes"] != calibration.SMALL:
+            r["times_s"][2] = r["time_s"] * 1.1
+    cal = calibration.parse(_doc(beta_s_per_byte=1.0e-9, rows=rows))
+    assert cal.slowest_beta() == pytest.approx(1.1e-9, rel=1e-3)
+
+    def remember(beta, **over):
+        calibration._remember(calibration.parse(_doc(beta_s_per_byte=beta, **over)), 1)
+
+    remember(1.4e-9)                                          # kept, this boot: planned for
+    remember(1.9e-9, kept=False, why_not_kept="busy")         # not kept: passed over
+    remember(1.8e-9, boot_id="another-boot")                  # another boot's: passed over
+    with open(calibration.history_file(), "a") as f:           # hostile lines: passed over
+        for v in ('"fast"', "true", "-1e-9", "1.0", "1e309"):
+            f.write('{"measured_at": 1.7e9, "boot_id": "%s", "kept": true, "beta_s_per_byte": %s}\n'
+                    % (calibration.boot_id(), v))
+    m = cal.constants()
+    assert m.beta_s_per_byte == pytest.approx(1.0e-9) and m.planning_beta == pytest.approx(1.4e-9)
+    assert "slowest this boot 5.71 Gbit/s per rank" in m.describe()
+    remember(3.5e-9)                                          # beyond SLOW_MODE_MAX x this one's: bounded
+    assert cal.constants().planning_beta == pytest.approx(calibration.SLOW_MODE_MAX * 1.0e-9)
+    again = type(m).from_json(m.to_json())
+    assert again.planning_beta == pytest.approx(m.planning_beta)
+    assert type(m).from_json({**m.to_json(), "beta_slow_s_per_byte": "x"}).beta_slow_s_per_byte == 0.0
+
+
 def test_lines_describe_every_collective():
     text = "\n".join(calibration.parse(_doc()).lines())
     for op in calibration.OPS:

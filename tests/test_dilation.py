@@ -75,6 +75,18 @@ def test_auto_counts_ranks_per_core_and_the_traffic():
     assert choose("auto", faster, plan, 0, 2, constants=HOST_BOUND).network == pytest.approx(need, rel=0.01)
 
 
+def test_auto_plans_the_hosts_work_at_the_slowest_cost_measured():
+    """One calibration sees one of this VM's two modes of moving bytes: auto's margin is over the
+    slowest per-byte cost this boot measured (MachineConstants.planning_beta), and says so."""
+    t, plan = _ft()
+    fast = replace(HOST_BOUND, beta_s_per_byte=0.8e-9)
+    both = replace(fast, beta_slow_s_per_byte=1.2e-9)
+    a, b = (choose("auto", t, plan, n_gpus=0, n_cpus=2, constants=c) for c in (fast, both))
+    assert b.network == pytest.approx(a.network * 1.5, rel=1e-6)
+    assert any("at the slowest measured this boot, planned for" in r for r in b.reasons), b.reasons
+    assert not any("slowest" in r for r in a.reasons)
+
+
 def test_auto_caps_a_rank_at_its_share_of_the_cores_not_at_one_over_s():
     """auto raises s above what compute needs (8 ranks per core) so that the ranks have the CPU to move
     their bytes at the links' rate; a cap of 1/s would leave each rank one core's rate here whatever s

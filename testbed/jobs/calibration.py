@@ -79,6 +79,10 @@ ATTEMPTS = 3
 QUIET_WAIT_S = 30.0
 PROVISIONAL_S = 600.0  # how long a calibration that was not kept serves before the next is measured
 HISTORY_KEEP = 50
+# auto plans for the slowest per-byte cost this boot measured, up to this many times the calibration's
+# own: the slow mode measured here is 1.5-1.7x the fast one; a kept calibration slower than that
+# measured something else, and would slow every run of the boot for nothing
+SLOW_MODE_MAX = 2.0
 
 
 class CalibrationError(TestbedError):
@@ -108,7 +112,20 @@ class Calibration:
         ops = tuple((op, v["alpha_s"], v["beta_s_per_byte"]) for op, v in sorted(self.ops.items()))
         how = "this boot" if self.kept else f"this boot, provisional: {self.why_not_kept}"
         return MachineConstants(self.alpha_s, self.beta_s_per_byte, source=f"calibrated {when}, {how}", ops=ops,
-                                spread=self.spread)
+                                spread=self.spread, beta_slow_s_per_byte=self.slowest_beta())
+
+    def slowest_beta(self) -> float:
+        """The slowest per-byte cost measured this boot: this calibration's slowest repetition, and every
+        kept calibration of this boot in the history, at most SLOW_MODE_MAX times this one's (what
+        `auto` plans host work for, MachineConstants.planning_beta: this VM moves bytes in two modes
+        1.5-1.7x apart, minutes apart, and one calibration sees one of them; docs/fidelity.md)."""
+        try:
+            here = [b for _, b in per_repetition(list(self.rows))]
+        except CalibrationError:
+            here = []
+        before = [r["beta_s_per_byte"] for r in history() if r.get("boot_id") == self.boot_id
+                  and r.get("kept") is True and _plausible_beta(r.get("beta_s_per_byte"))]
+        return min(max([self.beta_s_per_byte, *here, *before]), SLOW_MODE_MAX * self.beta_s_per_byte)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -276,22 +293,38 @@ class _Watch:
         return max(0.0, ((b1 - b0) - (o1 - o0)) / (self.cores * (w1 - w0))), (s1 - s0) / (t1 - t0)
 
 
+def per_repetition(rows: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """all_reduce's (alpha, beta) from each repetition on its own ([] with fewer than two repetitions);
+    CalibrationError when a repetition gives none."""
+    reps = min((len(r.get("times_s") or []) for r in rows), default=0)
+    if reps < 2:
+        return []
+    out = []
+    for i in range(reps):
+        try:
+            ops = derive([{**r, "times_s": [r["times_s"][i]]} for r in rows if r.get("op") == "all_reduce"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CalibrationError(f"repetition {i + 1} gives no constants ({exc!r})") from None
+        out.append((ops["all_reduce"]["alpha_s"], ops["all_reduce"]["beta_s_per_byte"]))
+    return out
+
+
 def spread_of(rows: list[dict[str, Any]]) -> float:
     """How uncertain all_reduce's constants are: each repetition derived on its own, the larger
     relative standard error of the mean of alpha and of beta over them (what the constants, taken
     from all repetitions, may be off by; inf: a repetition gave none)."""
-    reps = min((len(r.get("times_s") or []) for r in rows), default=0)
-    if reps < 2:
+    try:
+        reps = per_repetition(rows)
+    except CalibrationError:
+        return math.inf
+    if not reps:
         return 0.0
-    alphas, betas = [], []
-    for i in range(reps):
-        try:
-            ops = derive([{**r, "times_s": [r["times_s"][i]]} for r in rows if r.get("op") == "all_reduce"])
-        except (CalibrationError, KeyError, TypeError, ValueError):
-            return math.inf
-        alphas.append(ops["all_reduce"]["alpha_s"])
-        betas.append(ops["all_reduce"]["beta_s_per_byte"])
-    return max(statistics.stdev(xs) / statistics.fmean(xs) / math.sqrt(len(xs)) for xs in (alphas, betas))
+    return max(statistics.stdev(xs) / statistics.fmean(xs) / math.sqrt(len(xs)) for xs in zip(*reps))
+
+
+def _plausible_beta(v: Any) -> bool:
+    """A per-byte cost read back from the history (a file: checked like the cache's, parse())."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 < v < 1e-3
 
 
 def history_file() -> Path:
@@ -376,8 +409,8 @@ def _measure_once(busy: float, progress: Callable[[str], None] | None) -> Calibr
     with lifecycle.running(topo, name, runtime="netns", time_dilation=1):
         out = paths.directory(name) / "runs" / "calibration.json"   # the one folder workers may write
         # --pin-cpu: each rank on a core of its own, the cost the model's beta is. Unpinned, the scheduler
-        # now and then ran both ranks on one core for a whole calibration, and beta came out 1.6x as high
-        # (0.70-0.89 against 1.22-1.36 ns/B here; docs/fidelity.md, "Two modes of the calibration").
+        # now and then ran both ranks on one core, and beta came out 1.6x as high (0.72-0.89 against
+        # 1.22-1.34 ns/B here); the VM's own slow mode remains (docs/fidelity.md, "Two modes of moving bytes").
         cmd = [sys.executable, "-m", "testbed.jobs.collectives_bench", "--pin-cpu", "--ops", ",".join(OPS),
                "--sizes", ",".join(str(x) for x in (SMALL, *LARGE)), "--budget", "0.15", "--min-iters", "3",
                "--max-iters", "300", "--repeat", str(REPEATS), "--json", str(out)]

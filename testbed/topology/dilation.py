@@ -88,10 +88,17 @@ def network_factor(topo: Topology, plan: NetworkPlan, rank_workers: list[str], n
     return max(1.0, margin * load / (max(1, n_cpus) * HEADROOM)), load
 
 
+def _rate_text(constants: MachineConstants) -> str:
+    now = f"{8 / constants.beta_s_per_byte / 1e9:.2f} Gbit/s per rank, calibrated"
+    if constants.planning_beta <= constants.beta_s_per_byte * 1.005:
+        return now
+    return f"{now}; {8 / constants.planning_beta / 1e9:.2f} at the slowest measured this boot, planned for"
+
+
 def _host_load(ranks_here: int, n: int, bandwidth_s: float, constants: MachineConstants) -> float:
     """Cores of this machine's host work that `ranks_here` of n ranks need to all_reduce BIG_MESSAGE
-    in bandwidth_s (what the model gives the bytes)."""
-    return ranks_here * 2 * (n - 1) / n * BIG_MESSAGE / bandwidth_s * constants.beta_s_per_byte
+    in bandwidth_s (what the model gives the bytes), at the slowest per-byte cost this boot measured."""
+    return ranks_here * 2 * (n - 1) / n * BIG_MESSAGE / bandwidth_s * constants.planning_beta
 
 
 @dataclass(frozen=True)
@@ -201,7 +208,7 @@ def choose(setting: float | str | None, topo: Topology, plan: NetworkPlan, n_gpu
         else:
             network, load = network_factor(topo, plan, rank_workers, n_cpus, constants)
             reasons.append(f"data-parallel traffic at full rate keeps {load:.2g} core(s) busy moving bytes "
-                           f"(this machine: {8 / constants.beta_s_per_byte / 1e9:.2f} Gbit/s per rank, calibrated) "
+                           f"(this machine: {_rate_text(constants)}) "
                            f"against {n_cpus} core(s); to emulate {describe_hosts(topo.host_rate)}"
                            f"{'' if host_beta(topo.host_rate) is None else f' with a {HOST_MARGIN:g}x margin'}"
                            f": the network needs s >= {network:.3g}")

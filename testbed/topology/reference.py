@@ -100,6 +100,13 @@ class MachineConstants:
     source: str = "uncalibrated"   # where the numbers come from, printed with every prediction
     ops: tuple[tuple[str, float, float], ...] = ()   # (collective, alpha_s, beta_s_per_byte)
     spread: float = 0.0            # the calibration's relative standard error over its repetitions (0: unknown)
+    beta_slow_s_per_byte: float = 0.0   # the slowest per-byte cost this boot measured (0: beta's): auto plans for it
+
+    @property
+    def planning_beta(self) -> float:
+        """The per-byte cost `auto` plans this machine's host work for: the slow end of what was measured
+        (calibrations of one boot put it 0.79-1.36 ns/B apart; docs/fidelity.md), never below beta."""
+        return max(self.beta_s_per_byte, self.beta_slow_s_per_byte)
 
     def for_op(self, op: str) -> tuple[float, float]:
         for name, a, b in self.ops:
@@ -111,21 +118,25 @@ class MachineConstants:
         rate = "no host cost" if self.beta_s_per_byte <= 0 else f"host {8 / self.beta_s_per_byte / 1e9:.2f} Gbit/s per rank"
         more = f", {len(self.ops)} collectives measured" if self.ops else ""
         spread = f", spread +-{100 * self.spread:.0f}%" if self.spread else ""
+        if self.beta_s_per_byte > 0 and self.planning_beta > self.beta_s_per_byte * 1.005:
+            spread += f", slowest this boot {8 / self.planning_beta / 1e9:.2f} Gbit/s per rank"
         return f"all_reduce: alpha {self.alpha_s * 1e6:.0f} us/message, {rate}{more}{spread} ({self.source})"
 
     def to_json(self) -> dict[str, Any]:
         return {"alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte, "source": self.source,
                 "ops": {name: {"alpha_s": a, "beta_s_per_byte": b} for name, a, b in self.ops},
-                "spread": self.spread}
+                "spread": self.spread, "beta_slow_s_per_byte": self.beta_slow_s_per_byte}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "MachineConstants":
         ops = tuple((str(k), float(v["alpha_s"]), float(v["beta_s_per_byte"]))
                     for k, v in (data.get("ops") or {}).items())
         spread = data.get("spread") or 0.0
+        slow = data.get("beta_slow_s_per_byte") or 0.0
         return cls(alpha_s=float(data["alpha_s"]), beta_s_per_byte=float(data["beta_s_per_byte"]),
                    source=str(data.get("source", "uncalibrated")), ops=ops,
-                   spread=float(spread) if isinstance(spread, (int, float)) and 0 <= spread < 10 else 0.0)
+                   spread=float(spread) if isinstance(spread, (int, float)) and 0 <= spread < 10 else 0.0,
+                   beta_slow_s_per_byte=float(slow) if isinstance(slow, (int, float)) and 0 <= slow < 1e-3 else 0.0)
 
 
 # A network-only model (no software cost, no host limit): what the links alone allow.
