@@ -274,7 +274,8 @@ class Sweep:
         mark = {"warmup": True, "dilation": dilation} if warmup else {"dilation": dilation}
         limit = self.args.timeout_per_size
         setting = dilation.removesuffix(NO_NETEM)
-        env = {**self.env, "TESTBED_WITHOUT": "netem"} if setting != dilation else self.env
+        without = ",".join(filter(None, [self.env.get("TESTBED_WITHOUT", "").strip(), "netem"]))
+        env = {**self.env, "TESTBED_WITHOUT": without} if setting != dilation else self.env
         mem0 = _meminfo()
         up: dict[str, Any] = {}
         try:

@@ -80,18 +80,27 @@ def load_unchecked(name: str) -> dict[str, Any]:
         raise StateError(f"state of testbed {name!r} is reached through a symbolic link ({p}): not trusted; "
                          "run `testbed cleanup`")
     try:
-        # pydantic-core's parser (the schema's own dependency): a k=16 state (3.7 MB) in two thirds of
-        # json's time, and a nesting too deep for json's recursion is a ValueError here, not a crash
-        from pydantic_core import from_json
-
-        data = from_json(p.read_bytes())
+        data = _parse(p.read_bytes())
     except FileNotFoundError:
         raise StateError(f"no testbed named {name!r} is up") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise StateError(f"state of testbed {name!r} is corrupt ({p}: {exc}); run `testbed cleanup`") from None
     if not isinstance(data, dict):
         raise StateError(f"state of testbed {name!r} is corrupt ({p}: not a JSON object); run `testbed cleanup`")
     return data
+
+
+def _parse(raw: bytes) -> Any:
+    """The state's JSON: pydantic-core's parser (the schema's own dependency) reads a k=16 state (3.7 MB)
+    in two thirds of json's time; what it refuses that `save` can write (a lone surrogate from a
+    non-UTF-8 file name, nesting deeper than 200) is read by json, whose RecursionError the caller
+    catches."""
+    from pydantic_core import from_json
+
+    try:
+        return from_json(raw)
+    except ValueError:
+        return json.loads(raw)
 
 
 def claim(name: str) -> None:

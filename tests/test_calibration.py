@@ -153,6 +153,7 @@ def test_auto_plans_for_the_slowest_per_byte_cost_this_boot_measured(tmp_path, m
         for v in ('"fast"', "true", "-1e-9", "1.0", "1e309"):
             f.write('{"measured_at": 1.7e9, "boot_id": "%s", "kept": true, "beta_s_per_byte": %s}\n'
                     % (calibration.boot_id(), v))
+        f.write("[" * 100_000 + "\n")                          # deeper than json recurses: not a crash
     m = cal.constants()
     assert m.beta_s_per_byte == pytest.approx(1.0e-9) and m.planning_beta == pytest.approx(1.4e-9)
     assert "slowest this boot 5.71 Gbit/s per rank" in m.describe()

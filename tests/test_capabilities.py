@@ -118,9 +118,11 @@ def test_without_turns_features_off_and_says_so():
     assert dict((n, w) for n, _, w in off.rows())["netem"].startswith("turned off by TESTBED_WITHOUT")
     lacking = capmod.without(capmod.Capabilities(netem=False), "netem")
     assert lacking.notes["netem"].endswith("(the kernel lacks it too)")
+    odd = capmod.Capabilities(notes={"netem": 3, "tun": None})    # notes come from a cache file: any shape
+    assert [r[0] for r in odd.rows()] and capmod.Capabilities(notes="x").rows()
 
 
-@pytest.mark.parametrize("text", ["netm", "netem,htb", "root", "docker"])
+@pytest.mark.parametrize("text", ["netm", "netem,htb", "root", "docker", "nftables", "tbf"])
 def test_without_refuses_what_it_cannot_turn_off(text):
     from testbed.errors import CapabilityError
 

@@ -216,3 +216,22 @@ def test_the_latency_burst_runs_on_every_rank_after_init_and_is_not_the_job_s(tm
         got = [(c["op"], c["seq"]) for c in colls]
         assert got == [("latency_burst", i) for i in range(1, burst + 1)] + [("all_reduce", burst + 1)], (name, got)
         assert all(c["bytes"] == 4096 and c["src"] == "probe" and c["dur"] > 0 for c in colls[:-1])
+
+
+def test_the_probes_own_operations_are_not_recorded_for_a_replay(tmp_path, monkeypatch):
+    """A --real run's leader records its announcements for `testbed run --replay`; the probe's burst is
+    announced to the phantoms (they take their part) but is not the job's: it stays out of the trace."""
+    import io
+
+    from testbed.jobs.probe import _testbed_mirror as mirror
+
+    trace = io.BytesIO()
+    monkeypatch.setattr(mirror, "_trace", trace)
+    monkeypatch.setattr(mirror, "_fds", [])
+    with mirror.probes_own():
+        assert mirror._tls.probe
+    assert not mirror._tls.probe
+    mirror._announce({"ev": "op", "op": "allreduce", "g": 0, "probe": True})
+    assert trace.getvalue() == b""
+    mirror._announce({"ev": "op", "op": "allreduce", "g": 0})
+    assert b'"op":"allreduce"' in trace.getvalue() and b"probe" not in trace.getvalue()

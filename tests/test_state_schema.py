@@ -203,6 +203,18 @@ def test_checked_gives_the_topology_only_of_a_valid_state(tbdir):
     assert [f for f, _, _ in found] == ["runtime.workers.w0.pid"] and topo is None
 
 
+def test_the_store_reads_back_every_string_save_writes():
+    """store._parse: pydantic-core's parser refuses a lone surrogate (a non-UTF-8 file name becomes one,
+    and `save` writes it as \\udce9) and nesting past 200; json reads them, and a nesting too deep
+    for json is its RecursionError, which load_unchecked turns into "corrupt"."""
+    doc = {"source": "/tmp/caf\udce9.yaml", "params": {"a": [[[[[[1]]]]]] * 2}}
+    assert store._parse(json.dumps(doc, separators=(",", ":")).encode()) == doc
+    deep = "[" * 500 + "]" * 500
+    assert store._parse(deep.encode()) == json.loads(deep)
+    with pytest.raises(RecursionError):
+        store._parse(b"[" * 100_000)
+
+
 def test_a_state_being_built_validates(tbdir):
     """The first state `up` saves: workers known by their namespace only, no delay line, no MPS."""
     st_ = synthetic_state(tbdir, runtime="netns")

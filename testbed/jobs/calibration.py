@@ -342,7 +342,7 @@ def history() -> list[dict[str, Any]]:
     for line in data.splitlines():
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):   # (every `up` at auto reads it now: a bad line is passed over)
             continue
         if isinstance(rec, dict) and isinstance(rec.get("measured_at"), (int, float)):
             out.append(rec)

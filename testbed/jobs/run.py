@@ -1244,7 +1244,7 @@ def _cap_real_workers(cluster: Cluster, real: Sequence[str], nproc: int, capped:
     from testbed import node_cpus
 
     cpus = nproc / float(cluster.time_dilation or 1.0)
-    if cpus >= _cores() or cluster.dilation.get("cap_cpu"):   # capped at `up` already: 1/s each
+    if cpus >= _cores() or cluster.dilation.get("cap_cpu"):   # capped at `up` already (1/s, or auto's share)
         return None
     mine = [w for w in real if w not in _user_slowed(cluster)]
     try:

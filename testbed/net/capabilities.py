@@ -96,8 +96,9 @@ class Capabilities:
             ("latency_floor", self.latency_floor_s is not None,
              f"{floor}: delays at or below it get no delay element"),
         ]
-        return [(name, found, self.notes[name] if not found and name in self.notes
-                 and self.notes[name].startswith("turned off by") else what) for name, found, what in rows]
+        notes = self.notes if isinstance(self.notes, dict) else {}
+        return [(name, found, notes[name] if not found and str(notes.get(name, "")).startswith("turned off by")
+                 else what) for name, found, what in rows]
 
 
 _CACHE: Capabilities | None = None
@@ -130,11 +131,12 @@ def probe(measure_floor: bool = True, refresh: bool = False) -> Capabilities:
         return without(_CACHE, os.environ.get(WITHOUT_VAR, ""))
 
 
-# What a user may ask testbed to do without (WITHOUT_VAR="netem,bpf"): the kernel features that have a
-# fallback or a refusal of their own, so that a machine whose kernel has them can run, test and time
-# the paths of one that does not (`TESTBED_WITHOUT=netem`: every delayed link on a delay line).
+# What a user may ask testbed to do without (WITHOUT_VAR="netem,bpf"): the kernel features the data
+# plane has a fallback or a refusal for (testbed.net.shaping), so that a machine whose kernel has them
+# can run, test and time the paths of one that does not (`TESTBED_WITHOUT=netem`: every delayed link
+# on a delay line; `netem,bpf`: loss refused; `netem,tun`: delays refused).
 WITHOUT_VAR = "TESTBED_WITHOUT"
-OPTIONAL = ("netem", "bpf", "gact_random", "tbf", "ifb", "nftables", "tun")
+OPTIONAL = ("netem", "bpf", "tun")
 
 
 def without(caps: Capabilities, text: str) -> Capabilities:

@@ -147,7 +147,8 @@ def check_supported(profiles: Iterable[tuple[str, LinkProfile]], caps: Any) -> N
                             "(CONFIG_NET_CLS_BPF, CONFIG_BPF_SYSCALL)")
     if problems:
         more = "" if len(problems) <= 20 else f"\n  ... and {len(problems) - 20} more"
-        off = sorted(f"{k}: {v}" for k, v in (getattr(caps, "notes", None) or {}).items()
+        notes = getattr(caps, "notes", None)
+        off = sorted(f"{k}: {v}" for k, v in (notes.items() if isinstance(notes, dict) else ())
                      if str(v).startswith("turned off by"))
         why = "".join(f"\n  ({o})" for o in off)
         raise CapabilityError("this kernel cannot emulate these links:\n  " + "\n  ".join(problems[:20]) + more + why)

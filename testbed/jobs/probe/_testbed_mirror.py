@@ -64,7 +64,7 @@ def _announce(obj: dict) -> None:
             while view:
                 n = os.write(fd, view)
                 view = view[n:]
-        if _trace is not None:
+        if _trace is not None and not obj.get("probe"):   # a replay plays the job's operations, not the probe's
             _trace.write(line)
 
 
