@@ -14,7 +14,7 @@ unshaped, undelayed links (the netns runtime), two gloo ranks, each pinned to
 a core of its own (the cost beta stands for; unpinned, a calibration sometimes
 ran both on one core and measured 1.6x the cost), running
 testbed/jobs/collectives_bench.py over every collective at 4 KiB, 16 MiB and
-64 MiB, three repetitions each (medians). For each collective, beta is the
+64 MiB, REPEATS (4) repetitions each (medians). For each collective, beta is the
 slope between the two large sizes (fixed costs cancel) and alpha what the
 small size leaves, each divided by the messages and bytes the collective's
 algorithm costs on two ranks (reference.cost_terms).
