@@ -96,9 +96,8 @@ class Capabilities:
             ("latency_floor", self.latency_floor_s is not None,
              f"{floor}: delays at or below it get no delay element"),
         ]
-        notes = self.notes if isinstance(self.notes, dict) else {}
-        return [(name, found, notes[name] if not found and str(notes.get(name, "")).startswith("turned off by")
-                 else what) for name, found, what in rows]
+        off = turned_off(self)
+        return [(name, found, off[name] if not found and name in off else what) for name, found, what in rows]
 
 
 _CACHE: Capabilities | None = None
@@ -137,6 +136,7 @@ def probe(measure_floor: bool = True, refresh: bool = False) -> Capabilities:
 # on a delay line; `netem,bpf`: loss refused; `netem,tun`: delays refused).
 WITHOUT_VAR = "TESTBED_WITHOUT"
 OPTIONAL = ("netem", "bpf", "tun")
+TURNED_OFF = "turned off by "   # how a note of without() begins
 
 
 def without(caps: Capabilities, text: str) -> Capabilities:
@@ -152,8 +152,17 @@ def without(caps: Capabilities, text: str) -> Capabilities:
                               f"testbed can do without (one of: {', '.join(OPTIONAL)})")
     notes = dict(caps.notes)
     for w in wanted:
-        notes[w] = f"turned off by {WITHOUT_VAR}={text}" + ("" if getattr(caps, w) else " (the kernel lacks it too)")
+        notes[w] = f"{TURNED_OFF}{WITHOUT_VAR}={text}" + ("" if getattr(caps, w) else " (the kernel lacks it too)")
     return replace(caps, **{w: False for w in wanted}, notes=notes, gpus=list(caps.gpus))
+
+
+def turned_off(caps: Any) -> dict[str, str]:
+    """feature -> why, for the features WITHOUT_VAR turned off (notes of any shape: they may come from
+    a cache file or a state)."""
+    notes = getattr(caps, "notes", None)
+    if not isinstance(notes, dict):
+        return {}
+    return {k: v for k, v in notes.items() if isinstance(v, str) and v.startswith(TURNED_OFF)}
 
 
 def boot_id() -> str:

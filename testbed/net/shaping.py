@@ -49,6 +49,7 @@ from typing import Any, Iterable
 from testbed.errors import CapabilityError
 # the latency floor and the delay threshold are the machine's (defined there, re-exported here)
 from testbed.net.capabilities import DEFAULT_FLOOR_S, DELAY_LINE_OVERHEAD_S, delay_threshold, floor_of  # noqa: F401
+from testbed.net.capabilities import turned_off
 from testbed.topology.model import LinkProfile
 
 # pyroute2 (and testbed.net.lossfilter, which needs it) are imported where a function is given an
@@ -147,10 +148,7 @@ def check_supported(profiles: Iterable[tuple[str, LinkProfile]], caps: Any) -> N
                             "(CONFIG_NET_CLS_BPF, CONFIG_BPF_SYSCALL)")
     if problems:
         more = "" if len(problems) <= 20 else f"\n  ... and {len(problems) - 20} more"
-        notes = getattr(caps, "notes", None)
-        off = sorted(f"{k}: {v}" for k, v in (notes.items() if isinstance(notes, dict) else ())
-                     if str(v).startswith("turned off by"))
-        why = "".join(f"\n  ({o})" for o in off)
+        why = "".join(f"\n  ({k}: {v})" for k, v in sorted(turned_off(caps).items()))
         raise CapabilityError("this kernel cannot emulate these links:\n  " + "\n  ".join(problems[:20]) + more + why)
 
 
