@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -39,18 +40,25 @@ class _Process:
     def __init__(self, argv: list[str], env: dict[str, str]):
         self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self.t0 = time.monotonic()
         self.out: list[str] = []
+        self.times: list[float] = []   # when each line was read, seconds from the start
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
+            self.times.append(time.monotonic() - self.t0)
             self.out.append(line)
 
     @property
     def text(self) -> str:
         return "".join(self.out)
+
+    def timed(self) -> str:
+        """The output with when each line came (for a failure's message: what happened when)."""
+        return "".join(f"{t:7.2f} {line}" for t, line in zip(self.times, self.out))
 
     def wait(self, timeout: float) -> int:
         rc = self.proc.wait(timeout)
@@ -101,10 +109,11 @@ def test_a_sweep_interrupted_continues_and_its_in_place_point_matches_a_fresh_up
         # Ctrl-C once the second run's ranks are running (its run directory is there)
         wait_for(lambda: "[2/3]" in first.text and len(list((sweep_dir / "runs").glob("*"))) >= 2,
                  timeout=300, what="the sweep's second run to start (its run directory)")
+        sent = time.monotonic() - first.t0
         first.proc.send_signal(signal.SIGINT)
         rc = first.wait(120)
         text = first.text
-        assert rc == 130, text[-3000:]
+        assert rc == 130, f"Ctrl-C sent at {sent:.2f} s; the sweep's output as it came:\n{first.timed()[-3500:]}"
         assert "interrupted: 1 of 3 runs kept" in text, text[-3000:]
         rows = _rows(sweep_dir)
         assert [(r["point"], r["link.bandwidth"], r["build"]) for r in rows] == [("p00", "1gbit", "fresh")]
