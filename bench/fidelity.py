@@ -467,10 +467,31 @@ def _targets(cells: list[Cell], s: dict[str, Any]) -> list[str]:
             else:
                 out.append(f"- {what} (`sudo .venv/bin/python bench/probe_overhead.py`): {100 * d['overhead']:+.1f}% "
                            f"of the main job's step time against 2% ({'met' if d['overhead'] < 0.02 else 'MISSED'}).")
+    out += _probe_parts_targets()
     f = REPO / "bench" / "results" / "phantom_agreement.json"
     if f.exists():
         out += _phantom_targets(json.loads(f.read_text()))
     return out + [""]
+
+
+def _probe_parts_targets() -> list[str]:
+    """The probe's cost inside one process (bench/probe_interleaved.py): all of it, and its parts."""
+    out = []
+    for suffix, what in (("", "the whole probe"), ("-ddp", "DDP's buckets timed (its comm hook) alone"),
+                         ("-ddp-python-hook", "torch's Python allreduce hook, untimed, alone"),
+                         ("-ddp-builtin-hook", "DDP's C++ ALLREDUCE hook alone"),
+                         ("-clock-gc-steps", "the rest (clock, step records, GC timer)")):
+        f = REPO / "bench" / "results" / f"probe_interleaved{suffix}.json"
+        if not f.exists():
+            continue
+        d = json.loads(f.read_text())
+        lo, hi = d["overhead_95"]
+        cmd = "sudo .venv/bin/python bench/probe_interleaved.py" + (f" --parts {','.join(d['parts'])}" if suffix else "") \
+            + (f" --hook {d['hook']}" if d.get("hook", "probe") != "probe" else "")
+        out.append(f"- Probe overhead in one process, {what} (`{cmd}`, {d['when'][:16]}): "
+                   f"{100 * d['overhead']:+.1f}% of a step's CPU (95% {100 * lo:+.1f}..{100 * hi:+.1f}%, "
+                   f"A/A {100 * d['aa']:+.1f}%) against 2%: {d['verdict']}.")
+    return out
 
 
 def _phantom_targets(d: dict[str, Any]) -> list[str]:
