@@ -63,7 +63,8 @@ def main() -> int:
         return 2
     from testbed import lifecycle
     from testbed.jobs import calibration
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
     from testbed.topology.loader import load_topology, load_topology_text
 
     machine = calibration.get(progress=print).constants()

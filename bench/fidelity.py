@@ -116,7 +116,8 @@ def run_cell_group(kind: str, ranks: int, dilation: str, ops, sizes, runs_dir: P
     """One testbed, one job: every (op, size) of it as cells."""
     from testbed import lifecycle
     from testbed.jobs import calibration
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
     from testbed import paths
     machine = calibration.get(progress=echo).constants()
     name = f"fd{uuid.uuid4().hex[:6]}"

@@ -81,7 +81,8 @@ def _rss_mb_of_phantoms(run_id: str) -> float | None:
 
 def case(key: str, steps: int, machine, scale: bool = False, dilation: str = "auto") -> dict:
     from testbed import lifecycle
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
     from testbed.mainjob import expected_iteration, step_compute
     from testbed.topology.loader import load_topology_text
     from testbed.topology.plan import plan_network

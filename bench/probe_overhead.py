@@ -69,7 +69,8 @@ def main() -> int:
         return 2
     from testbed import lifecycle
     from testbed.jobs import calibration
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
     from testbed.mainjob import MODEL_ARGS
     from testbed.topology.loader import load_topology
 

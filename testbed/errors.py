@@ -61,3 +61,9 @@ class StateError(TestbedError):
     """A testbed that should exist does not, or one that should not exists."""
 
     exit_code = 4
+
+
+class RunError(TestbedError):
+    """A job cannot be run as asked (its command, workers, options): exit status 2."""
+
+    exit_code = 2

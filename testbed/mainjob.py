@@ -165,7 +165,8 @@ def main(topo: str, name: str | None = None, steps: int = DEFAULT_STEPS, batch: 
 
     from testbed import lifecycle
     from testbed.jobs import calibration
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
     from testbed import store
     from testbed.report import report, tell_verdict
     from testbed.topology.loader import load_topology

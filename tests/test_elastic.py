@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_what_makes_a_torchrun_elastic():
-    from testbed.jobs.run import is_elastic
+    from testbed.jobs.torchrun import is_elastic
 
     assert is_elastic(["torchrun", "--nnodes=2:3", "t.py"])
     assert is_elastic([sys.executable, "-m", "torch.distributed.run", "--max-restarts", "2", "t.py"])
@@ -31,7 +31,7 @@ def test_what_makes_a_torchrun_elastic():
 
 
 def test_the_users_rendezvous_settings_keep_which_agent_hosts_the_store():
-    from testbed.jobs.run import torchrun_argv
+    from testbed.jobs.torchrun import torchrun_argv
 
     argv = torchrun_argv(["torchrun", "--nnodes=2:3", "--rdzv-conf=last_call_timeout=2", "t.py"], 3, 1,
                          "10.0.0.1:29000", "r1", is_host=False)
@@ -68,8 +68,9 @@ EXIT_BARRIER_S = 300
 @pytest.mark.timeout(400 + EXIT_BARRIER_S + 120)
 def test_elastic_job_survives_a_node_crash_and_takes_the_node_back(testbed, tmp_path):
     from testbed.faults import control
+    from testbed.jobs.run import run
     from testbed.jobs.rundir import StepReader
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.target import cluster_from_state
 
     st = testbed(_star(3))
     name = st["name"]
@@ -121,7 +122,8 @@ def test_elastic_job_survives_a_node_crash_and_takes_the_node_back(testbed, tmp_
 
 @pytest.mark.root
 def test_an_agent_failing_on_a_live_node_still_fails_an_elastic_run(testbed, tmp_path, shared_tmp):
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
 
     st = testbed(_star(2))
     cl = cluster_from_state(st["name"])

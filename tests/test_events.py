@@ -181,7 +181,8 @@ def test_a_runs_report_lists_what_happened_during_it(testbed, tmp_path):
     from testbed import lifecycle
     from testbed.faults import control
     from testbed.jobs import stacks
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
     from testbed.report import report
     from testbed.topology.loader import load_topology_text
 

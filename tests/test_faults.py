@@ -466,7 +466,7 @@ def test_a_run_after_link_set_is_judged_at_the_rate_set(star):
     """`testbed run` takes the testbed's topology as its links run now: the rate `link set`
     recorded, not the file's (the verdict's model and the run's topology.json use it)."""
     from testbed.faults import control
-    from testbed.jobs.run import cluster_from_state
+    from testbed.jobs.target import cluster_from_state
 
     name, _ = star
 

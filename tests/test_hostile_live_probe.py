@@ -36,8 +36,9 @@ time.sleep(4)
 
 @pytest.mark.root
 def test_live_step_readers_read_the_testbeds_folder_not_a_swapped_link(testbed, shared_tmp):
+    from testbed.jobs.run import run
     from testbed.jobs.rundir import StepReader
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.target import cluster_from_state
     from testbed.topology.loader import load_topology_text
 
     st = testbed(load_topology_text("name: star\ngenerator: star\nparams: {n: 2}\n", "<test>"),
@@ -86,7 +87,8 @@ if os.environ["TESTBED_WORKER"] == "w0":
 @pytest.mark.root
 def test_a_run_whose_directory_became_a_link_still_ends_and_writes_nothing_through_it(testbed, shared_tmp):
     from testbed import events, paths
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
     from testbed.topology.loader import load_topology_text
 
     st = testbed(load_topology_text("name: star\ngenerator: star\nparams: {n: 2}\n", "<test>"),

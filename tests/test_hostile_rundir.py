@@ -83,7 +83,7 @@ def test_step_reader_passes_over_a_fifo_and_a_link(tmp_path):
 
 
 def test_collect_probe_copies_only_plain_files(tmp_path):
-    from testbed.jobs.run import _collect_probe
+    from testbed.jobs.probe_files import collect_probe
 
     rd = rundir.create("x", tmp_path / "cwd")
     shared = tmp_path / "shared"
@@ -95,7 +95,7 @@ def test_collect_probe_copies_only_plain_files(tmp_path):
     (shared / "probe" / "rank-3.jsonl\n").write_text("{}\n")
     os.rmdir(rd / "probe")
     (rd / "probe").symlink_to(shared / "probe")
-    _collect_probe(rd, shared)
+    collect_probe(rd, shared)
     assert sorted(p.name for p in (rd / "probe").iterdir()) == ["rank-0.jsonl"]
     assert not shared.exists()
 
@@ -114,7 +114,8 @@ def var_tmp():
 @pytest.mark.root
 @pytest.mark.root
 def test_a_rank_fifo_and_links_neither_stall_nor_redirect_the_launcher(testbed, var_tmp):
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
     from testbed.topology.loader import load_topology_text
 
     tmp_path = var_tmp   # (a netns worker has a /tmp of its own)

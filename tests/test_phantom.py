@@ -24,7 +24,7 @@ STAR = "name: ph\ngenerator: star\nparams: {n: 4}\ntiers:\n  host: {bandwidth: 1
 
 @pytest.fixture
 def star(testbed):
-    from testbed.jobs.run import cluster_from_state
+    from testbed.jobs.target import cluster_from_state
     from testbed.topology.loader import load_topology_text
 
     st = testbed(load_topology_text(STAR, "<test_phantom>"), time_dilation="none")
@@ -36,9 +36,9 @@ def _log(res) -> str:
 
 
 def _no_orphans(res) -> None:
-    from testbed.jobs.run import _tagged_pids
+    from testbed.jobs.ranks import tagged_pids
 
-    assert _tagged_pids(res.summary["run_id"]) == []
+    assert tagged_pids(res.summary["run_id"]) == []
 
 
 def _console_ranks(res, capsys) -> str:
@@ -179,7 +179,8 @@ def test_phantoms_keep_ups_cpu_cap_and_node_restore_gives_it_back(testbed, tmp_p
     all_reduce ran 0.87x the model: docs/fidelity.md). `node restore` after `node slow` gives a
     worker that cap back (it raised TypeError once)."""
     from testbed.faults import control
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
     from testbed.runtime import cgroups
     from testbed.topology.loader import load_topology_text
 
@@ -308,7 +309,8 @@ def _fifo(rd: Path, rank: int) -> Path:
 
 
 def test_real_must_name_a_run_worker(star, tmp_path):
-    from testbed.jobs.run import RunError, run
+    from testbed.errors import RunError
+    from testbed.jobs.run import run
 
     with pytest.raises(RunError, match="not among the run's workers"):
         run(star, ["true"], real=["w9"], base_dir=tmp_path, echo=False)
@@ -323,7 +325,8 @@ def test_record_then_replay_reproduces_the_bytes_on_every_link(star, testbed, tm
     """An all-real DDP run under torchrun records one rank's operations (--record-ops); replaying
     them with every rank a phantom puts the same bytes on every link (within 1%, control traffic
     aside), and the replay runs on another topology too."""
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
     from testbed.topology.loader import load_topology_text
 
     torchrun = str(Path(sys.executable).with_name("torchrun"))
@@ -348,7 +351,8 @@ def test_record_then_replay_reproduces_the_bytes_on_every_link(star, testbed, tm
 
 
 def test_replay_checks_its_trace(star, tmp_path):
-    from testbed.jobs.run import RunError, run
+    from testbed.errors import RunError
+    from testbed.jobs.run import run
 
     bad = tmp_path / "ops-0.jsonl"
     bad.write_text('{"ev": "op", "op": "allreduce", "t": 1}\n')
@@ -422,7 +426,8 @@ def test_a_chakra_trace_replays_like_the_job_that_made_it(star, tmp_path):
 
 def test_a_broken_chakra_trace_is_refused_naming_the_file(star, tmp_path):
     requires.need("chakra")
-    from testbed.jobs.run import RunError, run
+    from testbed.errors import RunError
+    from testbed.jobs.run import run
 
     (tmp_path / "job.0.et").write_bytes(b"\x05hello")
     (tmp_path / "job.1.et").write_bytes(b"\x05hello")

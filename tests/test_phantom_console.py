@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from testbed.jobs.run import rank_ranges, ranks_line
+from testbed.jobs.phantom_ranks import rank_ranges, ranks_line
 
 
 @pytest.mark.parametrize("ranks, want", [

@@ -124,15 +124,15 @@ def test_pids_with_env_leaves_self_out_when_asked(spawn):
 
 
 def test_run_tagged_pids(spawn):
-    from testbed.jobs.run import _tagged_pids
+    from testbed.jobs.ranks import tagged_pids
 
     run_id = uuid.uuid4().hex[:12]
     tagged = spawn(TESTBED_RUN_ID=run_id)
     spawn(TESTBED_RUN_ID=run_id + "0")
     spawn(OLD_TESTBED_RUN_ID=run_id)
-    assert _tagged_pids(run_id) == [tagged.pid]
+    assert tagged_pids(run_id) == [tagged.pid]
     _end(tagged)
-    assert _tagged_pids(run_id) == []
+    assert tagged_pids(run_id) == []
 
 
 def test_scans_survive_processes_that_vanish(spawn):

@@ -35,7 +35,7 @@ tiers:
 
 @pytest.fixture
 def leaf_spine(testbed):
-    from testbed.jobs.run import cluster_from_state
+    from testbed.jobs.target import cluster_from_state
 
     st = testbed(leaf_spine_topology())
     return cluster_from_state(st["name"])
@@ -98,7 +98,8 @@ def test_torchrun_rendezvous(leaf_spine, tmp_path):
 
 @pytest.mark.timing
 def test_failing_rank_stops_everyone_no_orphans(leaf_spine, tmp_path):
-    from testbed.jobs.run import _tagged_pids, run
+    from testbed.jobs.ranks import tagged_pids
+    from testbed.jobs.run import run
 
     # (the sleeps are the job, not waits: rank 2 fails 0.5 s in, the others would go on for 120 s
     # unless the run stops them)
@@ -117,7 +118,7 @@ def test_failing_rank_stops_everyone_no_orphans(leaf_spine, tmp_path):
     # 3.09-5.81 s in 5 runs (2026-12-02, load 4.5-5.7 on 2 cores; 5.81 the first, with cold imports), so
     # startup and TERM took 0.6-3.3 s of the 8 s allowed
     assert elapsed < 0.5 + grace + 8, elapsed
-    assert _tagged_pids(res.summary["run_id"]) == []
+    assert tagged_pids(res.summary["run_id"]) == []
     for r in res.summary["ranks"]:
         assert r["rc"] is not None
         import psutil
@@ -154,7 +155,8 @@ def test_c10d_names_every_peer_it_connects(testbed, tmp_path):
     """torch's c10d looks up the name of each socket it connects as an IPv4-mapped IPv6 address;
     the workers' /etc/hosts answers it, so no rank prints "[c10d] The hostname of the client
     socket cannot be retrieved. err=-3" (EAI_AGAIN: glibc asking a name server workers lack)."""
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
     from testbed.topology.loader import load_topology_text
 
     st = testbed(load_topology_text("name: hn\ngenerator: star\nparams: {n: 2}\n", "<test_run>"))
@@ -175,7 +177,8 @@ def test_c10d_names_every_peer_it_connects(testbed, tmp_path):
 
 
 def test_unknown_worker_is_an_error(leaf_spine, tmp_path):
-    from testbed.jobs.run import RunError, run
+    from testbed.errors import RunError
+    from testbed.jobs.run import run
 
     with pytest.raises(RunError):
         run(leaf_spine, ["true"], workers="w0,w99", base_dir=tmp_path, echo=False)
@@ -201,7 +204,8 @@ def _docker_or_skip():
 def test_ddp_on_docker_runtime(testbed, tmp_path, monkeypatch):
     """2 workers as containers: gloo DDP of examples/train_ddp.py, probe files, no name-server stalls."""
     _docker_or_skip()
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
     from testbed.topology.loader import load_topology_text
 
     monkeypatch.chdir(REPO)   # the docker runtime mounts the cwd (examples/) at the same path

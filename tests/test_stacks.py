@@ -66,7 +66,8 @@ def test_hosts_stacks_merge_grouped_across_hosts_with_counts_per_host():
 
 
 def test_a_stalled_job_shows_who_waits_where(testbed, tmp_path):
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
     from testbed.topology.loader import load_topology_text
 
     st = testbed(load_topology_text("name: st\ngenerator: star\nparams: {n: 4}\n", "<test_stacks>"),

@@ -150,7 +150,8 @@ for _ in range(3):
 @pytest.mark.root
 def test_groups_each_get_their_world_a_failed_group_restarts_and_services_stop(testbed, tmp_path, shared_tmp):
     from testbed.jobs import groups
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
 
     st = testbed(_star(3))
     cl = cluster_from_state(st["name"])
@@ -192,7 +193,8 @@ def test_groups_each_get_their_world_a_failed_group_restarts_and_services_stop(t
 @pytest.mark.root
 def test_a_group_that_fails_with_no_restart_left_fails_the_run(testbed, tmp_path):
     from testbed.jobs import groups
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
 
     st = testbed(_star(2))
     cl = cluster_from_state(st["name"])
@@ -203,8 +205,10 @@ def test_a_group_that_fails_with_no_restart_left_fails_the_run(testbed, tmp_path
 
 
 def test_groups_are_refused_on_a_testbed_over_several_hosts():
+    from testbed.errors import RunError
     from testbed.jobs import groups
-    from testbed.jobs.run import Cluster, Executor, RunError, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import Cluster, Executor
 
     cl = Cluster("x", ["w0", "w1"], {"w0": "10.0.0.1", "w1": "10.0.0.2"}, {}, Executor(), part=frozenset({"w0"}))
     with pytest.raises(RunError, match="spans several hosts"):
@@ -259,8 +263,9 @@ def test_torchft_partition_scenario_meets_its_expectations(state_dir, tb_name, m
 def test_torchft_group_on_a_crashed_node_restarts_and_heals(testbed, tmp_path):
     from testbed.faults import control
     from testbed.jobs import groups
+    from testbed.jobs.run import run
     from testbed.jobs.rundir import StepReader
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.target import cluster_from_state
 
     st = testbed(_star(3))
     name = st["name"]

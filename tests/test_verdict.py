@@ -287,7 +287,7 @@ def _bench(cluster, tmp_path, ops="all_reduce", sizes="16M", workers=None, min_i
 
 @pytest.mark.slow
 def test_sixteen_ranks_without_dilation_are_not_faithful(testbed, tmp_path):
-    from testbed.jobs.run import cluster_from_state
+    from testbed.jobs.target import cluster_from_state
 
     topo = load_topology_text("name: s16\ngenerator: star\nparams: {n: 16}\ntiers:\n"
                               "  host: {bandwidth: 10gbit, delay: 2us}\n", "<t>")
@@ -300,7 +300,7 @@ def test_sixteen_ranks_without_dilation_are_not_faithful(testbed, tmp_path):
 
 @pytest.mark.slow
 def test_a_light_run_is_faithful(testbed, tmp_path):
-    from testbed.jobs.run import cluster_from_state
+    from testbed.jobs.target import cluster_from_state
 
     # two ranks on two cores, a 1 Gbit/s link: the link, not the machine, sets the pace
     st = testbed(load_topology_text(STAR2, "<t>"), time_dilation="auto")

@@ -16,7 +16,7 @@ def _say_ranks(run_dir, summary: Optional[dict] = None) -> None:
     from pathlib import Path
 
     from testbed.jobs import rundir
-    from testbed.jobs.run import ranks_line
+    from testbed.jobs.phantom_ranks import ranks_line
 
     if summary is None:   # (a run directory ranks could write into: read bounded, never a FIFO or a link)
         summary = rundir.read_json(Path(run_dir) / "summary.json")
@@ -119,7 +119,9 @@ def register(app: typer.Typer) -> None:
         (CPUs, queues, delay lines): faithful, not faithful (with the reasons in numbers and what to
         change) or unverified."""
         from testbed.cli.common import err_console, require_root
-        from testbed.jobs.run import RunError, cluster_from_state, run
+        from testbed.errors import RunError
+        from testbed.jobs.run import run
+        from testbed.jobs.target import cluster_from_state
 
         require_root("testbed run")
         extra = {}

@@ -72,13 +72,13 @@ def run_job(name: str, cmd: Sequence[str], *, workers: Sequence[str] | None = No
     master_host = doc["placement"][chosen[0]]
     leader_host = None
     if real is not None:
-        from testbed.jobs.run import check_real
+        from testbed.jobs.phantom_ranks import check_real
 
         real = check_real(real, chosen)
         leader_host = doc["placement"][next(w for w in chosen if w in real)]
     trace = None
     if replay is not None:
-        from testbed.jobs.run import load_trace
+        from testbed.jobs.phantom_ranks import load_trace
 
         trace = load_trace(replay)   # checked here: a bad trace is refused before any host starts
     rd = rundir.create(name, base_dir)

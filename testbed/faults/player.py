@@ -40,7 +40,7 @@ from testbed.jobs import rundir
 from testbed.jobs.rundir import StepReader
 
 LOG_READ_MAX = 16 << 20     # a worker's log read for its first error line: its first 16 MiB
-PROBE_READ_MAX = 512 << 20  # as testbed.jobs.run.PROBE_FILE_MAX_BYTES
+PROBE_READ_MAX = 512 << 20  # as testbed.jobs.probe_files.PROBE_FILE_MAX_BYTES
 EXIT_CODES = {"completed": 0, "failed": 1, "hung": 124}
 EXPECT_NOT_MET = 1      # an expectation not met (or not judged)
 _ERROR_RE = re.compile(r"\b([A-Za-z_][\w.]*(Error|Exception)|error|Traceback|terminate called)\b")
@@ -161,6 +161,8 @@ def outcome_of(rd: Path, summary: dict[str, Any], rc: int, hung: dict[str, Any],
 def play(name: str, scenario: Scenario, *, hang_after: float | None = None, timeout: float | None = None,
          echo: Callable[[str], None] | bool | None = True, base_dir: Any = None) -> PlayResult:
     from testbed.jobs import run as jobrun
+    from testbed.jobs.ranks import signal_all
+    from testbed.jobs.target import RuntimeExecutor, cluster_from_state
 
     plan = plan_for(name, scenario)          # refuses bad input before anything happens
     s = plan.dilation
@@ -169,10 +171,10 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
     timeout_s = (timeout if timeout is not None else scenario.job.timeout_s) * s
     cmd = list(scenario.job.command) if isinstance(scenario.job.command, tuple) \
         else shlex.split(scenario.job.command)
-    cluster = jobrun.cluster_from_state(name)
+    cluster = cluster_from_state(name)
     records = (control.Handle(name).st.get("runtime") or {}).get("workers") or {}
     ex = cluster.executor
-    if isinstance(ex, jobrun.RuntimeExecutor) and records and not any(ex.records.get(w) for w in records):
+    if isinstance(ex, RuntimeExecutor) and records and not any(ex.records.get(w) for w in records):
         ex.records = records   # lifecycle keeps worker records under runtime.workers
     say = sayer(echo)
 
@@ -237,8 +239,8 @@ def play(name: str, scenario: Scenario, *, hang_after: float | None = None, time
                             "stopping it")
                     run_id = (rundir.read_json(rd / "summary.json") or {}).get("run_id")
                     if run_id:
-                        hung["stacks"] = jobrun._save_stacks(rd, name, run_id, say)
-                        jobrun._signal_all([], run_id, signal.SIGKILL)
+                        hung["stacks"] = jobrun.save_stacks(rd, name, run_id, say)
+                        signal_all([], run_id, signal.SIGKILL)
                 stop.wait(0.02)
         finally:
             log.close()

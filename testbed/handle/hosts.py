@@ -223,8 +223,8 @@ class HostsTestbed(Testbed):
         from pathlib import Path
 
         from testbed.cluster import job as hosts_job
+        from testbed.errors import RunError
         from testbed.jobs.groups import is_job_file
-        from testbed.jobs.run import RunError
 
         o = options
         if o.job is not None or is_job_file(cmd):

@@ -145,8 +145,8 @@ class LocalTestbed(Testbed):
     def run(self, cmd: list[str], options: RunOptions = RunOptions(), *, say: Callable[[str], None] = lambda _m: None,
             on_output: Callable[[str, str], None] | None = None) -> RunDone:
         from testbed.jobs import calibration
-        from testbed.jobs.run import cluster_from_state
         from testbed.jobs.run import run as run_job
+        from testbed.jobs.target import cluster_from_state
 
         o = options
         cluster = cluster_from_state(self.name)

@@ -398,7 +398,8 @@ def derive(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def _measure_once(busy: float, progress: Callable[[str], None] | None) -> Calibration:
     """Bring up a 2-worker star, run the two-rank measurement while watching the machine, bring it down."""
     from testbed import lifecycle
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
     from testbed import paths
     from testbed.topology.loader import load_topology_text
 

@@ -46,7 +46,7 @@ class ChakraError(ValueError):
 class Converted:
     source: Path                     # rank 0's file
     world: int
-    lines: list[bytes]               # operation records, as testbed.jobs.run.Trace holds them
+    lines: list[bytes]               # operation records, as testbed.jobs.phantom_ranks.Trace holds them
     times: list[float]               # each record's time (s)
     skipped: dict[str, int] = field(default_factory=dict)   # what could not be replayed, by kind
 

@@ -54,146 +54,44 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
-import shutil
 import signal
-import stat
-import statistics
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from testbed import events, procs, safeio, terminal
-from testbed.errors import TestbedError
+from testbed.errors import RunError
 from testbed.jobs import counters, relay, rundir
 from testbed.jobs import groups as groups_mod
+from testbed.jobs.phantom_ranks import (cap_real_workers, check_real, feed_trace, load_trace, make_phantoms,
+                                        read_phantom_stats, real_and_phantom_ranks, uncap)
 from testbed.jobs.probe import PROBE_PATH
+from testbed.jobs.probe_files import collect_probe, shared_dir
+from testbed.jobs.ranks import Rank, exit_status, signal_all, signal_group, tagged_pids
+from testbed.jobs.run_groups import RESTART_DELAY_S, GroupState, fresh_records, group_ranks, workers_down
+from testbed.jobs.target import Cluster, select_workers
+from testbed.jobs.torchrun import RANK_PREFIX, TORCHRUN_PREFIX_TEMPLATE, is_elastic, is_torchrun, torchrun_argv
 
 DEFAULT_GRACE_S = 5.0
 PHANTOM_GRACE_S = 10.0     # after the real ranks ended: time for the phantoms to read "end" and leave
 LATENCY_BURST = 12         # small all_reduces the probe times after init_process_group (the verdict's alpha)
-PROBE_FILE = re.compile(r"(rank-[A-Za-z0-9_]{1,32}|ops-[0-9]{1,6})\.jsonl")   # ranks' records, ops (fullmatch)
-PROBE_FILE_MAX_BYTES = 512 << 20
 LINE_MAX = 1 << 16         # a rank's output line longer than this is cut
 KILL_AFTER_S = 2.0
-# torchrun --tee: every line of a local rank starts with this (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE)
-TORCHRUN_PREFIX_TEMPLATE = "[r${rank}]:"
-_TORCHRUN_PREFIX = re.compile(r"^\[r(\d+)\]:")
-
-
-class RunError(TestbedError):
-    exit_code = 2
 
 
 # -- how commands reach workers ---------------------------------------------------------------------------
 
-class Executor:
-    """Host argv that runs argv inside a worker."""
-
-    def argv(self, worker: str, argv: Sequence[str], env: Mapping[str, str], workdir: str) -> list[str]:
-        raise NotImplementedError
-
-
-class RuntimeExecutor(Executor):
-    """Through the testbed's runtime (netns containers, docker): testbed.lifecycle.exec_argv.
-
-    `records` are the workers' runtime records (state runtime.workers); a caller may replace them."""
-
-    def __init__(self, st: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]] | None = None):
-        self.state = dict(st)
-        self.records = dict(records if records is not None else (st.get("runtime") or {}).get("workers") or {})
-
-    def argv(self, worker, argv, env, workdir):
-        from testbed import lifecycle
-
-        rt = dict(self.state.get("runtime") or {})
-        rt["workers"] = self.records
-        return lifecycle.exec_argv({**self.state, "runtime": rt}, worker, list(argv), env=dict(env),
-                                   workdir=workdir)
-
 
 # -- the cluster a run targets --------------------------------------------------------------------------------
 
-@dataclass
-class Cluster:
-    name: str
-    workers: list[str]                 # in topology order
-    address: dict[str, str]            # worker -> primary IPv4
-    ifname: dict[str, str]             # worker -> its emulated interface (gloo/NCCL bind there)
-    executor: Executor
-    topology: Any = None               # testbed.topology.model.Topology, for counters and reports
-    netns_of: dict[str, str] = field(default_factory=dict)   # node -> netns (counters); default tb-NAME-NODE
-    time_dilation: float = 1.0
-    dilation_source: str = "none"
-    dilation: dict[str, Any] = field(default_factory=dict)   # the state's choice: setting, reasons
-    delay_lines: list[dict[str, Any]] = field(default_factory=list)   # the state's delay-line records
-    gpus: int = 0                      # GPUs handed to workers (what ranks time-share; 0: CPU cores)
-    runtime: str = "netns"             # the testbed's runtime kind
-    state_dir: Path | None = None      # the testbed's state dir: visible inside every worker, same path
-    part: frozenset[str] | None = None   # over several hosts: the nodes this host holds (cluster.part)
-
-
-def cluster_from_state(name: str) -> Cluster:
-    """The cluster of a running testbed (brought up by testbed.lifecycle), from its state file."""
-    from testbed import lifecycle, paths
-    from testbed import names
-    from testbed.topology.plan import plan_network
-
-    data = lifecycle.load(name)
-    topo_json = data.get("topology")
-    if not topo_json:
-        raise RunError(f"state of testbed {name!r} has no topology snapshot")
-    topo = lifecycle.effective_topology(data)   # what the links run at now (`link set` recorded)
-    kind = data["runtime"]["kind"]
-    records = data["runtime"]["workers"]
-    plan = plan_network(topo)
-    ifn = {}
-    for w in topo.workers:
-        ports = [p for p in plan.ports(w) if p.address]
-        ifn[w] = ports[0].ifname if ports else "eth0"
-    s = float(data.get("time_dilation") or 1.0)
-    cl = Cluster(name=name, workers=list(topo.workers), address=plan.hosts(), ifname=ifn,
-                 executor=RuntimeExecutor(data, records), topology=topo,
-                 netns_of={n: names.netns(name, n) for n in topo.nodes}, time_dilation=s,
-                 dilation_source="state" if s != 1.0 else "none", dilation=dict(data.get("dilation") or {}),
-                 delay_lines=list((data.get("resources") or {}).get("delay_lines") or []),
-                 gpus=len({u for us in ((data.get("gpu") or {}).get("assignment") or {}).values() for u in us}),
-                 runtime=kind, state_dir=paths.directory(name))
-    for w, rec in records.items():
-        if rec.get("netns"):
-            cl.netns_of[w] = rec["netns"]
-    part = (data.get("part") or {}).get("nodes")
-    if part is not None:   # counters and the monitor read only this host's namespaces
-        cl.part = frozenset(part)
-        cl.netns_of = {n: ns for n, ns in cl.netns_of.items() if n in cl.part}
-    return cl
-
 
 # -- the run ----------------------------------------------------------------------------------------------
-
-@dataclass
-class Rank:
-    worker: str
-    node_rank: int
-    local_rank: int | None       # None: a torchrun agent (ranks inside it are torchrun's)
-    rank: int | None
-    label: str
-    argv: list[str]
-    env: dict[str, str]
-    proc: subprocess.Popen | None = None
-    rc: int | None = None
-    started: float = 0.0
-    ended: float | None = None
-    phantom: bool = False        # testbed run --real: a rank that mirrors a real one (jobs/phantom.py)
-    group: str | None = None     # a run of groups: the group or service this rank belongs to
-    service: bool = False
-    starts: int = 1              # a group started again after a failure: how many times it started
 
 
 @dataclass
@@ -203,134 +101,10 @@ class RunResult:
     summary: dict[str, Any]
 
 
-def is_torchrun(cmd: Sequence[str]) -> bool:
-    if not cmd:
-        return False
-    if os.path.basename(cmd[0]) == "torchrun":
-        return True
-    return len(cmd) >= 3 and os.path.basename(cmd[0]).startswith("python") and cmd[1] == "-m" \
-        and cmd[2] == "torch.distributed.run"
-
-
-def _has_opt(cmd: Sequence[str], *opts: str) -> bool:
-    for a in cmd:
-        for o in opts:
-            if a == o or a.startswith(o + "="):
-                return True
-    return False
-
-
-def torchrun_argv(cmd: Sequence[str], nnodes: int, nproc: int, endpoint: str, run_id: str,
-                  is_host: bool | None = None, log_dir: str | None = None) -> list[str]:
-    """CMD with the rendezvous options added (before the script) unless already there.
-
-    is_host tells torchrun which worker hosts the rendezvous store: its own guess
-    compares hostnames and addresses, which fails in namespaces that share the
-    host's hostname."""
-    cmd = list(cmd)
-    head = 3 if cmd[0] != "torchrun" and not cmd[0].endswith("/torchrun") else 1
-    extra = []
-    if not _has_opt(cmd, "--nnodes"):
-        extra.append(f"--nnodes={nnodes}")
-    if not _has_opt(cmd, "--nproc-per-node", "--nproc_per_node"):
-        extra.append(f"--nproc-per-node={nproc}")
-    if not _has_opt(cmd, "--rdzv-backend", "--rdzv_backend"):
-        extra.append("--rdzv-backend=c10d")
-    if not _has_opt(cmd, "--rdzv-endpoint", "--rdzv_endpoint"):
-        extra.append(f"--rdzv-endpoint={endpoint}")
-    if not _has_opt(cmd, "--rdzv-id", "--rdzv_id"):
-        extra.append(f"--rdzv-id={run_id}")
-    if not _has_opt(cmd, "--max-restarts", "--max_restarts"):
-        extra.append("--max-restarts=0")
-    if is_host is not None and not _has_opt(cmd, "--rdzv-conf", "--rdzv_conf"):
-        extra.append(f"--rdzv-conf=is_host={1 if is_host else 0}")
-    elif is_host is not None:   # the user's rendezvous settings (e.g. last_call_timeout), and ours
-        for i, a in enumerate(cmd[:]):
-            name, eq, val = a.partition("=")
-            if name in ("--rdzv-conf", "--rdzv_conf") and "is_host=" not in a:
-                cmd[i] = f"{a},is_host={1 if is_host else 0}" if eq else a
-                if not eq and i + 1 < len(cmd) and "is_host=" not in cmd[i + 1]:
-                    cmd[i + 1] = f"{cmd[i + 1]},is_host={1 if is_host else 0}"
-                break
-    if log_dir is not None and not _has_opt(cmd, "--tee", "--redirects"):
-        # per-rank output, prefixed "[rN]:" (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE in the env)
-        extra.append("--tee=3")
-        if not _has_opt(cmd, "--log-dir", "--log_dir"):
-            extra.append(f"--log-dir={log_dir}")
-    return cmd[:head] + extra + cmd[head:]
-
-
-def _opt_value(cmd: Sequence[str], *opts: str) -> str | None:
-    """The value of a launcher option (`--opt=V` or `--opt V`) among the words before the script."""
-    for i, a in enumerate(cmd):
-        for o in opts:
-            if a.startswith(o + "="):
-                return a.split("=", 1)[1]
-            if a == o and i + 1 < len(cmd):
-                return cmd[i + 1]
-    return None
-
-
-def is_elastic(cmd: Sequence[str]) -> bool:
-    """An elastic torchrun: --nnodes=MIN:MAX with MIN < MAX, or --max-restarts above 0. Its agents
-    re-form the job without a lost node and take it back when it returns (testbed run starts the
-    agent of a node that crashed again once the node is up)."""
-    if not is_torchrun(cmd):
-        return False
-    nnodes = _opt_value(cmd, "--nnodes") or ""
-    lo, sep, hi = nnodes.partition(":")
-    if sep and lo.isdigit() and hi.isdigit() and int(lo) < int(hi):
-        return True
-    restarts = _opt_value(cmd, "--max-restarts", "--max_restarts") or "0"
-    return restarts.isdigit() and int(restarts) > 0
-
-
-def select_workers(cluster: Cluster, spec: str | Sequence[str] | None) -> list[str]:
-    if spec is None or spec == "all" or spec == ["all"]:
-        return list(cluster.workers)
-    items = spec.split(",") if isinstance(spec, str) else list(spec)
-    items = [s.strip() for s in items if s.strip()]
-    unknown = [w for w in items if w not in cluster.workers]
-    if unknown:
-        raise RunError(f"unknown worker(s) {', '.join(unknown)}; workers: {', '.join(cluster.workers)}")
-    if len(set(items)) != len(items):
-        raise RunError(f"a worker is named twice in --workers {','.join(items)}")
-    return items
-
-
 def _base_path() -> str:
     venv_bin = os.path.dirname(sys.executable)
     path = os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")
     return venv_bin + os.pathsep + path if venv_bin not in path.split(os.pathsep) else path
-
-
-def _exit_status(rc: int) -> int:
-    return 128 - rc if rc < 0 else rc
-
-
-def _tagged_pids(run_id: str) -> list[int]:
-    """Every process (host view) but this one whose environment carries our run id."""
-    return procs.pids_with_env("TESTBED_RUN_ID", run_id, include_self=False)
-
-
-def _signal_all(ranks: Sequence[Rank], run_id: str, sig: int) -> None:
-    _signal(ranks, _tagged_pids(run_id), sig)
-
-
-def _signal(ranks: Sequence[Rank], tagged: Sequence[int], sig: int) -> None:
-    """The ranks' process groups, then every process that carries our tag (torchrun's workers live
-    in sessions of their own)."""
-    for r in ranks:
-        if r.proc is not None and r.proc.poll() is None:
-            try:
-                os.killpg(r.proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-    for pid in tagged:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | None = None,
@@ -428,7 +202,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     workdir = workdir or os.getcwd()
     rd = rundir.create(cluster.name, base_dir)
     # What the ranks write lives in the testbed's state dir (visible in every worker, same path).
-    shared = _shared_dir(cluster, run_id)
+    shared = shared_dir(cluster, run_id)
     probe_dir = shared / "probe"
     probe_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(shared, 0o755)      # ranks run as root in both runtimes: nobody else needs to write here
@@ -470,7 +244,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     ranks: list[Rank] = []
     gports: dict[str, int] = {}
     if job is not None:
-        ranks, gports = _group_ranks(cluster, job, port, run_id, shared, probe_dir if probe else None,
+        ranks, gports = group_ranks(cluster, job, port, run_id, shared, probe_dir if probe else None,
                                      probe_path, pythonpath, env or {}, emulated_clock, str(rd))
         world = sum(1 for r in ranks if r.local_rank is not None) + sum(
             int(r.env["LOCAL_WORLD_SIZE"]) for r in ranks if r.local_rank is None)
@@ -511,14 +285,14 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     checks: list[str] = []
     outbound = inbound = None
     if real is not None:
-        feeds, checks = _make_phantoms(ranks, set(real), shared / "phantom", cluster.runtime,
+        feeds, checks = make_phantoms(ranks, set(real), shared / "phantom", cluster.runtime,
                                        leader_rank=None if torchrun else chosen.index(leader_worker) * nproc_per_node,
                                        leader_here=leads_here, relay_out=leads_here and relay_send is not None)
     elif trace is not None:
         if trace.world != world:
             raise RunError(f"{trace.source} is a {trace.world}-rank job; this run has {world} ranks "
                            f"(--workers, --nproc-per-node)")
-        feeds, _ = _make_phantoms(ranks, set(), shared / "phantom", cluster.runtime, leader_rank=trace.rank)
+        feeds, _ = make_phantoms(ranks, set(), shared / "phantom", cluster.runtime, leader_rank=trace.rank)
     if leads_here or (record_ops and real is None):
         lead = next(r for r in ranks if not r.phantom)   # the lowest real rank, or torchrun's agent there
         lead.env["TESTBED_OPS_TRACE"] = str(probe_dir / f"ops-{'{RANK}' if lead.rank is None else lead.rank}.jsonl")
@@ -536,7 +310,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         for raw in safeio.lines_of_fd(proc.stdout.fileno(), LINE_MAX):
             line = terminal.inert(raw.decode(errors="replace"))
             if r.local_rank is None:   # torchrun: "[rN]:line" is rank N's
-                m = _TORCHRUN_PREFIX.match(line)
+                m = RANK_PREFIX.match(line)
                 label = (f"{r.worker}:{(r.group + '.') if r.group else ''}{'p' if r.phantom else 'r'}{m.group(1)}"
                          if m else r.label)
                 if m:
@@ -565,7 +339,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     }
     capped: list[str] = []
     if real is not None:
-        summary["real_cpu_cap"] = _cap_real_workers(cluster, [w for w in real if w in here], nproc_per_node,
+        summary["real_cpu_cap"] = cap_real_workers(cluster, [w for w in real if w in here], nproc_per_node,
                                                     capped, echo)
     rundir.write_json(rd / "summary.json", {**summary, "status": "running"})
     events.emit(cluster.name, "run", f"run {run_id} started: {world} rank(s) on {len(chosen)} worker(s)"
@@ -606,14 +380,14 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         t.start()
         readers.append(t)
 
-    gstate = {g.name: _GroupState(g, g.restarts) for g in job.groups} if job is not None else {}
+    gstate = {g.name: GroupState(g, g.restarts) for g in job.groups} if job is not None else {}
     elastic = job is None and real is None and trace is None and is_elastic(cmd)
     lost: dict[str, list[Any]] = {}   # elastic agents that ended: label -> [rank, decide by, lost with its node]
     next_lost_check = 0.0
 
-    def _group_failed(gs: _GroupState, r: Rank, now: float) -> None:
+    def _group_failed(gs: GroupState, r: Rank, now: float) -> None:
         """A rank of a group that may restart failed: its other ranks are ended, then it starts again."""
-        code = _exit_status(r.rc)
+        code = exit_status(r.rc)
         gs.state, gs.since, gs.killed = "stopping", now, False
         gs.failures.append({"label": r.label, "rc": code, "t": time.time()})
         n = gs.group.restarts - gs.left + 1
@@ -621,7 +395,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         events.emit(cluster.name, "run", f"run {run_id}: {msg}", run_id=run_id, group=gs.group.name, rc=code)
         if echo is not None:
             echo(f"[testbed] {msg} once its workers are up")
-        _signal_group([x for x in ranks if x.group == gs.group.name], f"{run_id}.{gs.group.name}", signal.SIGTERM)
+        signal_group([x for x in ranks if x.group == gs.group.name], f"{run_id}.{gs.group.name}", signal.SIGTERM)
 
     def _tend_groups(now: float, may_start: bool) -> int:
         """Move failed groups on: ended -> waiting for their workers -> started again. Returns how many
@@ -635,14 +409,14 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                         and not procs.pids_with_env("TESTBED_GROUP_RUN", tag, include_self=False):
                     gs.state, gs.restart_at = "waiting", now + RESTART_DELAY_S
                 elif now - gs.since > KILL_AFTER_S and not gs.killed:
-                    _signal_group(mine, tag, signal.SIGKILL)
+                    signal_group(mine, tag, signal.SIGKILL)
                     gs.killed = True
             if gs.state == "waiting" and may_start and now >= gs.restart_at:
-                down = _workers_down(cluster, gs.group.workers)
+                down = workers_down(cluster, gs.group.workers)
                 if down:
                     gs.restart_at = now + 0.5   # a crashed node: started again by `node up` (or a scenario)
                 else:
-                    _fresh_records(cluster)
+                    fresh_records(cluster)
                     gs.left -= 1
                     gs.state = "running"
                     for x in mine:
@@ -677,7 +451,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             for r in ranks:
                 spawn(r)
             if trace is not None:
-                feeder = threading.Thread(target=_feed, args=(trace, feeds, float(cluster.time_dilation or 1.0),
+                feeder = threading.Thread(target=feed_trace, args=(trace, feeds, float(cluster.time_dilation or 1.0),
                                                               stop_feed), daemon=True)
                 feeder.start()
             while True:
@@ -703,7 +477,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                             continue
                         if code != 0 and first_fail is None and stop_at is None:
                             first_fail = r
-                            rc = _exit_status(code)
+                            rc = exit_status(code)
                             reason = "rank failed"
                             stop_at = now + grace
                             if echo is not None:
@@ -713,7 +487,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                     next_lost_check = now + 0.2
                     for label, entry in list(lost.items()):
                         r, decide_by, with_node = entry
-                        down = bool(_workers_down(cluster, [r.worker]))
+                        down = bool(workers_down(cluster, [r.worker]))
                         if down and not with_node:
                             entry[2] = with_node = True
                             msg = (f"{r.label} (the torchrun agent) was lost with its node; it is started again "
@@ -723,7 +497,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                                 echo(f"[testbed] {msg}")
                         if with_node and not down:
                             del lost[label]
-                            _fresh_records(cluster)
+                            fresh_records(cluster)
                             r.starts += 1
                             spawn(r)
                             events.emit(cluster.name, "run", f"run {run_id}: {r.label} started again on "
@@ -733,7 +507,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                         elif not with_node and now >= decide_by:   # its node is up: the agent itself failed
                             del lost[label]
                             if first_fail is None:
-                                first_fail, rc, reason = r, _exit_status(r.rc), "rank failed"
+                                first_fail, rc, reason = r, exit_status(r.rc), "rank failed"
                                 stop_at = now + grace
                                 if echo is not None:
                                     echo(f"[testbed] {r.label} exited with status {rc}; stopping the others "
@@ -762,31 +536,31 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                     if echo is not None:
                         echo(f"[testbed] timeout after {timeout:g}s: taking every rank's stack, then stopping "
                              "all ranks")
-                    summary["stacks"] = _save_stacks(rd, cluster.name, run_id, echo)
+                    summary["stacks"] = save_stacks(rd, cluster.name, run_id, echo)
                 if stop is not None and stop_at is None and stop.is_set():
                     reason, rc, stop_at = "stopped", 143, now
                     if echo is not None:
                         echo("[testbed] asked to stop: stopping all ranks")
                 if stop_at is not None and now >= stop_at:
                     if killed_at is None:
-                        _signal_all(ranks, run_id, signal.SIGTERM)
+                        signal_all(ranks, run_id, signal.SIGTERM)
                         killed_at = now
                     elif now - killed_at > KILL_AFTER_S:
-                        _signal_all(ranks, run_id, signal.SIGKILL)
+                        signal_all(ranks, run_id, signal.SIGKILL)
                 time.sleep(0.05)
         except KeyboardInterrupt:
             reason, rc = "interrupted", 130
             if echo is not None:
                 echo("[testbed] interrupted: stopping all ranks")
-            _signal_all(ranks, run_id, signal.SIGTERM)
+            signal_all(ranks, run_id, signal.SIGTERM)
             deadline = time.monotonic() + KILL_AFTER_S
             while time.monotonic() < deadline and any(r.proc and r.proc.poll() is None for r in ranks):
                 time.sleep(0.05)
     finally:
         # No orphans: whatever still carries our run id goes, by PID.
-        leftovers = _tagged_pids(run_id)
+        leftovers = tagged_pids(run_id)
         if leftovers:
-            _signal_all(ranks, run_id, signal.SIGKILL)
+            signal_all(ranks, run_id, signal.SIGKILL)
         for r in ranks:
             if r.proc is not None:
                 try:
@@ -796,8 +570,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                 if r.rc is None:
                     r.rc, r.ended = r.proc.returncode, time.time()
         deadline = time.monotonic() + 5
-        while _tagged_pids(run_id) and time.monotonic() < deadline:
-            _signal_all([], run_id, signal.SIGKILL)
+        while tagged_pids(run_id) and time.monotonic() < deadline:
+            signal_all([], run_id, signal.SIGKILL)
             time.sleep(0.05)
         for t in readers:
             t.join(2)
@@ -816,11 +590,11 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             inbound.close()
             if inbound.gave_up and echo is not None:
                 echo(f"[testbed] phantom relay: {inbound.gave_up}")
-        phantom_stats = _phantom_stats(shared / "phantom") if feeds else None
+        phantom_stats = read_phantom_stats(shared / "phantom") if feeds else None
         if mirror is not None:
             mirror.stop()
-        _uncap(cluster, capped, echo)
-        _into_run_dir(not_kept, "the probe's records", lambda: _collect_probe(rd, shared))
+        uncap(cluster, capped, echo)
+        _into_run_dir(not_kept, "the probe's records", lambda: collect_probe(rd, shared))
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
 
@@ -837,10 +611,10 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     summary.update({
         "status": reason, "rc": rc, "ended": ended, "duration_s": ended - summary["started"],
         "first_failure": None if first_fail is None else {"label": first_fail.label, "worker": first_fail.worker,
-                                                          "rank": first_fail.rank, "rc": _exit_status(first_fail.rc)},
+                                                          "rank": first_fail.rank, "rc": exit_status(first_fail.rc)},
         "ranks": [{"label": r.label, "worker": r.worker, "node_rank": r.node_rank, "local_rank": r.local_rank,
                    "rank": r.rank, "pid": r.proc.pid if r.proc else None,
-                   "rc": None if r.rc is None else _exit_status(r.rc),
+                   "rc": None if r.rc is None else exit_status(r.rc),
                    "duration_s": (r.ended or ended) - r.started if r.started else None,
                    "argv": r.argv if r is ranks[0] or r.group else None, "phantom": r.phantom,
                    "starts": r.starts, **({"group": r.group, "service": r.service} if r.group else {})}
@@ -853,7 +627,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                                                "recorded_dilation": trace.dilation, "format": trace.kind,
                                                "skipped": dict(trace.skipped)},
         "phantoms": None if not feeds and real is None else {
-            "real_workers": list(real or []), **_real_and_phantom_ranks(ranks, world, phantom_stats),
+            "real_workers": list(real or []), **real_and_phantom_ranks(ranks, world, phantom_stats),
             **{k: v for k, v in (phantom_stats or {}).items() if k != "ranks"},
             **({"relayed_lines": outbound.lines} if outbound is not None else {}),
             **({"relayed_bytes": inbound.bytes, "relay_gave_up": inbound.gave_up} if inbound is not None else {})},
@@ -879,403 +653,7 @@ def _into_run_dir(not_kept: list[str], what: str, write: Callable[[], None]) -> 
         not_kept.append(f"{what} ({exc})")
 
 
-def _group_ranks(cluster: Cluster, job: "groups_mod.Job", port: int, run_id: str, shared: Path,
-                 probe_dir: Path | None, probe_path: str, pythonpath: str, env: Mapping[str, str],
-                 emulated_clock: bool, run_dir: str) -> tuple[list[Rank], dict[str, int]]:
-    """The ranks of a run of groups (testbed.jobs.groups): each group a torch world of its own (its
-    first worker the master, its own port: `port` + its place in the job), each rank told its
-    worker's address and every group's; `{addr:NAME}` expanded in commands and env values. With
-    the probe, a group's ranks write into <probe>/<group>/ (the launcher mirrors it flat)."""
-    addrs = groups_mod.addresses(job, cluster.address)
-    named = groups_mod.env_names(job, addrs)
-    extra = {k: groups_mod.expand(v, addrs, where=f"env {k}") for k, v in [*job.env, *env.items()]}
-    trained = [g for g in job.groups if not g.service]
-    ranks: list[Rank] = []
-    ports: dict[str, int] = {}
-    for gi, g in enumerate(job.groups):
-        gport = port + gi
-        ports[g.name] = gport
-        cmd = [groups_mod.expand(c, addrs, where=f"{g.kind} {g.name}") for c in g.cmd]
-        nproc = g.nproc_per_node
-        gworld = len(g.workers) * nproc
-        master_addr = cluster.address[g.workers[0]]
-        for node_rank, w in enumerate(g.workers):
-            wenv = {
-                "MASTER_ADDR": master_addr, "MASTER_PORT": str(gport), "WORLD_SIZE": str(gworld),
-                "GROUP_RANK": str(node_rank), "NODE_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(len(g.workers)),
-                "LOCAL_WORLD_SIZE": str(nproc),
-                "TESTBED_NAME": cluster.name, "TESTBED_WORKER": w, "TESTBED_RUN_ID": run_id, "TESTBED_RUN_DIR": run_dir,
-                "TESTBED_TIME_DILATION": repr(float(cluster.time_dilation)),
-                "TESTBED_EMULATED_CLOCK": "1" if emulated_clock else "0",
-                "TESTBED_GROUP": g.name, "TESTBED_GROUP_KIND": g.kind,
-                "TESTBED_GROUP_INDEX": str(trained.index(g)) if not g.service else "",
-                "TESTBED_GROUPS": str(len(trained)), "TESTBED_GROUP_RUN": f"{run_id}.{g.name}",
-                "TESTBED_ADDR": cluster.address[w], "TESTBED_JOB_DIR": str(shared / "job"), **named,
-            }
-            if probe_dir is not None:   # (no latency burst: each group is its own world, restarted alone)
-                wenv["TESTBED_PROBE_DIR"] = str(probe_dir / g.name)
-                wenv["PYTHONPATH"] = probe_path + (os.pathsep + pythonpath if pythonpath else "")
-            wenv.update(extra)
-            if is_torchrun(cmd):
-                wenv.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", TORCHRUN_PREFIX_TEMPLATE)
-                argv = torchrun_argv(cmd, len(g.workers), nproc, f"{master_addr}:{gport}", f"{run_id}-{g.name}",
-                                     is_host=(w == g.workers[0]), log_dir=str(shared / "torchrun" / f"{g.name}-{w}"))
-                ranks.append(Rank(w, node_rank, None, None, f"{w}:{g.name}.torchrun", argv, wenv, group=g.name,
-                                  service=g.service))
-                continue
-            for lr in range(nproc):
-                rank = node_rank * nproc + lr
-                label = f"{w}:{g.name}" if g.service and gworld == 1 else f"{w}:{g.name}.r{rank}"
-                renv = {**wenv, "RANK": str(rank), "LOCAL_RANK": str(lr), "ROLE_RANK": str(rank),
-                        "ROLE_WORLD_SIZE": str(gworld), "ROLE_NAME": g.name, "TESTBED_RANK": f"{g.name}_{rank}",
-                        "TORCHELASTIC_RUN_ID": f"{run_id}-{g.name}", "TORCHELASTIC_RESTART_COUNT": "0",
-                        "TORCHELASTIC_MAX_RESTARTS": str(g.restarts)}
-                ranks.append(Rank(w, node_rank, lr, rank, label, list(cmd), renv, group=g.name, service=g.service))
-    return ranks, ports
-
-
-@dataclass
-class _GroupState:
-    group: "groups_mod.Group"
-    left: int                          # restarts left
-    state: str = "running"             # running | stopping (its ranks being ended) | waiting (to start again)
-    since: float = 0.0
-    restart_at: float = 0.0
-    killed: bool = False
-    failures: list[dict[str, Any]] = field(default_factory=list)
-
-
 LOST_DECIDE_S = 2.0      # an elastic agent ended: this long for the state to say its node crashed
-RESTART_DELAY_S = 1.0   # between a failed group's end and its new start (a node just restarted settles)
-
-
-def _workers_down(cluster: Cluster, workers: Sequence[str]) -> list[str]:
-    """Those of `workers` the testbed holds down or crashed (testbed node down/crash)."""
-    from testbed import store
-
-    nodes = (store.load(cluster.name).get("faults") or {}).get("nodes") or {}
-    return [w for w in workers if (nodes.get(w) or {}).get("state") in ("down", "crashed")]
-
-
-def _fresh_records(cluster: Cluster) -> None:
-    """A worker started again (node up) may have a new init: the executor reads the state again."""
-    from testbed import store
-
-    if isinstance(cluster.executor, RuntimeExecutor):
-        recs = (store.load(cluster.name).get("runtime") or {}).get("workers") or {}
-        if recs:
-            cluster.executor.records = dict(recs)
-
-
-def _signal_group(ranks: Sequence[Rank], tag: str, sig: int) -> None:
-    """Every process of one group: its ranks' process groups, then whatever carries its tag."""
-    _signal(ranks, procs.pids_with_env("TESTBED_GROUP_RUN", tag, include_self=False), sig)
-
-
-def check_real(real: Sequence[str], chosen: Sequence[str]) -> list[str]:
-    """--real against the run's workers: every one of them among them, and at least one phantom left."""
-    real = list(real)
-    unknown = [w for w in real if w not in chosen]
-    if unknown:
-        raise RunError(f"--real {', '.join(unknown)}: not among the run's workers ({', '.join(chosen)})")
-    if not real or len(set(real)) == len(chosen):
-        raise RunError("--real needs at least one real worker and one phantom among the run's workers")
-    return real
-
-
-def _make_phantoms(ranks: list[Rank], real: set[str], chan: Path, runtime: str,
-                   leader_rank: int | None = None, leader_here: bool = True,
-                   relay_out: bool = False) -> tuple[list[str], list[str]]:
-    """Turn the ranks of workers not in `real` into phantoms: same environment, the phantom module
-    as the command, and a FIFO each on which the lowest real rank announces its operations (with
-    no real rank, a replay: the launcher feeds them; leader_rank is the recorded rank). Returns
-    the phantoms' FIFOs and the checking ranks'. Every other real rank gets one too
-    (TESTBED_PHANTOM_CHECK): it compares each of its operations with the leader's, so
-    rank-dependent control flow stops the run with both operations named instead of hanging the
-    phantoms.
-
-    Over several hosts (testbed.jobs.relay): leader_here False: the leader (rank leader_rank) is on
-    another host, every real rank here checks and the FIFOs are fed by the relay; relay_out: the
-    leader is here and announces on one more FIFO too, relay.FIFO_NAME, for the other hosts.
-
-    Under torchrun a worker's Rank is its agent, and which global ranks it gets is the rendezvous'
-    choice: FIFOs are named by worker and local rank, the phantom agent runs the phantom module
-    with the job's torchrun options, and the real agent's local rank 0 leads."""
-    chan.mkdir(mode=0o755)
-    reals = [r for r in ranks if r.worker in real]
-    leader = reals[0] if reals and leader_here else None
-    leader_rank = leader.rank if leader is not None else int(leader_rank or 0)
-    fifos = []
-    pkg_root = str(Path(__file__).resolve().parents[2])
-    python = sys.executable
-    if runtime == "docker":
-        from testbed.runtime.docker import PKG_TARGET
-
-        pkg_root, python = PKG_TARGET, "python3"
-    for r in ranks:
-        if r.worker in real:
-            continue
-        r.phantom = True
-        env = {k: v for k, v in r.env.items() if k not in ("TESTBED_PROBE_DIR", "PYTHONPATH")}
-        if r.local_rank is None:   # a torchrun agent: one FIFO per local rank
-            nproc = int(r.env.get("LOCAL_WORLD_SIZE", "1"))
-            names = [f"{r.worker}-{lr}" for lr in range(nproc)]
-            r.label = f"{r.worker}:torchrun-phantoms"
-            r.argv = torchrun_module_argv(r.argv, "testbed.jobs.phantom")
-            stem = f"{r.worker}-{{LOCAL_RANK}}"
-        else:
-            names = [f"rank-{r.rank}"]
-            r.label = f"{r.worker}:p{r.rank}"
-            r.argv = [python, "-m", "testbed.jobs.phantom"]
-            stem = names[0]
-        for n in names:
-            os.mkfifo(chan / f"{n}.fifo", 0o600)
-            fifos.append(str(chan / f"{n}.fifo"))
-        r.env = {**env, "PYTHONPATH": pkg_root, "TESTBED_PHANTOM_IN": str(chan / f"{stem}.fifo"),
-                 "TESTBED_PHANTOM_STATS": str(chan / f"stats-{stem}.json")}
-        if leader_rank is not None:
-            r.env["TESTBED_PHANTOM_LEADER"] = str(leader_rank)
-    checks = []
-    for r in reals[1:] if leader is not None else reals:   # the others: each compares its operations with the leader's
-        stem = f"check-{r.worker}-{{LOCAL_RANK}}" if r.local_rank is None else f"check-rank-{r.rank}"
-        nproc = int(r.env.get("LOCAL_WORLD_SIZE", "1")) if r.local_rank is None else 1
-        for lr in range(nproc):
-            path = chan / (stem.replace("{LOCAL_RANK}", str(lr)) + ".fifo")
-            os.mkfifo(path, 0o600)
-            checks.append(str(path))
-        r.env["TESTBED_PHANTOM_CHECK"] = str(chan / f"{stem}.fifo")
-        r.env["TESTBED_PHANTOM_LEADER"] = str(leader_rank)
-    if leader is not None:
-        out = fifos + checks
-        if relay_out:
-            os.mkfifo(chan / relay.FIFO_NAME, 0o600)
-            out.append(str(chan / relay.FIFO_NAME))
-        leader.env["TESTBED_PHANTOM_OUT"] = os.pathsep.join(out)
-        if leader.local_rank is None:
-            leader.env["TESTBED_PHANTOM_LEADER_LOCAL_RANK"] = "0"   # its other local ranks do not announce
-    return fifos, checks
-
-
-# torchrun options that take no value: the first other word not starting with "-" is the script
-_TORCHRUN_FLAGS = {"--standalone", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
-                   "--virtual-local-rank", "--virtual_local_rank"}
-
-
-def torchrun_module_argv(argv: Sequence[str], module: str) -> list[str]:
-    """A torchrun command line with its script (and the script's arguments) replaced by `python -m
-    module`: the same launcher, rendezvous and local ranks, another program."""
-    argv = list(argv)
-    i = 3 if not os.path.basename(argv[0]).startswith("torchrun") else 1
-    opts: list[str] = []
-    while i < len(argv):
-        a = argv[i]
-        if not a.startswith("-"):
-            break
-        i += 1
-        if a in _TORCHRUN_FLAGS:
-            continue   # how to run the script: ours is a module
-        opts.append(a)
-        if "=" not in a and i < len(argv):
-            opts.append(argv[i])
-            i += 1
-    head = argv[:3] if not os.path.basename(argv[0]).startswith("torchrun") else argv[:1]
-    return head + opts + ["-m", module]
-
-
-def _real_and_phantom_ranks(ranks: list[Rank], world: int, stats: dict[str, Any] | None) -> dict[str, list[int]]:
-    """Which global ranks were real and which phantom. Under torchrun the rendezvous chose: the
-    phantoms say theirs in their stats, the rest were real."""
-    if all(r.rank is not None for r in ranks):
-        return {"real_ranks": [r.rank for r in ranks if not r.phantom],
-                "phantom_ranks": [r.rank for r in ranks if r.phantom]}
-    phantom = sorted({int(x) for x in (stats or {}).get("ranks") or [] if isinstance(x, int) and 0 <= x < world})
-    return {"real_ranks": [x for x in range(world) if x not in phantom], "phantom_ranks": phantom}
-
-
-def rank_ranges(ranks: Sequence[int]) -> str:
-    """Ranks as ranges, sorted, each once: [0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
-    runs: list[list[int]] = []   # [first, last] of each run of consecutive ranks
-    for x in sorted(set(ranks)):
-        if runs and x == runs[-1][1] + 1:
-            runs[-1][1] = x
-        else:
-            runs.append([x, x])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
-def ranks_line(summary: Mapping[str, Any]) -> str | None:
-    """What the console says of a run with phantoms (its summary.json, one host's or the
-    controller's merge): which ranks were real, on which workers, and which phantoms, e.g.
-    "ranks: 1 real (0 on w0), 63 phantoms (1-63)". None for a run without phantoms. Under torchrun
-    the ranks do not say their global rank (the rendezvous chose): the real ones are then said to
-    be on the real workers, all together."""
-    ph = summary.get("phantoms")
-    if not isinstance(ph, dict):
-        return None
-
-    def ints(v: Any) -> list[int]:
-        return [x for x in v if isinstance(x, int) and not isinstance(x, bool)] if isinstance(v, list) else []
-
-    real, phantoms = ints(ph.get("real_ranks")), ints(ph.get("phantom_ranks"))
-    if not phantoms:
-        return None
-    where: dict[str, list[int]] = {}   # worker -> its real ranks, in rank order
-    for r in summary.get("ranks") or []:
-        if isinstance(r, dict) and r.get("rank") in real and not r.get("phantom"):
-            where.setdefault(str(r.get("worker")), []).append(r["rank"])
-    said = ""
-    if real and sorted(x for v in where.values() for x in v) == sorted(set(real)):
-        said = ", ".join(f"{rank_ranges(v)} on {w}" for w, v in sorted(where.items(), key=lambda kv: min(kv[1])))
-    elif real:
-        rw = ph.get("real_workers")
-        workers = [str(w) for w in rw] if isinstance(rw, list) else []
-        said = rank_ranges(real) + (f" on {','.join(workers)}" if workers else "")
-    head = f"{len(set(real))} real ({said})" if real else "none real (a replay)"
-    n = len(set(phantoms))
-    return f"ranks: {head}, {n} phantom{'' if n == 1 else 's'} ({rank_ranges(phantoms)})"
-
-
-@dataclass
-class Trace:
-    """A recorded sequence of operations (what the mirror announced), for --replay."""
-    source: Path
-    lines: list[bytes]
-    times: list[float]     # each line's recorded wall time
-    world: int
-    rank: int
-    dilation: float        # of the recorded run (1 when unknown)
-    kind: str = "testbed"  # or "chakra": an MLCommons Chakra execution trace (testbed.jobs.chakra)
-    skipped: dict[str, int] = field(default_factory=dict)   # what the trace holds that cannot be replayed
-
-
-TRACE_MAX_BYTES = 256 << 20
-
-
-def load_trace(path: str | os.PathLike) -> Trace:
-    """A trace from a run directory (its probe/ops-N.jsonl) or the file itself, checked line by
-    line: JSON objects with the fields the phantoms read, an init first, at most 256 MiB."""
-    p = Path(path)
-    run_dir = None
-    from testbed.jobs import chakra
-
-    if p.exists() and chakra.is_chakra(p):
-        try:
-            c = chakra.convert(p)
-        except chakra.ChakraError as exc:
-            raise RunError(str(exc)) from None
-        return Trace(c.source, c.lines, c.times, c.world, 0, 1.0, "chakra", c.skipped)
-    if p.is_dir():
-        run_dir = p
-        found = sorted((p / "probe").glob("ops-*.jsonl")) if (p / "probe").is_dir() else []
-        if not found:
-            raise RunError(f"{p}: no recorded operations (probe/ops-N.jsonl): record a run with "
-                           "`testbed run --record-ops -- ...` (or --real) first")
-        p = found[0]
-    if not p.is_file() or p.is_symlink() or p.stat().st_size > TRACE_MAX_BYTES:
-        raise RunError(f"{p}: not a plain trace file of at most {TRACE_MAX_BYTES >> 20} MiB")
-    lines, times = [], []
-    world = rank = None
-    for i, raw in enumerate(p.read_bytes().splitlines(), 1):
-        try:
-            obj = json.loads(raw)
-        except ValueError:
-            raise RunError(f"{p}:{i}: not JSON") from None
-        if not isinstance(obj, dict) or obj.get("ev") not in ("init", "op", "new_group", "end"):
-            raise RunError(f"{p}:{i}: not an operation record (ev init, op, new_group or end)")
-        t = obj.get("t")
-        if obj["ev"] != "new_group" and not isinstance(t, (int, float)):
-            raise RunError(f"{p}:{i}: field t: not a time ({t!r})")
-        if obj["ev"] == "init":
-            world, rank = obj.get("world"), obj.get("rank", 0)
-        elif world is None:
-            raise RunError(f"{p}:{i}: an operation before the init record")
-        if obj["ev"] == "end":
-            break
-        lines.append(raw)
-        times.append(float(t) if isinstance(t, (int, float)) else (times[-1] if times else 0.0))
-    if not isinstance(world, int) or world < 2 or not isinstance(rank, int) or not 0 <= rank < world:
-        raise RunError(f"{p}: the init record names no world size and rank (world {world!r}, rank {rank!r})")
-    s = 1.0
-    if run_dir is not None:
-        summary = rundir.read_json(run_dir / "summary.json") or {}
-        f = (summary.get("time_dilation") or {}).get("factor") if isinstance(summary, dict) else None
-        s = float(f) if isinstance(f, (int, float)) and f >= 1 else 1.0
-    return Trace(p, lines, times, world, rank, s)
-
-
-def _feed(trace: Trace, fifos: Sequence[str], s_now: float, stop: threading.Event) -> None:
-    """Play the trace to every phantom: each line at its recorded offset, in emulated time (the
-    recorded gap / its run's factor x this run's factor), with its time field set to when it is
-    sent (the phantoms' lateness is measured against it); then the end."""
-    fds = [os.open(f, os.O_RDWR | os.O_CLOEXEC) for f in fifos]
-    try:
-        scale = s_now / trace.dilation
-        t0, first = time.monotonic(), trace.times[0] if trace.times else 0.0
-        for raw, t in zip(trace.lines + [b'{"ev":"end"}'], trace.times + [trace.times[-1] if trace.times else 0.0]):
-            wait = t0 + (t - first) * scale - time.monotonic()
-            if wait > 0 and stop.wait(wait):
-                return
-            obj = json.loads(raw)
-            obj["t"] = time.time()
-            line = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
-            for fd in fds:
-                view = memoryview(line)
-                while view:
-                    view = view[os.write(fd, view):]
-            if stop.is_set():
-                return
-        # Held open until the run ends: a FIFO's buffered lines are freed with its last open end, so
-        # a short trace played before a phantom opened its FIFO (Python and torch take seconds to
-        # start) would otherwise never reach it.
-        stop.wait()
-    except OSError:
-        return   # the run is ending: the phantoms' FIFOs went with it
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def _cap_real_workers(cluster: Cluster, real: Sequence[str], nproc: int, capped: list[str],
-                      echo: Callable[[str], None] | None) -> float | None:
-    """Slow the real ranks' compute by the dilation factor, as sharing the cores with the other ranks
-    would have: with phantoms (which compute nothing) a real rank would otherwise get a whole core
-    and compute s times faster than its emulated server. The same cgroup quota as `testbed node
-    slow`, for the run only; workers already slowed keep their limit. Appends what it capped."""
-    from testbed import node_cpus
-
-    cpus = nproc / float(cluster.time_dilation or 1.0)
-    if cpus >= _cores() or cluster.dilation.get("cap_cpu"):   # capped at `up` already (1/s, or auto's share)
-        return None
-    mine = [w for w in real if w not in _user_slowed(cluster)]
-    try:
-        node_cpus.nodes_slow(cluster.name, mine, cpus)
-    except TestbedError as exc:
-        if echo is not None:
-            echo(f"[testbed] could not limit {', '.join(mine)} to {cpus:g} CPUs ({exc}): their ranks compute "
-                 "faster than under dilation")
-        return None
-    capped.extend(mine)
-    return cpus
-
-
-def _user_slowed(cluster: Cluster) -> set[str]:
-    """Workers under the user's own `node slow`: theirs to undo, the run leaves them alone."""
-    from testbed import store
-
-    nodes = (store.load(cluster.name).get("faults") or {}).get("nodes") or {}
-    return {w for w, f in nodes.items() if "cpus" in (f or {})}
-
-
-def _uncap(cluster: Cluster, capped: list[str], echo: Callable[[str], None] | None) -> None:
-    from testbed import node_cpus
-
-    if not capped:
-        return
-    try:
-        node_cpus.nodes_restore(cluster.name, capped)
-    except TestbedError as exc:
-        if echo is not None:
-            echo(f"[testbed] {', '.join(capped)} keep the run's CPU limit ({exc}): testbed node restore NODE")
 
 
 def _keep_events(rd: Path, name: str, t0: float, t1: float) -> None:
@@ -1295,7 +673,7 @@ def _step_milestones(name: str, run_id: str, steps: rundir.StepReader, milestone
     return milestone
 
 
-def _save_stacks(rd: Path, name: str, run_id: str, echo: Callable[[str], None] | None) -> str | None:
+def save_stacks(rd: Path, name: str, run_id: str, echo: Callable[[str], None] | None) -> str | None:
     """Every rank's stack into the run directory (a hung or timed-out job); its path, or None."""
     from testbed.jobs import stacks
 
@@ -1305,98 +683,10 @@ def _save_stacks(rd: Path, name: str, run_id: str, echo: Callable[[str], None] |
     return str(path) if path else None
 
 
-def _phantom_stats(chan: Path) -> dict[str, Any]:
-    """What the phantoms wrote at their end: operations mirrored, how late they read announcements."""
-    rows = []
-    for f in sorted(chan.glob("stats-*.json")) if chan.is_dir() else []:
-        try:
-            if f.is_file() and not f.is_symlink() and f.stat().st_size < 65536:
-                rows.append(json.loads(f.read_text()))
-        except (OSError, ValueError):
-            continue
-    rows = [r for r in rows if isinstance(r, dict)]
-    late = [r["announce_late_s"] for r in rows if isinstance(r.get("announce_late_s"), dict)
-            and isinstance(r["announce_late_s"].get("p50"), (int, float))]
-    warnings = sorted({str(w) for r in rows if isinstance(r.get("warnings"), list) for w in r["warnings"]})
-    return {"ranks": [r.get("rank") for r in rows],
-            "ops_mirrored": [r.get("ops") for r in rows], "errors": [r["error"] for r in rows if r.get("error")],
-            "warnings": warnings[:20],
-            # the median: the first announcements wait for the phantoms' own start (torch's import)
-            "announce_late_p50_s": statistics.median(x["p50"] for x in late) if late else None,
-            "announce_late_max_s": max((x["max"] for x in late), default=None)}
-
-
 def _cores() -> int:
     from testbed.lifecycle import cores
 
     return cores()
-
-
-def _shared_dir(cluster: Cluster, run_id: str) -> Path:
-    """<state dir>/runs/<run id>: where ranks write (the state dir is visible in every worker)."""
-    base = cluster.state_dir
-    if base is None:
-        from testbed import paths
-
-        base = paths.directory(cluster.name)
-    return Path(base) / "runs" / run_id
-
-
-def _collect_probe(rd: Path, shared: Path) -> None:
-    """Replace the run dir's probe link with a directory holding the ranks' files; remove `shared`.
-    Each file is opened once (no link followed, never waited on), checked on that descriptor and
-    copied from it: what is checked is what is copied."""
-    try:
-        _copy_probe(rd, shared)
-    finally:
-        shutil.rmtree(shared, ignore_errors=True)   # <state dir>/runs stays: Docker workers mount it
-
-
-def _copy_probe(rd: Path, shared: Path) -> None:
-    base, rel = safeio.path_beneath_runs(rd / "probe")
-    run_fd = safeio.open_dir_beneath(base, rel.parent)   # (refuses a run directory, or runs/, become a link)
-    try:   # testbed's live link goes; a directory there stays
-        if stat.S_ISLNK(os.lstat("probe", dir_fd=run_fd).st_mode):
-            os.unlink("probe", dir_fd=run_fd)
-    except FileNotFoundError:
-        pass
-    finally:
-        os.close(run_fd)
-    dst = safeio.open_dir_beneath(base, rel, create=True)
-    try:
-        src = safeio.open_dir_beneath(shared, "probe")
-    except (OSError, safeio.Unsafe):
-        src = -1
-    try:
-        for name in sorted(os.listdir(src)) if src >= 0 else []:
-            # only the ranks' own files, plain and of a sane size: a rank is not trusted to name them
-            if not PROBE_FILE.fullmatch(name):
-                continue
-            try:
-                fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=src)
-            except OSError:
-                continue
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_size > PROBE_FILE_MAX_BYTES:
-                    continue
-                out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                              dir_fd=dst)
-                try:   # (the state dir is on a tmpfs, the run dir on disk: copied, not renamed)
-                    left = PROBE_FILE_MAX_BYTES
-                    while left > 0 and (chunk := os.read(fd, min(1 << 20, left))):
-                        os.write(out, chunk)
-                        left -= len(chunk)
-                finally:
-                    os.close(out)
-            except OSError:
-                continue
-            finally:
-                os.close(fd)
-    finally:
-        os.close(dst)
-        if src >= 0:
-            os.close(src)
 
 
 def format_cmd(cmd: Sequence[str]) -> str:

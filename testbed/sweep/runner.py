@@ -295,7 +295,7 @@ class Runner:
     # one run
 
     def _cluster(self) -> Any:
-        from testbed.jobs.run import cluster_from_state
+        from testbed.jobs.target import cluster_from_state
 
         return cluster_from_state(self.name)   # its topology: what the links run at (link set's profiles)
 

@@ -86,7 +86,8 @@ def _link_bytes(summary: dict) -> int:
 
 def run_check() -> None:
     from testbed import lifecycle
-    from testbed.jobs.run import cluster_from_state, run
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
 
     def overtime(signum, frame):
         raise Overtime(f"the check ran past {CHECK_ALARM_S} s")
