@@ -202,6 +202,29 @@ def test_phantoms_keep_ups_cpu_cap_and_node_restore_gives_it_back(testbed, tmp_p
     assert {w: _cfs_quota(cl.name, w) for w in workers} == {w: capped for w in workers}
 
 
+def test_a_ctrl_c_before_the_ranks_start_undoes_the_runs_cap_and_folder(star, tmp_path):
+    """A Ctrl-C after the run capped its real worker and made its exchange folder, before any rank
+    started (here: in on_start): the cap is lifted, the folder is gone, nothing was started."""
+    from testbed import store
+    from testbed.jobs.ranks import tagged_pids
+    from testbed.jobs.run import run
+
+    seen: dict[str, object] = {}
+
+    def ctrl_c(_rd, probe_dir):
+        seen.update(quota=_cfs_quota(star.name, "w0"), shared=probe_dir.parent)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(star, [sys.executable, "-c", "pass"], echo=False, base_dir=tmp_path, workdir=str(REPO), monitor=False,
+            timeout=60, real=["w0"], on_start=ctrl_c)
+    assert seen["quota"] != -1, "s = 1 on 2 cores: the real rank's worker is capped at one core while it runs"
+    assert _cfs_quota(star.name, "w0") == -1
+    assert "cpus" not in (((store.load(star.name).get("faults") or {}).get("nodes") or {}).get("w0") or {})
+    assert not Path(seen["shared"]).exists()
+    assert tagged_pids(Path(seen["shared"]).name) == []
+
+
 def test_point_to_point_is_refused_clearly(star, tmp_path):
     from testbed.jobs.run import run
 

@@ -56,7 +56,6 @@ import json
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -65,7 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from testbed import events, procs, safeio, terminal
+from testbed import events, safeio
 from testbed.errors import RunError
 from testbed.jobs import counters, relay, rundir
 from testbed.jobs import groups as groups_mod
@@ -73,22 +72,14 @@ from testbed.jobs.phantom_ranks import (cap_real_workers, check_real, feed_trace
                                         read_phantom_stats, real_and_phantom_ranks, uncap)
 from testbed.jobs.probe import PROBE_PATH
 from testbed.jobs.probe_files import collect_probe, shared_dir
-from testbed.jobs.ranks import Rank, exit_status, signal_all, signal_group, tagged_pids
-from testbed.jobs.run_groups import RESTART_DELAY_S, GroupState, fresh_records, group_ranks, workers_down
+from testbed.jobs.ranks import Rank, exit_status
+from testbed.jobs.run_groups import group_ranks
+from testbed.jobs.supervise import Supervisor
 from testbed.jobs.target import Cluster, select_workers
-from testbed.jobs.torchrun import RANK_PREFIX, TORCHRUN_PREFIX_TEMPLATE, is_elastic, is_torchrun, torchrun_argv
+from testbed.jobs.torchrun import TORCHRUN_PREFIX_TEMPLATE, is_elastic, is_torchrun, torchrun_argv
 
 DEFAULT_GRACE_S = 5.0
-PHANTOM_GRACE_S = 10.0     # after the real ranks ended: time for the phantoms to read "end" and leave
 LATENCY_BURST = 12         # small all_reduces the probe times after init_process_group (the verdict's alpha)
-LINE_MAX = 1 << 16         # a rank's output line longer than this is cut
-KILL_AFTER_S = 2.0
-
-
-# -- how commands reach workers ---------------------------------------------------------------------------
-
-
-# -- the cluster a run targets --------------------------------------------------------------------------------
 
 
 # -- the run ----------------------------------------------------------------------------------------------
@@ -195,6 +186,9 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     master = master or chosen[0]
     if master not in chosen:
         raise RunError(f"master {master!r} is not among the selected workers ({', '.join(chosen)})")
+    if trace is not None and trace.world != len(chosen) * nproc_per_node:
+        raise RunError(f"{trace.source} is a {trace.world}-rank job; this run has {len(chosen) * nproc_per_node} "
+                       "ranks (--workers, --nproc-per-node)")
     import random
 
     port = int(port or random.randint(20000, 29999))
@@ -203,244 +197,167 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     rd = rundir.create(cluster.name, base_dir)
     # What the ranks write lives in the testbed's state dir (visible in every worker, same path).
     shared = shared_dir(cluster, run_id)
-    probe_dir = shared / "probe"
-    probe_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(shared, 0o755)      # ranks run as root in both runtimes: nobody else needs to write here
-    os.chmod(probe_dir, 0o755)
-    job_dir = shared / "job"   # the job's own shared folder (a checkpoint every worker sees), gone at the end
-    job_dir.mkdir(mode=0o755)
-    (rd / "probe").rmdir()
-    (rd / "probe").symlink_to(probe_dir)   # live view (progress bars, scenario players)
-    probe_path, pythonpath = PROBE_PATH, os.environ.get("PYTHONPATH", "")
-    if cluster.runtime == "docker":       # the package is mounted at PKG_TARGET there
-        from testbed.runtime.docker import PKG_TARGET
-
-        probe_path, pythonpath = f"{PKG_TARGET}/testbed/jobs/probe", PKG_TARGET
-    torchrun = is_torchrun(cmd)
-    world = len(chosen) * nproc_per_node
-    master_addr = cluster.address[master]
-    if echo is True:
-        def echo(line: str) -> None:
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
-    elif echo is False:
-        echo = None
-
-    # Topology snapshot and counters before.
-    topo = cluster.topology
-    nodes = list(topo.nodes) if topo is not None else list(chosen)
-    if cluster.part is not None:
-        nodes = [n for n in nodes if n in cluster.part]
-    if topo is not None:
-        rundir.write_json(rd / "topology.json", {**topo.to_json(), "hosts": cluster.address})
-    before = counters.snapshot(cluster.name, nodes, cluster.netns_of)
-    rundir.write_json(rd / "counters-before.json", before)
-
-    # The processes.
-    common = {k: v for k, v in os.environ.items() if not k.startswith(("TESTBED_", "TORCHELASTIC_"))
-              and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    common.update({"PATH": _base_path(), "PYTHONUNBUFFERED": "1"})
-    common.setdefault("OMP_NUM_THREADS", "1")
-    ranks: list[Rank] = []
-    gports: dict[str, int] = {}
-    if job is not None:
-        ranks, gports = group_ranks(cluster, job, port, run_id, shared, probe_dir if probe else None,
-                                     probe_path, pythonpath, env or {}, emulated_clock, str(rd))
-        world = sum(1 for r in ranks if r.local_rank is not None) + sum(
-            int(r.env["LOCAL_WORLD_SIZE"]) for r in ranks if r.local_rank is None)
-    for node_rank, w in enumerate(chosen if job is None else []):
-        wenv = {
-            "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
-            "GROUP_RANK": str(node_rank), "NODE_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(len(chosen)),
-            "LOCAL_WORLD_SIZE": str(nproc_per_node),
-            # NCCL/gloo interface, host id and GPUs come with the worker's own environment (runtime)
-            "TESTBED_NAME": cluster.name, "TESTBED_WORKER": w, "TESTBED_RUN_ID": run_id,
-            "TESTBED_RUN_DIR": str(rd), "TESTBED_TIME_DILATION": repr(float(cluster.time_dilation)),
-            "TESTBED_EMULATED_CLOCK": "1" if emulated_clock else "0", "TESTBED_JOB_DIR": str(job_dir),
-            "TESTBED_ADDR": cluster.address[w],
-        }
-        if probe:
-            wenv["TESTBED_PROBE_DIR"] = str(probe_dir)
-            wenv["PYTHONPATH"] = probe_path + (os.pathsep + pythonpath if pythonpath else "")
-            # every rank runs it, or none: phantoms mirror the real ranks' (the leader announces it);
-            # not into a recorded trace, which a replay would play back as the job's own
-            if replay is None and not record_ops:
-                wenv["TESTBED_LATENCY_BURST"] = str(LATENCY_BURST)
-        wenv.update(env or {})
-        if torchrun:
-            wenv.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", TORCHRUN_PREFIX_TEMPLATE)
-            argv = torchrun_argv(cmd, len(chosen), nproc_per_node, f"{master_addr}:{port}", run_id,
-                                 is_host=(w == master), log_dir=str(shared / "torchrun" / w))
-            ranks.append(Rank(w, node_rank, None, None, f"{w}:torchrun", argv, {**wenv}))
-            continue
-        for lr in range(nproc_per_node):
-            rank = node_rank * nproc_per_node + lr
-            renv = {**wenv, "RANK": str(rank), "LOCAL_RANK": str(lr), "ROLE_RANK": str(rank),
-                    "ROLE_WORLD_SIZE": str(world), "ROLE_NAME": "default", "TESTBED_RANK": str(rank),
-                    "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
-                    "TORCHELASTIC_MAX_RESTARTS": "0"}
-            ranks.append(Rank(w, node_rank, lr, rank, f"{w}:r{rank}", list(cmd), renv))
-    ranks = [r for r in ranks if r.worker in here]   # over several hosts: this host's ranks only
+    # Until the ranks start, whatever fails (or a Ctrl-C) undoes what the run made so far: the
+    # exchange folder, the real ranks' CPU cap, the monitor, the logs (the `finally` below).
+    sup = mon = mirror = outbound = inbound = old_term = None
+    logs: dict[str, Any] = {}
     feeds: list[str] = []
     checks: list[str] = []
-    outbound = inbound = None
-    if real is not None:
-        feeds, checks = make_phantoms(ranks, set(real), shared / "phantom", cluster.runtime,
-                                       leader_rank=None if torchrun else chosen.index(leader_worker) * nproc_per_node,
-                                       leader_here=leads_here, relay_out=leads_here and relay_send is not None)
-    elif trace is not None:
-        if trace.world != world:
-            raise RunError(f"{trace.source} is a {trace.world}-rank job; this run has {world} ranks "
-                           f"(--workers, --nproc-per-node)")
-        feeds, _ = make_phantoms(ranks, set(), shared / "phantom", cluster.runtime, leader_rank=trace.rank)
-    if leads_here or (record_ops and real is None):
-        lead = next(r for r in ranks if not r.phantom)   # the lowest real rank, or torchrun's agent there
-        lead.env["TESTBED_OPS_TRACE"] = str(probe_dir / f"ops-{'{RANK}' if lead.rank is None else lead.rank}.jsonl")
-        if lead.rank is None:
-            lead.env["TESTBED_PHANTOM_LEADER_LOCAL_RANK"] = "0"   # one of the agent's ranks records
-
-    logs: dict[str, Any] = {w: rundir.open_append(rd / "logs" / f"{w}.log") for w in here}
-    log_lock = threading.Lock()
-    readers: list[threading.Thread] = []
-
-    def pump(r: Rank, proc: subprocess.Popen) -> None:
-        assert proc.stdout is not None
-        label = r.label
-        # a line waiting for its newline is bounded (LINE_MAX); what a rank prints is shown inert
-        for raw in safeio.lines_of_fd(proc.stdout.fileno(), LINE_MAX):
-            line = terminal.inert(raw.decode(errors="replace"))
-            if r.local_rank is None:   # torchrun: "[rN]:line" is rank N's
-                m = RANK_PREFIX.match(line)
-                label = (f"{r.worker}:{(r.group + '.') if r.group else ''}{'p' if r.phantom else 'r'}{m.group(1)}"
-                         if m else r.label)
-                if m:
-                    line = line[m.end():]
-            with log_lock:
-                logs[r.worker].write(f"[{label.split(':', 1)[1]}] {line}\n")
-                if echo is not None:
-                    echo(f"[{label}] {line}")
-        proc.stdout.close()
-
-    from testbed.topology.dilation import rank_cores
-
-    summary: dict[str, Any] = {
-        "testbed": cluster.name, "run_id": run_id, "run_dir": str(rd), "cmd": cmd,
-        "launcher": "groups" if job is not None else "torchrun" if torchrun else "env",
-        "elastic": is_elastic(cmd), "workers": chosen, "nproc_per_node": nproc_per_node,
-        "world_size": world, "master": master, "master_addr": master_addr, "master_port": port,
-        "workdir": workdir, "probe": probe, "env": dict(env or {}), "grace_s": grace, "timeout_s": timeout,
-        "time_dilation": {"factor": float(cluster.time_dilation), "source": cluster.dilation_source,
-                          "setting": cluster.dilation.get("setting"), "reasons": cluster.dilation.get("reasons"),
-                          "cap_cpu": bool(cluster.dilation.get("cap_cpu")),
-                          "rank_cores": rank_cores(cluster.dilation)},
-        "emulated_clock": bool(probe and emulated_clock and cluster.time_dilation > 1),
-        "machine": machine.to_json() if machine is not None else None, "gpus": cluster.gpus, "cores": _cores(),
-        "started": time.time(),
-    }
     capped: list[str] = []
-    if real is not None:
-        summary["real_cpu_cap"] = cap_real_workers(cluster, [w for w in real if w in here], nproc_per_node,
-                                                    capped, echo)
-    rundir.write_json(rd / "summary.json", {**summary, "status": "running"})
-    events.emit(cluster.name, "run", f"run {run_id} started: {world} rank(s) on {len(chosen)} worker(s)"
-                + (f", {len(feeds)} phantom(s)" if feeds else "") + f": {shlex.join(cmd)[:200]}",
-                run_id=run_id, run_dir=str(rd))
-    steps = rundir.StepReader(probe_dir)
-    next_poll, milestone = 0.0, 1
     not_kept: list[str] = []   # what could not be written into the run directory at the end
-    if on_start is not None:
-        on_start(rd, probe_dir)
-
     stop_feed = threading.Event()
-    first_fail: Rank | None = None
-    reason = "completed"
-    rc = 0
-    stop_at: float | None = None
-    killed_at: float | None = None
-    t_start = time.monotonic()
-    mon = None
-    if monitor:
-        from testbed.jobs.monitor import Monitor
-
-        try:
-            from testbed.runtime import cgroups
-
-            groups = cgroups.groups_of(cluster.name) if cluster.runtime == "netns" else None   # Docker's are its own
-            mon = Monitor(cluster.netns_of, cluster.delay_lines, _cores(), groups=groups or None).start()
-        except Exception as exc:   # evidence missing is reported by the verdict, the run goes on
-            if echo is not None:
-                echo(f"[testbed] monitor not started ({exc}); the verdict will lack CPU and link samples")
-    def spawn(r: Rank) -> None:
-        full_env = {**common, **r.env}
-        argv = cluster.executor.argv(r.worker, r.argv, r.env, workdir)
-        r.started, r.rc, r.ended = time.time(), None, None
-        r.proc = subprocess.Popen(argv, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
-        t = threading.Thread(target=pump, args=(r, r.proc), daemon=True)
-        t.start()
-        readers.append(t)
-
-    gstate = {g.name: GroupState(g, g.restarts) for g in job.groups} if job is not None else {}
-    elastic = job is None and real is None and trace is None and is_elastic(cmd)
-    lost: dict[str, list[Any]] = {}   # elastic agents that ended: label -> [rank, decide by, lost with its node]
-    next_lost_check = 0.0
-
-    def _group_failed(gs: GroupState, r: Rank, now: float) -> None:
-        """A rank of a group that may restart failed: its other ranks are ended, then it starts again."""
-        code = exit_status(r.rc)
-        gs.state, gs.since, gs.killed = "stopping", now, False
-        gs.failures.append({"label": r.label, "rc": code, "t": time.time()})
-        n = gs.group.restarts - gs.left + 1
-        msg = f"group {gs.group.name}: {r.label} exited with status {code}; restart {n} of {gs.group.restarts}"
-        events.emit(cluster.name, "run", f"run {run_id}: {msg}", run_id=run_id, group=gs.group.name, rc=code)
-        if echo is not None:
-            echo(f"[testbed] {msg} once its workers are up")
-        signal_group([x for x in ranks if x.group == gs.group.name], f"{run_id}.{gs.group.name}", signal.SIGTERM)
-
-    def _tend_groups(now: float, may_start: bool) -> int:
-        """Move failed groups on: ended -> waiting for their workers -> started again. Returns how many
-        groups are between two lives (the run is not over while one is)."""
-        between = 0
-        for gs in gstate.values():
-            mine = [x for x in ranks if x.group == gs.group.name]
-            tag = f"{run_id}.{gs.group.name}"
-            if gs.state == "stopping":
-                if all(x.proc is None or x.proc.poll() is not None for x in mine) \
-                        and not procs.pids_with_env("TESTBED_GROUP_RUN", tag, include_self=False):
-                    gs.state, gs.restart_at = "waiting", now + RESTART_DELAY_S
-                elif now - gs.since > KILL_AFTER_S and not gs.killed:
-                    signal_group(mine, tag, signal.SIGKILL)
-                    gs.killed = True
-            if gs.state == "waiting" and may_start and now >= gs.restart_at:
-                down = workers_down(cluster, gs.group.workers)
-                if down:
-                    gs.restart_at = now + 0.5   # a crashed node: started again by `node up` (or a scenario)
-                else:
-                    fresh_records(cluster)
-                    gs.left -= 1
-                    gs.state = "running"
-                    for x in mine:
-                        if x.proc is not None and x.rc is None:
-                            x.rc = x.proc.poll()
-                        x.starts += 1
-                        x.env["TORCHELASTIC_RESTART_COUNT"] = str(x.starts - 1)
-                        x.env["TESTBED_GROUP_RESTART"] = str(x.starts - 1)
-                        spawn(x)
-                    if echo is not None:
-                        echo(f"[testbed] group {gs.group.name} started again on {', '.join(gs.group.workers)}")
-            if gs.state != "running":
-                between += 1
-        return between
-
-    mirror = groups_mod.ProbeMirror(probe_dir, [g.name for g in job.groups]).start() \
-        if job is not None and probe else None
-    old_term = None
-    if threading.current_thread() is threading.main_thread():
-        def _term(signum, frame):
-            raise KeyboardInterrupt
-
-        old_term = signal.signal(signal.SIGTERM, _term)
     try:
+        probe_dir = shared / "probe"
+        probe_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(shared, 0o755)      # ranks run as root in both runtimes: nobody else needs to write here
+        os.chmod(probe_dir, 0o755)
+        job_dir = shared / "job"   # the job's own shared folder (a checkpoint every worker sees), gone at the end
+        job_dir.mkdir(mode=0o755)
+        (rd / "probe").rmdir()
+        (rd / "probe").symlink_to(probe_dir)   # live view (progress bars, scenario players)
+        probe_path, pythonpath = PROBE_PATH, os.environ.get("PYTHONPATH", "")
+        if cluster.runtime == "docker":       # the package is mounted at PKG_TARGET there
+            from testbed.runtime.docker import PKG_TARGET
+
+            probe_path, pythonpath = f"{PKG_TARGET}/testbed/jobs/probe", PKG_TARGET
+        torchrun = is_torchrun(cmd)
+        world = len(chosen) * nproc_per_node
+        master_addr = cluster.address[master]
+        if echo is True:
+            def echo(line: str) -> None:
+                sys.stdout.write(line + "\n")
+                sys.stdout.flush()
+        elif echo is False:
+            echo = None
+
+        # Topology snapshot and counters before.
+        topo = cluster.topology
+        nodes = list(topo.nodes) if topo is not None else list(chosen)
+        if cluster.part is not None:
+            nodes = [n for n in nodes if n in cluster.part]
+        if topo is not None:
+            rundir.write_json(rd / "topology.json", {**topo.to_json(), "hosts": cluster.address})
+        before = counters.snapshot(cluster.name, nodes, cluster.netns_of)
+        rundir.write_json(rd / "counters-before.json", before)
+
+        # The processes.
+        common = {k: v for k, v in os.environ.items() if not k.startswith(("TESTBED_", "TORCHELASTIC_"))
+                  and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        common.update({"PATH": _base_path(), "PYTHONUNBUFFERED": "1"})
+        common.setdefault("OMP_NUM_THREADS", "1")
+        ranks: list[Rank] = []
+        gports: dict[str, int] = {}
+        if job is not None:
+            ranks, gports = group_ranks(cluster, job, port, run_id, shared, probe_dir if probe else None,
+                                         probe_path, pythonpath, env or {}, emulated_clock, str(rd))
+            world = sum(1 for r in ranks if r.local_rank is not None) + sum(
+                int(r.env["LOCAL_WORLD_SIZE"]) for r in ranks if r.local_rank is None)
+        for node_rank, w in enumerate(chosen if job is None else []):
+            wenv = {
+                "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+                "GROUP_RANK": str(node_rank), "NODE_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(len(chosen)),
+                "LOCAL_WORLD_SIZE": str(nproc_per_node),
+                # NCCL/gloo interface, host id and GPUs come with the worker's own environment (runtime)
+                "TESTBED_NAME": cluster.name, "TESTBED_WORKER": w, "TESTBED_RUN_ID": run_id,
+                "TESTBED_RUN_DIR": str(rd), "TESTBED_TIME_DILATION": repr(float(cluster.time_dilation)),
+                "TESTBED_EMULATED_CLOCK": "1" if emulated_clock else "0", "TESTBED_JOB_DIR": str(job_dir),
+                "TESTBED_ADDR": cluster.address[w],
+            }
+            if probe:
+                wenv["TESTBED_PROBE_DIR"] = str(probe_dir)
+                wenv["PYTHONPATH"] = probe_path + (os.pathsep + pythonpath if pythonpath else "")
+                # every rank runs it, or none: phantoms mirror the real ranks' (the leader announces it);
+                # not into a recorded trace, which a replay would play back as the job's own
+                if replay is None and not record_ops:
+                    wenv["TESTBED_LATENCY_BURST"] = str(LATENCY_BURST)
+            wenv.update(env or {})
+            if torchrun:
+                wenv.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", TORCHRUN_PREFIX_TEMPLATE)
+                argv = torchrun_argv(cmd, len(chosen), nproc_per_node, f"{master_addr}:{port}", run_id,
+                                     is_host=(w == master), log_dir=str(shared / "torchrun" / w))
+                ranks.append(Rank(w, node_rank, None, None, f"{w}:torchrun", argv, {**wenv}))
+                continue
+            for lr in range(nproc_per_node):
+                rank = node_rank * nproc_per_node + lr
+                renv = {**wenv, "RANK": str(rank), "LOCAL_RANK": str(lr), "ROLE_RANK": str(rank),
+                        "ROLE_WORLD_SIZE": str(world), "ROLE_NAME": "default", "TESTBED_RANK": str(rank),
+                        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
+                        "TORCHELASTIC_MAX_RESTARTS": "0"}
+                ranks.append(Rank(w, node_rank, lr, rank, f"{w}:r{rank}", list(cmd), renv))
+        ranks = [r for r in ranks if r.worker in here]   # over several hosts: this host's ranks only
+        if real is not None:
+            feeds, checks = make_phantoms(ranks, set(real), shared / "phantom", cluster.runtime,
+                                           leader_rank=None if torchrun else chosen.index(leader_worker) * nproc_per_node,
+                                           leader_here=leads_here, relay_out=leads_here and relay_send is not None)
+        elif trace is not None:
+            feeds, _ = make_phantoms(ranks, set(), shared / "phantom", cluster.runtime, leader_rank=trace.rank)
+        if leads_here or (record_ops and real is None):
+            lead = next(r for r in ranks if not r.phantom)   # the lowest real rank, or torchrun's agent there
+            lead.env["TESTBED_OPS_TRACE"] = str(probe_dir / f"ops-{'{RANK}' if lead.rank is None else lead.rank}.jsonl")
+            if lead.rank is None:
+                lead.env["TESTBED_PHANTOM_LEADER_LOCAL_RANK"] = "0"   # one of the agent's ranks records
+
+        logs = {w: rundir.open_append(rd / "logs" / f"{w}.log") for w in here}
+
+        from testbed.topology.dilation import rank_cores
+
+        summary: dict[str, Any] = {
+            "testbed": cluster.name, "run_id": run_id, "run_dir": str(rd), "cmd": cmd,
+            "launcher": "groups" if job is not None else "torchrun" if torchrun else "env",
+            "elastic": is_elastic(cmd), "workers": chosen, "nproc_per_node": nproc_per_node,
+            "world_size": world, "master": master, "master_addr": master_addr, "master_port": port,
+            "workdir": workdir, "probe": probe, "env": dict(env or {}), "grace_s": grace, "timeout_s": timeout,
+            "time_dilation": {"factor": float(cluster.time_dilation), "source": cluster.dilation_source,
+                              "setting": cluster.dilation.get("setting"), "reasons": cluster.dilation.get("reasons"),
+                              "cap_cpu": bool(cluster.dilation.get("cap_cpu")),
+                              "rank_cores": rank_cores(cluster.dilation)},
+            "emulated_clock": bool(probe and emulated_clock and cluster.time_dilation > 1),
+            "machine": machine.to_json() if machine is not None else None, "gpus": cluster.gpus, "cores": _cores(),
+            "started": time.time(),
+        }
+        if real is not None:
+            summary["real_cpu_cap"] = cap_real_workers(cluster, [w for w in real if w in here], nproc_per_node,
+                                                        capped, echo)
+        rundir.write_json(rd / "summary.json", {**summary, "status": "running"})
+        events.emit(cluster.name, "run", f"run {run_id} started: {world} rank(s) on {len(chosen)} worker(s)"
+                    + (f", {len(feeds)} phantom(s)" if feeds else "") + f": {shlex.join(cmd)[:200]}",
+                    run_id=run_id, run_dir=str(rd))
+        steps = rundir.StepReader(probe_dir)
+        milestone = [1]
+        if on_start is not None:
+            on_start(rd, probe_dir)
+
+        if monitor:
+            from testbed.jobs.monitor import Monitor
+
+            try:
+                from testbed.runtime import cgroups
+
+                groups = cgroups.groups_of(cluster.name) if cluster.runtime == "netns" else None   # Docker's are its own
+                mon = Monitor(cluster.netns_of, cluster.delay_lines, _cores(), groups=groups or None).start()
+            except Exception as exc:   # evidence missing is reported by the verdict, the run goes on
+                if echo is not None:
+                    echo(f"[testbed] monitor not started ({exc}); the verdict will lack CPU and link samples")
+
+        def every_second() -> None:
+            milestone[0] = _step_milestones(cluster.name, run_id, steps, milestone[0])
+
+        def on_timeout() -> None:
+            summary["stacks"] = save_stacks(rd, cluster.name, run_id, echo)
+
+        sup = Supervisor(cluster, run_id, ranks, common_env=common, workdir=workdir, logs=logs, echo=echo, grace=grace,
+                         timeout=timeout, stop=stop, groups=job.groups if job is not None else (),
+                         elastic=job is None and real is None and trace is None and is_elastic(cmd),
+                         with_phantoms=real is not None,
+                         leader_ended=lambda: inbound is not None and inbound.ended.is_set(),
+                         every_second=every_second, on_timeout=on_timeout)
+        mirror = groups_mod.ProbeMirror(probe_dir, [g.name for g in job.groups]).start() \
+            if job is not None and probe else None
+        if threading.current_thread() is threading.main_thread():
+            def _term(signum, frame):
+                raise KeyboardInterrupt
+
+            old_term = signal.signal(signal.SIGTERM, _term)
         try:
             if real is not None and relay_send is not None and relay_listen is not None:
                 if leads_here:
@@ -448,134 +365,18 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                 else:
                     inbound = relay.Inbound(feeds + checks)
                     relay_listen(inbound)
-            for r in ranks:
-                spawn(r)
+            sup.start()
             if trace is not None:
                 feeder = threading.Thread(target=feed_trace, args=(trace, feeds, float(cluster.time_dilation or 1.0),
                                                               stop_feed), daemon=True)
                 feeder.start()
-            while True:
-                now = time.monotonic()
-                alive = 0
-                for r in ranks:
-                    if r.rc is None and r.proc is not None:
-                        code = r.proc.poll()
-                        if code is None:
-                            alive += 1
-                            continue
-                        r.rc, r.ended = code, time.time()
-                        gs = gstate.get(r.group or "")
-                        if gs is not None and gs.state != "running":
-                            continue   # a group being ended for its restart: its ranks' statuses are ours
-                        if code != 0 and gs is not None and gs.left > 0 and stop_at is None:
-                            _group_failed(gs, r, now)
-                            continue
-                        if code != 0 and elastic and r.local_rank is None and stop_at is None:
-                            # an elastic agent: lost with its node (crashed, down), or failed? the
-                            # state says, within a moment (node crash records the crash after its kills)
-                            lost[r.label] = [r, now + LOST_DECIDE_S, False]
-                            continue
-                        if code != 0 and first_fail is None and stop_at is None:
-                            first_fail = r
-                            rc = exit_status(code)
-                            reason = "rank failed"
-                            stop_at = now + grace
-                            if echo is not None:
-                                echo(f"[testbed] {r.label} exited with status {rc}; stopping the others "
-                                     f"in {grace:g}s")
-                if lost and stop_at is None and now >= next_lost_check:
-                    next_lost_check = now + 0.2
-                    for label, entry in list(lost.items()):
-                        r, decide_by, with_node = entry
-                        down = bool(workers_down(cluster, [r.worker]))
-                        if down and not with_node:
-                            entry[2] = with_node = True
-                            msg = (f"{r.label} (the torchrun agent) was lost with its node; it is started again "
-                                   f"when {r.worker} is up (testbed node up {r.worker})")
-                            events.emit(cluster.name, "run", f"run {run_id}: {msg}", run_id=run_id, worker=r.worker)
-                            if echo is not None:
-                                echo(f"[testbed] {msg}")
-                        if with_node and not down:
-                            del lost[label]
-                            fresh_records(cluster)
-                            r.starts += 1
-                            spawn(r)
-                            events.emit(cluster.name, "run", f"run {run_id}: {r.label} started again on "
-                                        f"{r.worker}", run_id=run_id, worker=r.worker)
-                            if echo is not None:
-                                echo(f"[testbed] {r.label} started again: it joins the job's next rendezvous")
-                        elif not with_node and now >= decide_by:   # its node is up: the agent itself failed
-                            del lost[label]
-                            if first_fail is None:
-                                first_fail, rc, reason = r, exit_status(r.rc), "rank failed"
-                                stop_at = now + grace
-                                if echo is not None:
-                                    echo(f"[testbed] {r.label} exited with status {rc}; stopping the others "
-                                         f"in {grace:g}s")
-                if stop_at is None:
-                    alive += len(lost)
-                if gstate:
-                    alive += _tend_groups(now, stop_at is None)
-                    if stop_at is None and all(r.rc is not None for r in ranks if not r.service) \
-                            and all(g.state == "running" for g in gstate.values()):
-                        # every group is done: the services (a lighthouse) have nothing left to serve
-                        reason, stop_at = ("completed" if rc == 0 else reason), now
-                if alive == 0:
-                    break
-                if real is not None and stop_at is None and (
-                        all(r.rc is not None for r in ranks if not r.phantom) if any(not r.phantom for r in ranks)
-                        else inbound is not None and inbound.ended.is_set()):
-                    # the real ranks are done (on a host of phantoms only: the leader said its end):
-                    # a phantom has nothing left to mirror
-                    reason, stop_at = ("completed" if rc == 0 else reason), now + PHANTOM_GRACE_S
-                if now >= next_poll:
-                    next_poll = now + 1.0
-                    milestone = _step_milestones(cluster.name, run_id, steps, milestone)
-                if timeout is not None and stop_at is None and now - t_start > timeout:
-                    reason, rc, stop_at = "timeout", 124, now
-                    if echo is not None:
-                        echo(f"[testbed] timeout after {timeout:g}s: taking every rank's stack, then stopping "
-                             "all ranks")
-                    summary["stacks"] = save_stacks(rd, cluster.name, run_id, echo)
-                if stop is not None and stop_at is None and stop.is_set():
-                    reason, rc, stop_at = "stopped", 143, now
-                    if echo is not None:
-                        echo("[testbed] asked to stop: stopping all ranks")
-                if stop_at is not None and now >= stop_at:
-                    if killed_at is None:
-                        signal_all(ranks, run_id, signal.SIGTERM)
-                        killed_at = now
-                    elif now - killed_at > KILL_AFTER_S:
-                        signal_all(ranks, run_id, signal.SIGKILL)
-                time.sleep(0.05)
+            sup.watch()
         except KeyboardInterrupt:
-            reason, rc = "interrupted", 130
-            if echo is not None:
-                echo("[testbed] interrupted: stopping all ranks")
-            signal_all(ranks, run_id, signal.SIGTERM)
-            deadline = time.monotonic() + KILL_AFTER_S
-            while time.monotonic() < deadline and any(r.proc and r.proc.poll() is None for r in ranks):
-                time.sleep(0.05)
+            sup.interrupted()
     finally:
-        # No orphans: whatever still carries our run id goes, by PID.
-        leftovers = tagged_pids(run_id)
-        if leftovers:
-            signal_all(ranks, run_id, signal.SIGKILL)
-        for r in ranks:
-            if r.proc is not None:
-                try:
-                    r.proc.wait(5)
-                except subprocess.TimeoutExpired:
-                    pass
-                if r.rc is None:
-                    r.rc, r.ended = r.proc.returncode, time.time()
-        deadline = time.monotonic() + 5
-        while tagged_pids(run_id) and time.monotonic() < deadline:
-            signal_all([], run_id, signal.SIGKILL)
-            time.sleep(0.05)
-        for t in readers:
-            t.join(2)
-        for f in logs.values():
+        if sup is not None:
+            sup.reap()
+        for f in logs.values() if sup is None else ():
             f.close()
         if mon is not None:
             try:
@@ -598,12 +399,13 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
 
+    rc, reason, first_fail = sup.rc, sup.reason, sup.first_fail
     after = counters.snapshot(cluster.name, nodes, cluster.netns_of)
     _into_run_dir(not_kept, "counters-after.json", lambda: rundir.write_json(rd / "counters-after.json", after))
     ended = time.time()
     if not not_kept:   # the probe files were collected there from the exchange folder (the ranks are gone)
         steps.dir = rd / "probe"
-    _step_milestones(cluster.name, run_id, steps, milestone)
+    _step_milestones(cluster.name, run_id, steps, milestone[0])
     events.emit(cluster.name, "run", f"run {run_id} ended: {reason}, exit status {rc}, "
                 f"{ended - summary['started']:.1f} s", run_id=run_id, status=reason, rc=rc)
     _into_run_dir(not_kept, "testbed-events.jsonl",
@@ -621,8 +423,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                   for r in ranks],
         "groups": None if job is None else [
             {**g.group.to_json(), "port": gports[g.group.name], "restarts_used": g.group.restarts - g.left,
-             "failures": g.failures} for g in gstate.values()],
-        "leftover_pids": leftovers,
+             "failures": g.failures} for g in sup.groups.values()],
+        "leftover_pids": sup.leftovers,
         "replay": None if trace is None else {"source": str(trace.source), "ops": len(trace.lines),
                                                "recorded_dilation": trace.dilation, "format": trace.kind,
                                                "skipped": dict(trace.skipped)},
@@ -651,9 +453,6 @@ def _into_run_dir(not_kept: list[str], what: str, write: Callable[[], None]) -> 
         write()
     except (OSError, safeio.Unsafe) as exc:
         not_kept.append(f"{what} ({exc})")
-
-
-LOST_DECIDE_S = 2.0      # an elastic agent ended: this long for the state to say its node crashed
 
 
 def _keep_events(rd: Path, name: str, t0: float, t1: float) -> None:
