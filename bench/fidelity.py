@@ -146,7 +146,8 @@ def judge_cells(kind: str, ranks: int, dilation: str, factor: float, run_dir: Pa
     Works from the run directory alone (its topology, the constants its verdict used), so a
     matrix can be judged again after a change to the model (--rejudge) without measuring again."""
     from testbed.report import report
-    from testbed.report.verdict import TOLERANCE, run_constants
+    from testbed.report.run_constants import run_constants
+    from testbed.report.verdict import TOLERANCE
     from testbed.topology.model import Topology
     from testbed.topology.plan import plan_network
     from testbed.topology.reference import MachineConstants, predict

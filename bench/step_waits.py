@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from testbed.mainjob import own_work, step_compute   # noqa: E402
 from testbed.report.analyze import load_probe          # noqa: E402
-from testbed.report.verdict import instances           # noqa: E402
+from testbed.report.instances import instances         # noqa: E402
 
 BURST = 1000   # page faults in one rank's step that count as a burst (the bursts seen: 1,152 and 2,304)
 SPREADS_MS = ((0, 5), (5, 10), (10, 20), (20, 40), (40, 1e9))

@@ -271,7 +271,7 @@ def expected_iteration(run_dir: Path, cluster: Any, compute_s: float, machine: A
     buckets = [int(r["bytes"]) for r in recs if r.get("ev") == "coll" and r.get("src") == "ddp" and t_a < r["t"] < t_b]
     if not buckets:
         return None
-    from testbed.report.verdict import run_constants
+    from testbed.report.run_constants import run_constants
 
     plan = plan_network(cluster.topology)
     model = run_constants(run_dir, machine, cluster.topology, cluster.workers)

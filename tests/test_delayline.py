@@ -161,7 +161,7 @@ def test_asymmetric_and_update(make_pair):
     assert 0.025 * 0.98 <= med <= 0.025 * RTT_OVER + BASELINE, med
     st = delayline.stats(p.link)
     assert st["ab"]["delay_s"] == 0.020 and st["ab"]["frames"] > 0 and st["ba"]["frames"] > 0
-    # How late held frames left. The verdict judges the mean (verdict.delay_line_checks: off beyond
+    # How late held frames left. The verdict judges the mean (checks.delay_line_checks: off beyond
     # TOLERANCE of the delay); the tail is reported, not judged. ~25 frames per direction make a "p99"
     # the single worst frame, which a 2-core VM's scheduler can hold back 1-2 ms now and then (CI saw
     # one in the 1.0-2.0 ms bucket), so the worst frame is held to the smallest delay it crossed.

@@ -91,7 +91,7 @@ def test_ddp_with_phantoms_puts_the_same_bytes_on_every_link(star, tmp_path, cap
     # per-message cost it paid itself, announcements included, not the calibration's
     from testbed.jobs.run import LATENCY_BURST
     from testbed.report.analyze import LATENCY_OP
-    from testbed.report.verdict import RUN_ALPHA, run_constants
+    from testbed.report.run_constants import RUN_ALPHA, run_constants
     from testbed.topology.reference import MachineConstants
 
     records = [json.loads(r) for r in (ph.run_dir / "probe" / "rank-0.jsonl").read_text().splitlines() if r]

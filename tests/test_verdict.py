@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from testbed.report.verdict import MAX_NOISE, TOLERANCE, instances, judge
+from testbed.report.instances import instances
+from testbed.report.verdict import MAX_NOISE, TOLERANCE, judge
 from testbed.topology.loader import load_topology_text
 from testbed.topology.plan import plan_network
 from testbed.topology.reference import MachineConstants, for_hosts, predict
@@ -347,7 +348,8 @@ def test_a_run_that_contradicts_its_calibration_is_judged_again_after_a_new_one(
     monkeypatch.setattr(calibration, "get", lambda **kw: pytest.fail("a run on the model needs no new calibration"))
     assert judge_checked(ok, None, analyze(ok), said.append).status == "faithful"
     # a run that measured its own alpha on declared hosts used no calibrated number: nothing to check
-    from testbed.report.verdict import LATENCY_BYTES, LATENCY_OP
+    from testbed.report.analyze import LATENCY_OP
+    from testbed.report.run_constants import LATENCY_BYTES
 
     burst = [(LATENCY_OP, LATENCY_BYTES, 0.01, {"src": "probe"})] * 8
     own = _write_run(tmp_path / "own", [m * 1.5] * 5, s=4, monitor=QUIET, extra=burst)
@@ -433,7 +435,8 @@ def test_phantoms_that_fell_behind_fail_the_run_and_real_ranks_are_named(tmp_pat
 def test_the_run_s_own_per_message_cost_replaces_the_calibration_s(tmp_path):
     # The probe times LATENCY_WARMUP + 6 small all_reduces after init_process_group; the per-message
     # cost they show (here 400 us, four times the calibration's 100 us) is what the job is judged with.
-    from testbed.report.verdict import LATENCY_BYTES, LATENCY_OP, LATENCY_WARMUP
+    from testbed.report.analyze import LATENCY_OP
+    from testbed.report.run_constants import LATENCY_BYTES, LATENCY_WARMUP
     from testbed.topology.reference import cost_terms, with_alpha
 
     topo = load_topology_text(STAR2, "<t>")

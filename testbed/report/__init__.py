@@ -66,7 +66,8 @@ def judge_checked(run: Path, expected_iteration_s: float | None, analysis: dict[
     keeps only a clean one). If it moved beyond the spreads, the run is judged with the new one
     and the verdict says so; if not, the miss stands, and the verdict says the check confirmed it."""
     from testbed.jobs import calibration, rundir
-    from testbed.report.verdict import MATERIAL, RUN_ALPHA, judge
+    from testbed.report.run_constants import RUN_ALPHA
+    from testbed.report.verdict import MATERIAL, judge
     from testbed.topology.reference import MachineConstants
 
     v = judge(run, expected_iteration_s=expected_iteration_s, analysis=analysis)

@@ -45,36 +45,21 @@ from __future__ import annotations
 
 import math
 import statistics
-from itertools import zip_longest
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from testbed.jobs import rundir
 from testbed.report.analyze import LATENCY_OP
+from testbed.report.checks import (OTHERS_MAX, TOLERANCE, Check, cpu_check, delay_line_checks, machine_check,
+                                   queue_check)
+from testbed.report.instances import (active_window, instances, launches_only, rank_workers, recording_ranks,
+                                      relative_ci95)
+from testbed.report.run_constants import run_alpha
 from testbed.topology.units import format_size
 
-TOLERANCE = 0.10   # |measured - model| / model beyond this is "off" (the floor of a class's tolerance)
 MAX_NOISE = 0.25   # a class whose mean is less certain than this (95% interval, relative) is not judged
-# Others' share of the CPUs during a run above which its misses may be theirs. Measured here: 0.8% in
-# a quiet run; 13% while a test suite ran beside it, which slowed its all_reduce by 1.3-1.5x.
-OTHERS_MAX = 0.05
 MATERIAL = 0.10    # a class with this share of the measured communication time decides the verdict
-LATE_US_MIN = 50   # delay-line lateness below this is noise, whatever the delay
-
-_MODEL_OP = {"all_reduce": "all_reduce", "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
-             "all_gather_single": "all_gather", "reduce_scatter": "reduce_scatter",
-             "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
-             "broadcast": "broadcast", "all_to_all": "all_to_all", "all_to_all_single": "all_to_all",
-             "barrier": "barrier"}
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool | None        # None: informational
-    detail: str
-    fix: str | None = None
 
 
 @dataclass
@@ -142,106 +127,18 @@ class Verdict:
 # -- the model check ---------------------------------------------------------------------------------------
 
 
-def instances(probe: dict[str, list[dict[str, Any]]], world: int, recording: int | None = None
-              ) -> dict[tuple[str, int, tuple[int, ...]], list[dict[str, Any]]]:
-    """(op, bytes, ranks) -> complete instances: {"start", "end", "skew"} (real seconds; skew: from
-    the first rank's arrival to the last's, the wait that is in the ranks' steps but not in `end - start`).
-
-    Collectives on the whole world (ranks = ()), matched by process group and sequence number;
-    blocking sends and receives, the k-th send from a to b with the k-th receive at b from a
-    (ranks = (a, b), op "send_recv"). recording: how many ranks have probe records (the real
-    ones of a run with phantoms; default: all of them); an instance is complete with theirs."""
-    recording = world if recording is None else recording
-    by_key: dict[tuple, list[dict[str, Any]]] = {}
-    for label, recs in probe.items():
-        start = next((r for r in recs if r.get("ev") == "start"), {})
-        me = start.get("rank")
-        p2p_count: dict[tuple[int, int], int] = {}
-        for r in recs:
-            if r.get("ev") != "coll" or "seq" not in r:
-                continue
-            if r.get("async") and r.get("src") != "ddp" and not r.get("done"):   # a launch without its completion
-                continue
-            if r.get("op") in ("send", "recv"):
-                peer = r.get("peer")
-                if not isinstance(me, int) or not isinstance(peer, int):
-                    continue
-                pair = (me, peer) if r["op"] == "send" else (peer, me)
-                p2p_count[pair] = k = p2p_count.get(pair, 0) + 1
-                by_key.setdefault(("p2p", pair, k), []).append(r)
-            elif r.get("gn") == world and isinstance(r.get("seq"), int):
-                by_key.setdefault((str(r.get("g")), r["seq"]), []).append(r)
-    out: dict[tuple[str, int, tuple[int, ...]], list[dict[str, Any]]] = {}
-    for key, recs in by_key.items():
-        if key[0] == "p2p":
-            if sorted(r["op"] for r in recs) != ["recv", "send"]:
-                continue
-            op, ranks = "send_recv", key[1]
-        else:
-            raw = recs[0].get("op")
-            op, ranks = _MODEL_OP.get(raw, raw) if isinstance(raw, str) else None, ()   # unmodelled: unjudged later
-            if len(recs) != recording or op is None or any(_MODEL_OP.get(r.get("op"), r.get("op")) != op for r in recs):
-                continue
-        try:   # records come from ranks: a malformed one drops its instance, not the report
-            start = max(float(r["t"]) for r in recs)
-            first = min(float(r["t"]) for r in recs)
-            end = max(float(r["t"]) + float(r["dur"]) for r in recs)
-            nbytes = int(recs[0].get("bytes") or 0)
-        except (KeyError, TypeError, ValueError):
-            continue
-        out.setdefault((op, nbytes, ranks), []).append({"start": start, "end": end, "skew": start - first})
-    return out
-
-
 def _arrival_spread(probe: dict[str, list[dict[str, Any]]], summary: dict[str, Any], s: float) -> str:
     """How far apart the ranks reached their collectives (mean, emulated): the expected iteration has
     every rank compute in the ranks' typical time, and ranks that share CPUs come out uneven; the wait
     for the last one is in every step but in no collective's time (2026-12-02, k=4 fat-tree main job:
     rank 0's median step held 77 ms of all_reduce against the class's 60 ms)."""
     world = int(summary.get("world_size") or 1)
-    skews = [i["skew"] for k, xs in instances(probe, world, _recording(summary, world)).items()
+    skews = [i["skew"] for k, xs in instances(probe, world, recording_ranks(summary, world)).items()
              if k[2] == () and k[0] != LATENCY_OP for i in xs]
     if world < 2 or not skews:
         return ""
     return (f"; the ranks reached a collective {statistics.fmean(skews) / s * 1e3:.3g} ms apart on average "
             "(waiting for the last one is in the steps, not in the collectives' times)")
-
-
-def launches_only(probe: dict[str, list[dict[str, Any]]]) -> dict[tuple[str, int], int]:
-    """(op, bytes) -> how many asynchronous collectives the lowest rank launched whose completion
-    was not recorded (a probe older than completion timing, or a job that never waited on them)."""
-    out: dict[tuple[str, int], int] = {}
-    first = min(probe, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k), default=None)
-    for r in probe.get(first, []) if first is not None else []:
-        if r.get("ev") == "coll" and r.get("async") and r.get("src") != "ddp" and not r.get("done"):
-            key = (str(r.get("op")), int(r.get("bytes") or 0) if isinstance(r.get("bytes"), int) else 0)
-            out[key] = out.get(key, 0) + 1
-    return out
-
-
-def _rank_workers(probe: dict[str, list[dict[str, Any]]], world: int,
-                  summary: dict[str, Any] | None = None) -> list[str] | None:
-    workers: dict[int, str] = {}
-    if summary and summary.get("phantoms"):   # phantoms record nothing: the launcher's own table
-        for r in summary.get("ranks") or []:
-            if isinstance(r, dict) and isinstance(r.get("rank"), int) and isinstance(r.get("worker"), str):
-                workers[r["rank"]] = r["worker"]
-    for recs in probe.values():
-        start = next((r for r in recs if r.get("ev") == "start"), None)
-        if start and isinstance(start.get("rank"), int) and start.get("worker"):
-            workers[start["rank"]] = str(start["worker"])
-    if sorted(workers) != list(range(world)):
-        return None
-    return [workers[r] for r in range(world)]
-
-
-def _recording(summary: dict[str, Any], world: int) -> int:
-    """How many ranks ran the job (and have probe records): the real ones when there were phantoms
-    (they compute nothing; their traffic is the network's to carry, which the model accounts)."""
-    ph = summary.get("phantoms")
-    if isinstance(ph, dict) and isinstance(ph.get("real_ranks"), list) and (ph["real_ranks"] or summary.get("replay")):
-        return len(ph["real_ranks"])   # a replay: none computes
-    return world
 
 
 def phantom_check(summary: dict[str, Any], rows: list["ClassRow"], s: float) -> Check | None:
@@ -298,10 +195,10 @@ def model_classes(run: Path, probe: dict[str, list[dict[str, Any]]], summary: di
     topo_json = rundir.read_json(run / "topology.json")
     if not topo_json:
         return [], [], None, "no topology snapshot in the run directory"
-    ranks = _rank_workers(probe, world, summary)
+    ranks = rank_workers(probe, world, summary)
     if ranks is None:
         return [], [], None, "the probe did not record every rank's worker"
-    inst = instances(probe, world, _recording(summary, world))
+    inst = instances(probe, world, recording_ranks(summary, world))
     if not inst:
         return [], [], None, "no complete collective on the whole world was recorded"
     s = float((summary.get("time_dilation") or {}).get("factor") or 1.0)
@@ -330,7 +227,7 @@ def model_classes(run: Path, probe: dict[str, list[dict[str, Any]]], summary: di
             unjudged.append(Unjudged(op, nbytes, len(xs), f"the reference model cannot answer: {exc}"))
             continue
         mean = statistics.fmean(times)   # what a loop of them takes per call, stalls included
-        noise = _interval(times)
+        noise = relative_ci95(times)
         # alpha's uncertainty (the burst's, or the calibration's spread) moves the model's latency part
         model_noise = calibrated.spread * (p.latency_s / p.time_s) if p.time_s > 0 else 0.0
         uncertain = math.hypot(noise, model_noise)
@@ -355,183 +252,7 @@ def model_classes(run: Path, probe: dict[str, list[dict[str, Any]]], summary: di
     return rows, unjudged, constants.describe(), None if rows else "no recorded collective is modelled"
 
 
-LATENCY_WARMUP = 2             # the burst's first ones pay for connections and first touches: not counted
-
-
-def run_alpha(topo: Any, plan: Any, ranks: list[str], burst: list[dict[str, Any]], constants: Any, s: float,
-              backend: str) -> tuple[float, float, str] | None:
-    """(alpha, its relative uncertainty, where it comes from) measured in the run itself: the probe's
-    small all_reduces after init_process_group, less what the model gives them without a per-message
-    cost, per message. None when the run has too few of them (no probe burst: a replay, an older
-    probe, nccl): the calibration's alpha then stands. With phantoms the burst is mirrored like the
-    job's collectives, and pays the same announcement delay they do.
-
-    Why: what one message costs here depends on the run's own conditions (ranks per core, dilation,
-    the machine's load). On the 2-core machine a 16-rank fat-tree at s=15.9 paid 0.69 ms per message
-    while calibrations of the same boot said 0.6-1.2 ms (docs/fidelity.md)."""
-    from testbed.topology.reference import ModelError, cost_terms, predict, with_alpha
-
-    xs = sorted(burst, key=lambda i: i["start"])[LATENCY_WARMUP:]
-    if len(xs) < 3 or backend != "gloo":
-        return None
-    times = [(i["end"] - i["start"]) / s for i in xs]
-    nbytes = LATENCY_BYTES
-    try:
-        bare = predict(topo, plan, "all_reduce", nbytes, ranks, with_alpha(constants, 0.0, 0.0, ""), backend=backend,
-                       placements=1)
-    except ModelError:
-        return None
-    messages = cost_terms("all_reduce", nbytes, len(ranks), backend)[0]
-    t = statistics.median(times)
-    if messages <= 0 or not t > bare.time_s:
-        return None
-    alpha = (t - bare.time_s) / messages
-    spread = _interval(times) * t / (t - bare.time_s)
-    return alpha, spread, f"{RUN_ALPHA} ({len(times)} all_reduce of {nbytes} B after init_process_group)"
-
-
-LATENCY_BYTES = 4096   # the burst's size (_testbed_probe.LATENCY_BYTES)
-RUN_ALPHA = "measured in this run"   # in the constants' description when run_alpha gave the alpha
-
-
-def run_constants(run: str | Path, machine: Any, topo: Any, ranks: list[str]) -> Any:
-    """The constants a run is judged with on its topology's declared hosts: the calibration's,
-    with the per-message cost the run measured itself when it did (run_alpha)."""
-    from testbed.report.analyze import load_probe
-    from testbed.topology.plan import plan_network
-    from testbed.topology.reference import for_hosts, with_alpha
-
-    run = Path(run)
-    summary = rundir.read_json(run / "summary.json", {}) or {}
-    probe = load_probe(run)
-    world = int(summary.get("world_size") or len(ranks))
-    s = float((summary.get("time_dilation") or {}).get("factor") or 1.0)
-    burst = [i for k, xs in instances(probe, world, _recording(summary, world)).items() if k[0] == LATENCY_OP
-             for i in xs]
-    constants = for_hosts(machine, topo.host_rate)
-    backends = {str(r.get("be")) for recs in probe.values() for r in recs if r.get("ev") == "coll" and r.get("be")}
-    measured = run_alpha(topo, plan_network(topo), ranks, burst, constants, s,
-                         "nccl" if backends == {"nccl"} else "gloo")
-    return with_alpha(constants, *measured) if measured is not None else constants
-
-
-# Student's t at 97.5% for n - 1 degrees of freedom (n = 2..31); beyond, the normal's 1.96
-_T975 = (12.71, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042)
-
-
-def _interval(times: list[float]) -> float:
-    """The 95% confidence interval's half-width of the mean of `times`, relative to the mean
-    (0 for one instance: nothing says how it varies)."""
-    n = len(times)
-    mean = statistics.fmean(times) if times else 0.0
-    if n < 2 or mean <= 0:
-        return 0.0
-    t = _T975[n - 2] if n - 2 < len(_T975) else 1.96
-    return t * statistics.stdev(times) / math.sqrt(n) / mean
-
-
 # -- the CPU, delay-line and queue checks ------------------------------------------------------------------
-
-
-def cpu_check(monitor: dict[str, Any], s: float, window: tuple[float, float] | None, ranks: int,
-              devices: int | None, capped: bool = False, rank_cores: float = 1.0) -> Check:
-    """Ranks per compute device against the factor; the CPU samples say how busy the machine was.
-
-    A rank that shares its device with r - 1 others computes r times slower, so the factor must
-    be at least ranks / devices (DieCast's rule). Runnable tasks per core are reported: gloo runs
-    more than one thread per rank, and the calibration's own two ranks kept ~1.5 per core
-    runnable on two cores, so they are evidence to read, not a threshold."""
-    if not devices:
-        return Check("cpu", None, "how many cores or GPUs the ranks shared was not recorded")
-    need = max(1.0, ranks / devices)
-    samples = [c for c in monitor.get("cpu") or [] if window is None or window[0] <= c["t"] <= window[1]]
-    cores = int(monitor.get("cpu_cores") or monitor.get("cores") or 1)   # (over hosts: the sampled machine's)
-    detail = f"{ranks} ranks on {devices} compute device(s) need dilation >= {need:.3g}, the run had {s:g}"
-    if capped and rank_cores > 1.0001:   # auto's cap: each rank its share of the cores (dilation.Choice.cap_cores)
-        detail += (f", each rank capped at its share of the cores: {rank_cores:.2f} of this machine's cores in "
-                   f"emulated time, for its traffic's host work (its compute runs {rank_cores:.2f}x as fast as on "
-                   "one core here)")
-    if samples:
-        runnable = statistics.mean(c["runnable"] for c in samples) / cores
-        busy = statistics.mean(c["busy"] for c in samples)
-        psi = monitor.get("psi_cpu_some_share")
-        detail += (f" ({runnable:.1f} runnable tasks per core, CPUs {100 * busy:.0f}% busy"
-                   + (f", some task waiting for a CPU {100 * psi:.0f}% of the time" if psi is not None else "") + ")")
-    if s * (1 + TOLERANCE) < need:
-        return Check("cpu", False, f"CPU oversubscribed: {detail}: ranks compute {need / s:.1f}x slower than on "
-                                   "the emulated cluster", f"--time-dilation {math.ceil(need * 10) / 10:g} "
-                                                           "(or fewer ranks per core)")
-    if not capped and s > need * (1 + TOLERANCE):
-        # Only a warning: other jobs may share the machine (their ranks are not in this run's count);
-        # if they do not, the CPU work looks s/need times faster and the model check says so.
-        return Check("cpu", None, f"possibly over-dilated: {detail}: unless other jobs share the machine, this "
-                                  f"run's CPU work looks {s / need:.1f}x faster than on the emulated cluster "
-                                  f"(testbed up --ranks {ranks} makes auto count the ranks you run)")
-    return Check("cpu", True, detail)
-
-
-def delay_line_checks(monitor: dict[str, Any], s: float) -> list[Check]:
-    from testbed.net.delayline import lateness_mean, lateness_percentile
-
-    dl = monitor.get("delay_lines") or {}
-    first, last = dl.get("first") or {}, dl.get("last") or {}
-    out = []
-    for link_id, end in last.items():
-        if end is None:
-            out.append(Check("delay line", False, f"delay line of link {link_id} did not answer at the end of the "
-                                                  "run (helper gone?)", "testbed status; testbed cleanup"))
-            continue
-        start = first.get(link_id) or {}
-        for d in ("ab", "ba"):
-            e, b = end.get(d) or {}, start.get(d) or {}
-            drops = int(e.get("drops", 0)) - int(b.get("drops", 0))
-            hist = [x - y for x, y in zip_longest(e.get("late_hist_us_log2") or [], b.get("late_hist_us_log2") or [],
-                                                  fillvalue=0)]
-            p99 = lateness_percentile(hist, 99) if hist else None
-            mean = lateness_mean(hist) if hist else None
-            delay = float(e.get("delay_s") or 0.0)
-            name = f"link {link_id} {d}"
-            if drops > 0:
-                out.append(Check("delay line", False, f"delay line {name} dropped {drops} frame(s)",
-                                 "a kernel with sch_netem, or fewer delayed links"))
-            if mean is None:
-                continue
-            what = (f"delay line {name}: frames left {mean * 1e6:.0f} us late on average, {p99 * 1e6:.0f} us p99"
-                    + (f" ({100 * mean / delay:.0f}% of its {delay * 1e3:.3g} ms delay on average)" if delay else ""))
-            # the average lateness is what every frame's delay grows by; a tail alone is reported, not judged
-            if mean * 1e6 > LATE_US_MIN and mean > TOLERANCE * delay:
-                out.append(Check("delay line", False, what,
-                                 "a higher --time-dilation, a kernel with sch_netem, or fewer delayed links"))
-            else:
-                out.append(Check("delay line", True, what))
-    return out
-
-
-def machine_check(monitor: dict[str, Any]) -> Check | None:
-    """Whether work other than the testbed's took the CPUs during the run (monitor.others_cpu_share).
-    Informational: a run that shared the machine and still landed on the model is faithful; one that
-    missed cannot say whether the miss is the emulation's (judge says inconclusive)."""
-    others = monitor.get("others_cpu_share")
-    if not isinstance(others, (int, float)):
-        return None
-    detail = f"other work took {100 * others:.0f}% of the CPUs during the run"
-    engines = monitor.get("engines_cpu_share")
-    if isinstance(engines, (int, float)):   # the testbed's own, counted with it: said, for the reader's sums
-        detail += f" (the delay-line engines, counted as the testbed's: {100 * engines:.0f}%)"
-    return Check("machine", None if others > OTHERS_MAX else True, detail)
-
-
-def queue_check(monitor: dict[str, Any]) -> Check | None:
-    drops = [(n, i, q["drops"]) for n, ifs in (monitor.get("qdiscs") or {}).items() for i, q in ifs.items()
-             if q.get("drops", 0) > 0]
-    if not drops:
-        return Check("queues", None, "no queue dropped a packet")
-    drops.sort(key=lambda x: -x[2])
-    top = ", ".join(f"{n}:{i} {d}" for n, i, d in drops[:3])
-    return Check("queues", None, f"{sum(d for *_, d in drops)} packet(s) dropped at full queues ({top}): "
-                                 "congestion, as a real switch would drop")
 
 
 # -- putting it together -----------------------------------------------------------------------------------
@@ -579,7 +300,7 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
             # as for a class: the floor, or the 95% interval of the steps of the rank at the median
             # (DDP's ranks step together: their step times are one sample, not world-size ones)
             mid = min((r for r in a["ranks"] if r.get("iter_p50_s")), key=lambda r: abs(r["iter_p50_s"] - it))
-            noise = _interval([x["dt"] for x in mid.get("step_times") or []])
+            noise = relative_ci95([x["dt"] for x in mid.get("step_times") or []])
             tol = max(TOLERANCE, noise)
             # as for a class: further off than TOLERANCE but within the steps' noise is undecided
             iteration_undecided = TOLERANCE < abs(err) <= tol
@@ -590,7 +311,7 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
                                    if iteration_undecided else "")
                                 + _arrival_spread(probe, summary, s)))
 
-    cpu = cpu_check(monitor, s, _active_window(probe), _recording(summary, int(summary.get("world_size") or 1)),
+    cpu = cpu_check(monitor, s, active_window(probe), recording_ranks(summary, int(summary.get("world_size") or 1)),
                     _devices(summary, monitor),
                     capped=bool((summary.get("time_dilation") or {}).get("cap_cpu") or summary.get("real_cpu_cap")),
                     rank_cores=recorded_rank_cores(summary))
@@ -743,10 +464,3 @@ def _devices(summary: dict[str, Any], monitor: dict[str, Any]) -> int | None:
     return gpus if gpus > 0 else (int(cores) if cores else None)
 
 
-def _active_window(probe: dict[str, list[dict[str, Any]]]) -> tuple[float, float] | None:
-    """From the first collective or step to the last one, over all ranks (the job's busy time)."""
-    ts = [(float(r["t"]), float(r["t"]) + float(r.get("dur") or 0.0)) for recs in probe.values() for r in recs
-          if r.get("ev") in ("coll", "step") and "t" in r]
-    if not ts:
-        return None
-    return min(a for a, _ in ts), max(b for _, b in ts)

@@ -1,0 +1,127 @@
+"""A verdict's checks besides the model's: each a named outcome with its detail and fix, and those of
+the machine a run ran on (CPU oversubscription, the delay lines' lateness, other work, queue drops)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from itertools import zip_longest
+from typing import Any
+
+TOLERANCE = 0.10   # |measured - model| / model beyond this is "off" (the floor of a class's tolerance)
+
+
+# Others' share of the CPUs during a run above which its misses may be theirs. Measured here: 0.8% in
+# a quiet run; 13% while a test suite ran beside it, which slowed its all_reduce by 1.3-1.5x.
+OTHERS_MAX = 0.05
+
+
+LATE_US_MIN = 50   # delay-line lateness below this is noise, whatever the delay
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool | None        # None: informational
+    detail: str
+    fix: str | None = None
+
+
+def cpu_check(monitor: dict[str, Any], s: float, window: tuple[float, float] | None, ranks: int,
+              devices: int | None, capped: bool = False, rank_cores: float = 1.0) -> Check:
+    """Ranks per compute device against the factor; the CPU samples say how busy the machine was.
+
+    A rank that shares its device with r - 1 others computes r times slower, so the factor must
+    be at least ranks / devices (DieCast's rule). Runnable tasks per core are reported: gloo runs
+    more than one thread per rank, and the calibration's own two ranks kept ~1.5 per core
+    runnable on two cores, so they are evidence to read, not a threshold."""
+    if not devices:
+        return Check("cpu", None, "how many cores or GPUs the ranks shared was not recorded")
+    need = max(1.0, ranks / devices)
+    samples = [c for c in monitor.get("cpu") or [] if window is None or window[0] <= c["t"] <= window[1]]
+    cores = int(monitor.get("cpu_cores") or monitor.get("cores") or 1)   # (over hosts: the sampled machine's)
+    detail = f"{ranks} ranks on {devices} compute device(s) need dilation >= {need:.3g}, the run had {s:g}"
+    if capped and rank_cores > 1.0001:   # auto's cap: each rank its share of the cores (dilation.Choice.cap_cores)
+        detail += (f", each rank capped at its share of the cores: {rank_cores:.2f} of this machine's cores in "
+                   f"emulated time, for its traffic's host work (its compute runs {rank_cores:.2f}x as fast as on "
+                   "one core here)")
+    if samples:
+        runnable = statistics.mean(c["runnable"] for c in samples) / cores
+        busy = statistics.mean(c["busy"] for c in samples)
+        psi = monitor.get("psi_cpu_some_share")
+        detail += (f" ({runnable:.1f} runnable tasks per core, CPUs {100 * busy:.0f}% busy"
+                   + (f", some task waiting for a CPU {100 * psi:.0f}% of the time" if psi is not None else "") + ")")
+    if s * (1 + TOLERANCE) < need:
+        return Check("cpu", False, f"CPU oversubscribed: {detail}: ranks compute {need / s:.1f}x slower than on "
+                                   "the emulated cluster", f"--time-dilation {math.ceil(need * 10) / 10:g} "
+                                                           "(or fewer ranks per core)")
+    if not capped and s > need * (1 + TOLERANCE):
+        # Only a warning: other jobs may share the machine (their ranks are not in this run's count);
+        # if they do not, the CPU work looks s/need times faster and the model check says so.
+        return Check("cpu", None, f"possibly over-dilated: {detail}: unless other jobs share the machine, this "
+                                  f"run's CPU work looks {s / need:.1f}x faster than on the emulated cluster "
+                                  f"(testbed up --ranks {ranks} makes auto count the ranks you run)")
+    return Check("cpu", True, detail)
+
+
+def delay_line_checks(monitor: dict[str, Any], s: float) -> list[Check]:
+    from testbed.net.delayline import lateness_mean, lateness_percentile
+
+    dl = monitor.get("delay_lines") or {}
+    first, last = dl.get("first") or {}, dl.get("last") or {}
+    out = []
+    for link_id, end in last.items():
+        if end is None:
+            out.append(Check("delay line", False, f"delay line of link {link_id} did not answer at the end of the "
+                                                  "run (helper gone?)", "testbed status; testbed cleanup"))
+            continue
+        start = first.get(link_id) or {}
+        for d in ("ab", "ba"):
+            e, b = end.get(d) or {}, start.get(d) or {}
+            drops = int(e.get("drops", 0)) - int(b.get("drops", 0))
+            hist = [x - y for x, y in zip_longest(e.get("late_hist_us_log2") or [], b.get("late_hist_us_log2") or [],
+                                                  fillvalue=0)]
+            p99 = lateness_percentile(hist, 99) if hist else None
+            mean = lateness_mean(hist) if hist else None
+            delay = float(e.get("delay_s") or 0.0)
+            name = f"link {link_id} {d}"
+            if drops > 0:
+                out.append(Check("delay line", False, f"delay line {name} dropped {drops} frame(s)",
+                                 "a kernel with sch_netem, or fewer delayed links"))
+            if mean is None:
+                continue
+            what = (f"delay line {name}: frames left {mean * 1e6:.0f} us late on average, {p99 * 1e6:.0f} us p99"
+                    + (f" ({100 * mean / delay:.0f}% of its {delay * 1e3:.3g} ms delay on average)" if delay else ""))
+            # the average lateness is what every frame's delay grows by; a tail alone is reported, not judged
+            if mean * 1e6 > LATE_US_MIN and mean > TOLERANCE * delay:
+                out.append(Check("delay line", False, what,
+                                 "a higher --time-dilation, a kernel with sch_netem, or fewer delayed links"))
+            else:
+                out.append(Check("delay line", True, what))
+    return out
+
+
+def machine_check(monitor: dict[str, Any]) -> Check | None:
+    """Whether work other than the testbed's took the CPUs during the run (monitor.others_cpu_share).
+    Informational: a run that shared the machine and still landed on the model is faithful; one that
+    missed cannot say whether the miss is the emulation's (judge says inconclusive)."""
+    others = monitor.get("others_cpu_share")
+    if not isinstance(others, (int, float)):
+        return None
+    detail = f"other work took {100 * others:.0f}% of the CPUs during the run"
+    engines = monitor.get("engines_cpu_share")
+    if isinstance(engines, (int, float)):   # the testbed's own, counted with it: said, for the reader's sums
+        detail += f" (the delay-line engines, counted as the testbed's: {100 * engines:.0f}%)"
+    return Check("machine", None if others > OTHERS_MAX else True, detail)
+
+
+def queue_check(monitor: dict[str, Any]) -> Check | None:
+    drops = [(n, i, q["drops"]) for n, ifs in (monitor.get("qdiscs") or {}).items() for i, q in ifs.items()
+             if q.get("drops", 0) > 0]
+    if not drops:
+        return Check("queues", None, "no queue dropped a packet")
+    drops.sort(key=lambda x: -x[2])
+    top = ", ".join(f"{n}:{i} {d}" for n, i, d in drops[:3])
+    return Check("queues", None, f"{sum(d for *_, d in drops)} packet(s) dropped at full queues ({top}): "
+                                 "congestion, as a real switch would drop")
