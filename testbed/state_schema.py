@@ -44,8 +44,6 @@ the Topology the snapshot was checked as.
 """
 
 import os
-import re
-from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
@@ -61,263 +59,18 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
 
-from testbed import cgroupfs, names
+from testbed import names
 from testbed.errors import TopologyError
+from testbed.state_values import (ERROR, UNCHECKED, AbsolutePath, CgroupDir, ContainerId, CutNetns, DelayLineEnd,
+                                  DockerHost, EnvName, IfName, Index, NodeKey, NodeName, Number, Pid, Positive,
+                                  StateContext, SwitchNetns, Ticks, WorkerKey, WorkerNetns, cgroup_of, context_of,
+                                  fail, path_is, with_topology)
 from testbed.topology.model import Topology
 
 # The version of the document this schema describes. testbed.store writes the same number (its own
 # SCHEMA_VERSION: importing this module to read it would build the validator on every save).
 SCHEMA_VERSION = 1
-
-NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
-DOCKER_HOST_RE = re.compile(r"^(unix:///[^\0]+|tcp://[\w.-]+:\d+)\Z")
-CONTAINER_ID_RE = re.compile(r"^[0-9a-f]{64}\Z")
-_ERROR = "testbed_state"                 # our own errors: ctx carries why, where (below loc), value
-_UNCHECKED = "testbed_state_unchecked"   # a rule that needs the topology, which is not valid
-
-
-# -- the context ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class StateContext:
-    """What a state is checked against: the testbed's name and directory (given), this machine's
-    cgroup mounts, and (filled in by the topology snapshot's validator) the topology's nodes."""
-
-    name: str
-    directory: str                       # <state root>/NAME, as paths.directory gives it
-    real_directory: str = ""             # its realpath
-    cgroup_mounts: frozenset[str] = frozenset()   # realpaths of this machine's cgroup mounts
-    topology: Topology | None = None
-    workers: frozenset[str] = frozenset()
-    switches: frozenset[str] = frozenset()
-    link_ends: tuple[tuple[str, str], ...] = ()
-    _real_mounts: dict[str, str] = field(default_factory=dict)
-    _real_dirs: dict[str, str] = field(default_factory=dict)
-    _links_in: dict[str, set[str]] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, name: str, directory: str | os.PathLike[str]) -> Self:
-        hier = cgroupfs.hierarchy()
-        mounts = frozenset(os.path.realpath(m) for m in hier.mounts.values()) if hier else frozenset()
-        d = os.fspath(directory)
-        return cls(name=name, directory=d, real_directory=os.path.realpath(d), cgroup_mounts=mounts)
-
-    def use_topology(self, topo: Topology) -> None:
-        self.topology = topo
-        self.workers = frozenset(topo.workers)
-        self.switches = frozenset(topo.switches)
-        self.link_ends = tuple((link.a, link.b) for link in topo.links)
-
-    def netns(self, node: str) -> str:
-        return names.netns(self.name, node)
-
-    def real_mount(self, mount: str) -> str:
-        real = self._real_mounts.get(mount)
-        if real is None:
-            real = self._real_mounts[mount] = os.path.realpath(mount)
-        return real
-
-    def realpath(self, path: str) -> str:
-        """os.path.realpath(path), each directory resolved and listed once: a state names thousands
-        of files in a few directories (k=16: 8,192), and realpath walks every part of every one.
-        Its last part is resolved only when the listing shows a link there (a missing file is kept
-        as it is, after its resolved directory, as realpath does)."""
-        head, _, tail = path.rpartition("/")
-        if tail in ("", ".", "..") or not head or head.endswith("/"):   # (what os.path.split would strip)
-            return os.path.realpath(path)
-        links = self._links_in.get(head)
-        if links is None:
-            try:
-                with os.scandir(head) as it:
-                    links = {e.name for e in it if e.is_symlink()}
-            except OSError:   # (no listing: realpath says where it leads)
-                return os.path.realpath(path)
-            self._links_in[head] = links
-        if tail in links:
-            return os.path.realpath(path)
-        real = self._real_dirs.get(head)
-        if real is None:
-            real = self._real_dirs[head] = os.path.realpath(head)
-        return f"{real}/{tail}" if real != "/" else f"/{tail}"
-
-
-def _context(info: ValidationInfo) -> StateContext:
-    ctx = info.context
-    if not isinstance(ctx, StateContext):
-        raise PydanticCustomError(_ERROR, "{why}", {"why": "validated without its testbed (no StateContext)"})
-    return ctx
-
-
-def _topology(info: ValidationInfo) -> StateContext:
-    """The context, with the topology the rule needs (an error of its own when that is not valid:
-    the topology's own error says why)."""
-    ctx = _context(info)
-    if ctx.topology is None:
-        raise PydanticCustomError(_UNCHECKED, "not checked: the topology snapshot is not valid")
-    return ctx
-
-
-def _fail(why: str, value: Any, at: str = "") -> PydanticCustomError:
-    """An error `why` about `value`, at `at` (a dotted path below the validator's own place)."""
-    return PydanticCustomError(_ERROR, "{why}", {"why": why, "value": value, "at": at})
-
-
-# -- values -------------------------------------------------------------------------------------------------
-
-
-def _node_name(v: str) -> str:
-    if not NODE_RE.match(v):
-        raise _fail("a node name testbed would not make a namespace of", v)
-    return v
-
-
-_IFNAME_BAD = re.compile(r"[/: \t\n\0]")
-
-
-def _ifname(v: str) -> str:
-    if not (0 < len(v) <= names.IFNAMSIZ) or v in (".", "..") or _IFNAME_BAD.search(v):
-        raise _fail(f"not an interface name (1 to {names.IFNAMSIZ} characters, no '/', ':' or blanks)", v)
-    return v
-
-
-def _absolute(v: str) -> str:
-    """An absolute path without '..' or NUL (where it leads is checked with the context)."""
-    if not v.startswith("/") or "\0" in v or "/../" in v + "/":   # (a '..' part; no split: 13,312 at k=16)
-        raise _fail("not an absolute path without '..'", v)
-    return v
-
-
-def _cgroup_dir(v: str, info: ValidationInfo) -> str:
-    """<mount>/testbed/NAME[.faults]/NODE, the mount one of this machine's, under /sys/fs/cgroup.
-    (Which NODE and which of NAME, NAME.faults: the record holding it checks.)"""
-    ctx = _context(info)
-    # (string operations, not Path or normpath: a k=16 state holds 5,120 of these; testbed writes
-    # them normalised, so a '//', '.' part or trailing '/' is refused rather than normalised)
-    if "//" in _absolute(v) or "/./" in v or v.endswith(("/", "/.")):
-        raise _fail("not a path as testbed writes it (a '//', '.' part or trailing '/')", v)
-    parts = v.rsplit("/", 3)
-    if len(parts) < 4 or not parts[0]:
-        raise _fail(f"not a cgroup of this testbed: no cgroup mount before {cgroupfs.TOP}/{ctx.name}/NODE", v)
-    mount_dir, top, group, node = parts
-    if not (group in (ctx.name, f"{ctx.name}.faults") and top == cgroupfs.TOP and NODE_RE.match(node)):
-        raise _fail(f"not a cgroup of this testbed ({cgroupfs.TOP}/{ctx.name}/NODE)", v)
-    mount = ctx.real_mount(mount_dir)
-    root = str(cgroupfs.CGROUP_ROOT)
-    if not (mount == root or mount.startswith(root + "/")):
-        raise _fail(f"not under {cgroupfs.CGROUP_ROOT}", v)
-    if mount not in ctx.cgroup_mounts:
-        raise _fail("not under one of this machine's cgroup mounts", v)
-    return v
-
-
-def _netns_of(v: str, info: ValidationInfo, which: str) -> str:
-    """v is tb-NAME-NODE for a NODE among the topology's `which` (nodes, switches or workers)."""
-    ctx = _topology(info)
-    prefix = names.netns_prefix(ctx.name)
-    among = ctx.topology.nodes if which == "nodes" else ctx.switches if which == "switches" else ctx.workers
-    if not (v.startswith(prefix) and v[len(prefix):] in among):
-        what = {"nodes": "one of this testbed's namespaces ({p}NODE)",
-                "switches": "the namespace of one of this testbed's switches ({p}SWITCH)",
-                "workers": "the namespace of one of this testbed's workers ({p}WORKER)"}[which]
-        raise _fail("not " + what.format(p=prefix), v)
-    return v
-
-
-def _testbed_netns(v: str, info: ValidationInfo) -> str:
-    return _netns_of(v, info, "nodes")
-
-
-def _switch_netns(v: str, info: ValidationInfo) -> str:
-    return _netns_of(v, info, "switches")
-
-
-def _worker_netns(v: str, info: ValidationInfo) -> str:
-    return _netns_of(v, info, "workers")
-
-
-def _delay_line_end(v: str, info: ValidationInfo) -> str:
-    """A node's namespace, or a delayed cut link's own (where its delay line's TAPs are)."""
-    prefix = names.netns_prefix(_topology(info).name)
-    return _cut_netns(v, info) if v.startswith(prefix + names.CUT_MARK) else _testbed_netns(v, info)
-
-
-def _cut_netns(v: str, info: ValidationInfo) -> str:
-    """v is tb-NAME-~lINDEX for a link of the topology (a delayed cut link's own namespace)."""
-    ctx = _topology(info)
-    prefix = names.cut_netns(ctx.name, 0)[:-1]
-    index = v[len(prefix):] if v.startswith(prefix) else ""
-    if not (index.isdigit() and str(int(index)) == index and int(index) < len(ctx.link_ends)):
-        raise _fail(f"not the namespace of one of this testbed's links ({prefix}INDEX)", v)
-    return v
-
-
-def _a_worker(v: str, info: ValidationInfo) -> str:
-    if v not in _topology(info).workers:
-        raise _fail("not a worker of the topology", v)
-    return v
-
-
-def _a_node(v: str, info: ValidationInfo) -> str:
-    if v not in _topology(info).topology.nodes:
-        raise _fail("not a node of the topology", v)
-    return v
-
-
-def _matching(regex: "re.Pattern[str]", what: str):
-    """A validator: the value must match `regex`, else it is not `what`."""
-    def check(v: str) -> str:
-        if not regex.match(v):
-            raise _fail(f"not {what}", v)
-        return v
-
-    return check
-
-
-_env_name = _matching(ENV_NAME_RE, "an environment variable name")
-_docker_host = _matching(DOCKER_HOST_RE, "a Docker endpoint (unix:///PATH or tcp://HOST:PORT)")
-_container_id = _matching(CONTAINER_ID_RE, "a container id (64 hex digits)")
-
-
-Pid = Annotated[StrictInt, Field(ge=1)]
-Ticks = Annotated[StrictInt, Field(ge=0)]            # clock ticks since boot: with the PID, names a process
-Index = Annotated[StrictInt, Field(ge=0)]
-Number = Annotated[float, Field(ge=0)]               # strict: an int or a float, never a bool or a string
-Positive = Annotated[float, Field(gt=0)]
-NodeName = Annotated[StrictStr, AfterValidator(_node_name)]
-IfName = Annotated[StrictStr, AfterValidator(_ifname)]
-AbsolutePath = Annotated[StrictStr, AfterValidator(_absolute)]
-CgroupDir = Annotated[StrictStr, AfterValidator(_cgroup_dir)]
-TestbedNetns = Annotated[StrictStr, AfterValidator(_testbed_netns)]
-SwitchNetns = Annotated[StrictStr, AfterValidator(_switch_netns)]
-WorkerNetns = Annotated[StrictStr, AfterValidator(_worker_netns)]
-CutNetns = Annotated[StrictStr, AfterValidator(_cut_netns)]
-DelayLineEnd = Annotated[StrictStr, AfterValidator(_delay_line_end)]
-WorkerKey = Annotated[StrictStr, AfterValidator(_a_worker)]
-NodeKey = Annotated[StrictStr, AfterValidator(_a_node)]
-EnvName = Annotated[StrictStr, AfterValidator(_env_name)]
-DockerHost = Annotated[StrictStr, AfterValidator(_docker_host)]
-ContainerId = Annotated[StrictStr, AfterValidator(_container_id)]
-
-
-def _path_is(ctx: StateContext, v: str, *rel: str) -> str | None:
-    """Why path `v` is not <the testbed's directory>/REL (resolved: no link leads elsewhere), or None."""
-    want = "/".join((ctx.real_directory, *rel))   # (real_directory is absolute and not "/": the state root's own)
-    if ctx.realpath(v) != want:
-        return f"not {os.path.join(ctx.directory, *rel)}"
-    return None
-
-
-def _cgroup_of(ctx: StateContext, v: str, group: str, node: str) -> str | None:
-    """Why cgroup directory `v` (its form already checked) is not testbed/GROUP/NODE, or None."""
-    parent, _, name = v.rpartition("/")   # (string operations: k=16 has 5,120 of these; v has no '//')
-    if name != node or parent.rpartition("/")[2] != group:
-        return f"not {cgroupfs.TOP}/{group}/{node} (a cgroup of another node or group)"
-    return None
-
 
 # -- records ------------------------------------------------------------------------------------------------
 
@@ -377,20 +130,20 @@ class TopologySnapshot(_Record):
     @classmethod
     def _graph(cls, data: Any, handler: Any, info: ValidationInfo) -> Self:
         """Typed first; then the graph rules of Topology.validate; then the context learns its nodes."""
-        ctx = _context(info)
+        ctx = context_of(info)
         snap = handler(data)
         seen: set[str] = set()
         for i, n in enumerate(snap.nodes):
             if n.name in seen:
-                raise _fail("a node named twice", n.name, f"nodes[{i}].name")
+                raise fail("a node named twice", n.name, f"nodes[{i}].name")
             seen.add(n.name)
         try:
             topo = Topology.from_json(data).validate()
         except TopologyError as exc:
             value = exc.value if exc.value is not TopologyError._MISSING else None
-            raise _fail(f"not a valid topology snapshot ({exc.reason})", value, exc.path or "") from None
+            raise fail(f"not a valid topology snapshot ({exc.reason})", value, exc.path or "") from None
         except (KeyError, TypeError, ValueError) as exc:   # typed above: not expected, but never let through
-            raise _fail(f"not a valid topology snapshot ({exc!r})", "...") from None
+            raise fail(f"not a valid topology snapshot ({exc!r})", "...") from None
         ctx.use_topology(topo)
         return snap
 
@@ -418,7 +171,7 @@ class WorkerRecord(_Record):
     @model_validator(mode="after")
     def _pid_with_start(self) -> Self:
         if self.pid is not None and self.starttime is None:   # no PID without what names the process
-            raise _fail("a PID without its start time", self.starttime, "starttime")
+            raise fail("a PID without its start time", self.starttime, "starttime")
         return self
 
 
@@ -430,27 +183,27 @@ class RuntimeRecord(_Record):
     @model_validator(mode="after")
     def _each_worker_its_own(self, info: ValidationInfo) -> Self:
         """A worker's record names its own namespace, container, directories, cgroups and node."""
-        ctx = _context(info)
+        ctx = context_of(info)
         for w, rec in self.workers.items():
             at = f"workers.{w}"
             mine = ctx.netns(w)
             if rec.netns is not None and rec.netns != mine:
-                raise _fail(f"not this worker's namespace ({mine})", rec.netns, f"{at}.netns")
+                raise fail(f"not this worker's namespace ({mine})", rec.netns, f"{at}.netns")
             if rec.container is not None and rec.container != mine:
-                raise _fail(f"not this worker's container ({mine})", rec.container, f"{at}.container")
+                raise fail(f"not this worker's container ({mine})", rec.container, f"{at}.container")
             if rec.node is not None and rec.node.name != w:
-                raise _fail(f"not worker {w}'s node record", rec.node.name, f"{at}.node.name")
+                raise fail(f"not worker {w}'s node record", rec.node.name, f"{at}.node.name")
             if rec.node is not None and rec.node.kind != "worker":
-                raise _fail("not a worker's node record", rec.node.kind, f"{at}.node.kind")
+                raise fail("not a worker's node record", rec.node.kind, f"{at}.node.kind")
             for key, rel in (("dir", ("workers", w)), ("log_dir", ("logs", w))):
                 v = getattr(rec, key)
-                why = v is not None and _path_is(ctx, v, *rel)
+                why = v is not None and path_is(ctx, v, *rel)
                 if why:
-                    raise _fail(why, v, f"{at}.{key}")
+                    raise fail(why, v, f"{at}.{key}")
             for i, p in enumerate(rec.cgroups):
-                why = _cgroup_of(ctx, p, ctx.name, w)
+                why = cgroup_of(ctx, p, ctx.name, w)
                 if why:
-                    raise _fail(why, p, f"{at}.cgroups[{i}]")
+                    raise fail(why, p, f"{at}.cgroups[{i}]")
         return self
 
 
@@ -470,26 +223,26 @@ class DelayLine(_Record):
 
     @model_validator(mode="after")
     def _of_its_link(self, info: ValidationInfo) -> Self:
-        ctx = _topology(info)
+        ctx = with_topology(info)
         if self.link >= len(ctx.link_ends):
-            raise _fail(f"not a link of the topology (it has {len(ctx.link_ends)})", self.link, "link")
+            raise fail(f"not a link of the topology (it has {len(ctx.link_ends)})", self.link, "link")
         if self.link_id != str(self.link):
-            raise _fail(f"not the id of link {self.link}", self.link_id, "link_id")
+            raise fail(f"not the id of link {self.link}", self.link_id, "link_id")
         a, b = ctx.link_ends[self.link]
         cut = names.cut_netns(ctx.name, self.link)
         if cut in (self.ns_a, self.ns_b):   # a delayed cut link: both TAPs in the link's own namespace
             for key in ("ns_a", "ns_b"):
                 if getattr(self, key) != cut:
-                    raise _fail(f"not the namespace of link {self.link} ({cut}), as its other TAP's is",
+                    raise fail(f"not the namespace of link {self.link} ({cut}), as its other TAP's is",
                                 getattr(self, key), key)
         else:
             for key, node in (("ns_a", a), ("ns_b", b)):
                 if getattr(self, key) != ctx.netns(node):
-                    raise _fail(f"not the namespace of {node}, an end of link {self.link}", getattr(self, key), key)
+                    raise fail(f"not the namespace of {node}, an end of link {self.link}", getattr(self, key), key)
         for key, suffix in (("control", "sock"), ("pid_file", "pid")):
-            why = _path_is(ctx, getattr(self, key), f"dl-{self.link_id}.{suffix}")
+            why = path_is(ctx, getattr(self, key), f"dl-{self.link_id}.{suffix}")
             if why:
-                raise _fail(why, getattr(self, key), key)
+                raise fail(why, getattr(self, key), key)
         return self
 
 
@@ -513,11 +266,11 @@ class MpsDaemon(_Record):
 
     @model_validator(mode="after")
     def _in_its_directory(self, info: ValidationInfo) -> Self:
-        ctx = _context(info)
+        ctx = context_of(info)
         for key, rel in (("pipe_dir", "pipe"), ("log_dir", "log")):
-            why = _path_is(ctx, getattr(self, key), "mps", rel)
+            why = path_is(ctx, getattr(self, key), "mps", rel)
             if why:
-                raise _fail(why, getattr(self, key), key)
+                raise fail(why, getattr(self, key), key)
         return self
 
 
@@ -572,18 +325,18 @@ class Faults(_Record):
 
     @model_validator(mode="after")
     def _own_groups(self, info: ValidationInfo) -> Self:
-        ctx = _context(info)
+        ctx = context_of(info)
         for node, rec in self.nodes.items():
             for i, p in enumerate(rec.cgroup or []):
-                why = _cgroup_of(ctx, p, f"{ctx.name}.faults", node)
+                why = cgroup_of(ctx, p, f"{ctx.name}.faults", node)
                 if why:
-                    raise _fail(why, p, f"nodes.{node}.cgroup[{i}]")
+                    raise fail(why, p, f"nodes.{node}.cgroup[{i}]")
         return self
 
 
 def _link_index_key(v: str) -> str:
     if not (v.isascii() and v.isdigit()):
-        raise _fail("not a link index", v)
+        raise fail("not a link index", v)
     return v
 
 
@@ -637,14 +390,14 @@ class StateDocument(_Record):
     @classmethod
     def _this_version(cls, v: int) -> int:
         if v != SCHEMA_VERSION:
-            raise _fail(f"not schema version {SCHEMA_VERSION}, the one this testbed writes", v)
+            raise fail(f"not schema version {SCHEMA_VERSION}, the one this testbed writes", v)
         return v
 
     @field_validator("name")
     @classmethod
     def _its_own_name(cls, v: str, info: ValidationInfo) -> str:
-        if v != _context(info).name:
-            raise _fail("not the name of its directory", v)
+        if v != context_of(info).name:
+            raise fail("not the name of its directory", v)
         return v
 
     @field_validator("time_dilation")
@@ -654,20 +407,20 @@ class StateDocument(_Record):
         factor = v.get("factor") if isinstance(v, dict) else v
         if v is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
                               or not 1 <= factor < float("inf")):
-            raise _fail("not a time-dilation factor >= 1", v)
+            raise fail("not a time-dilation factor >= 1", v)
         return v
 
     @field_validator("links")
     @classmethod
     def _one_per_link(cls, v: list[LinkRecord], info: ValidationInfo) -> list[LinkRecord]:
-        ctx = _topology(info)
+        ctx = with_topology(info)
         if len(v) != len(ctx.link_ends):
-            raise _fail(f"not one record per link of the topology ({len(ctx.link_ends)})", len(v))
+            raise fail(f"not one record per link of the topology ({len(ctx.link_ends)})", len(v))
         for i, (rec, ends) in enumerate(zip(v, ctx.link_ends)):
             if rec.index != i:
-                raise _fail("not the index of this record", rec.index, f"[{i}].index")
+                raise fail("not the index of this record", rec.index, f"[{i}].index")
             if tuple(rec.endpoints) != ends:
-                raise _fail(f"not the endpoints of link {i} ({ends[0]}, {ends[1]})", rec.endpoints,
+                raise fail(f"not the endpoints of link {i} ({ends[0]}, {ends[1]})", rec.endpoints,
                             f"[{i}].endpoints")
         return v
 
@@ -725,7 +478,7 @@ def problems(exc: ValidationError) -> list[tuple[str, str, Any]]:
     for e in exc.errors(include_url=False):
         ctx = e.get("ctx") or {}
         kind = e["type"]
-        if kind == _ERROR:
+        if kind == ERROR:
             item = (_dotted(e["loc"], ctx.get("at", "")), ctx["why"], ctx.get("value", e["input"]))
         elif kind == "extra_forbidden":
             item = (_dotted(e["loc"]), "unknown field", e["input"])
@@ -733,7 +486,7 @@ def problems(exc: ValidationError) -> list[tuple[str, str, Any]]:
             item = (_dotted(e["loc"]), "missing", NOTHING)
         else:
             item = (_dotted(e["loc"]), e["msg"][:1].lower() + e["msg"][1:], e["input"])
-        (later if kind == _UNCHECKED else out).append(item)
+        (later if kind == UNCHECKED else out).append(item)
     return out or later
 
 

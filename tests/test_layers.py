@@ -32,7 +32,7 @@ LAYERS: list[list[tuple[str, tuple[str, ...]]]] = [
                  "testbed.safeio", "testbed.tarstream", "testbed.events", "testbed.names",
                  "testbed.cgroupfs", "testbed.cpustat", "testbed.lifeline", "testbed.nodeside"))],
     [("topology", ("testbed.topology",))],
-    [("state", ("testbed.store", "testbed.state_schema"))],
+    [("state", ("testbed.store", "testbed.state_schema", "testbed.state_values"))],
     [("net", ("testbed.net",))],
     [("runtime", ("testbed.runtime",))],
     [("lifecycle", ("testbed.lifecycle", "testbed.running", "testbed.node_cpus", "testbed.node_files"))],

@@ -354,7 +354,7 @@ def test_fuzz_yaml_text(data):
 def test_a_name_with_a_trailing_newline_is_refused_everywhere(name):
     """`$` matches before a final newline; names are checked to their very end (\\Z)."""
     from testbed.net.names import valid_testbed_name
-    from testbed.state_schema import NODE_RE
+    from testbed.state_values import NODE_RE
     from testbed.topology.loader import NAME_RE
 
     assert not NAME_RE.match(name) and not NODE_RE.match(name) and not valid_testbed_name(name)
