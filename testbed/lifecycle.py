@@ -466,7 +466,7 @@ def _remove(st: dict[str, Any], refused: list[str] | None = None) -> list[str]:
     stays recorded in the state (status "removing", `leftovers`) for `cleanup` to retry. With
     nothing left, the state goes too. Entries a second proof says are not ours (a PID whose pid
     file or namespace disagrees) are not acted on and go to `refused`, to be reported."""
-    from testbed.net.builder import delete_namespaces, kill_processes_in, teardown
+    from testbed.net.teardown import delete_namespaces, kill_processes_in, teardown
     from testbed.runtime import cgroups
 
     name = st["name"]
@@ -623,7 +623,7 @@ def cleanup() -> list[tuple[str, str]]:
     when it says it is up but none of its workers' inits runs any more (a testbed with live
     inits is kept, even with parts missing: `testbed down` is for that). A state that is not
     valid is not acted on: only namespaces labelled ours and labelled containers go."""
-    from testbed.net.builder import delete_namespaces, kill_processes_in
+    from testbed.net.teardown import delete_namespaces, kill_processes_in
 
     removed: list[tuple[str, str]] = []
     keep: set[str] = set()

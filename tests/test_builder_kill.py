@@ -1,4 +1,4 @@
-"""testbed.net.builder.kill_processes_in against the real kernel, and who one test's cleanup may end.
+"""testbed.net.teardown.kill_processes_in against the real kernel, and who one test's cleanup may end.
 
 A PID from a scan of /proc can change hands before the signal lands (the process ends, its PID goes
 to anyone's next process: under `make test`, another test's). kill_processes_in holds each process
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.root
 @pytest.fixture
 def spaces(root):
     """make() -> a fresh network namespace's name; all of them and what runs in them go afterwards."""
-    from testbed.net import builder, netns
+    from testbed.net import netns, teardown
 
     made: list[str] = []
 
@@ -35,7 +35,7 @@ def spaces(root):
         return name
 
     yield make
-    builder.kill_processes_in(made)
+    teardown.kill_processes_in(made)
     for name in made:
         netns.delete(name)
 
@@ -66,7 +66,7 @@ def _in(ns: str, pid: int) -> bool:
 
 def test_a_pid_that_changed_hands_since_the_scan_is_not_signalled(spaces, started, monkeypatch):
     from testbed import procs
-    from testbed.net import builder, netns
+    from testbed.net import netns, teardown
 
     ns, other = spaces(), spaces()
     inside = started(["ip", "netns", "exec", ns, "sleep", "60"])
@@ -83,7 +83,7 @@ def test_a_pid_that_changed_hands_since_the_scan_is_not_signalled(spaces, starte
         return {**found, bystander.pid: netns.inode(ns)} if kind == "net" else found
 
     monkeypatch.setattr(procs, "pids_in_ns", stale)
-    builder.kill_processes_in([ns])
+    teardown.kill_processes_in([ns])
     monkeypatch.undo()
     assert not procs.alive(in_ref)                     # the namespace's own process: killed
     assert procs.alive(by_ref), "the bystander whose PID the scan listed was killed"
@@ -95,7 +95,7 @@ def test_everything_in_the_namespace_goes_pid_namespaces_and_late_comers_include
     process that entered with nsenter (nobody's child here): all gone, our children reaped, and a
     process in the namespace next door untouched."""
     from testbed import procs
-    from testbed.net import builder, netns
+    from testbed.net import netns, teardown
 
     requires.need("unshare")
     ns, other = spaces(), spaces()
@@ -111,7 +111,7 @@ def test_everything_in_the_namespace_goes_pid_namespaces_and_late_comers_include
     wait_for(lambda: len(procs.pids_in_ns("net", {ino})) >= 8 and _in(other, neighbour.pid), timeout=10,
              what="the processes in the namespace and the neighbour")
     n_ref = procs.ref(neighbour.pid)
-    assert builder.kill_processes_in([ns]) == []
+    assert teardown.kill_processes_in([ns]) == []
     assert procs.pids_in_ns("net", {ino}) == {}, "processes left in the namespace"
     for p in (pidns, forker):
         with pytest.raises(ChildProcessError):   # already reaped (no zombie of ours left)

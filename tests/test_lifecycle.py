@@ -183,7 +183,7 @@ def test_cleanup_survives_another_testbeds_down(root, tb_name):
     in such a namespace for the read was one of them: killed (an xdist worker "crashed" while a
     test's teardown cleaned up beside another test's down). The read happens in a thread of its
     own now, and the process counts as where its main thread is."""
-    from testbed.net.builder import kill_processes_in
+    from testbed.net.teardown import kill_processes_in
 
     ns = names.netns(tb_name, "w0")   # another testbed's, being taken down
     netns.create(ns)

@@ -135,7 +135,7 @@ def _sync_routes(h: Handle, old_down: set[int], touched: Sequence[str] = ()) -> 
 def _sync_node(h: Handle, node: str, old: list[Route] | None, new: list[Route] | None, full: bool,
                down_if: set[tuple[str, str]], neigh: list[tuple[str, str, str]]) -> list[str]:
     """One node's part of _sync_routes; returns what could not be installed, to log."""
-    from testbed.net.builder import install_route, remove_route
+    from testbed.net.routes import install_route, remove_route
 
     problems = []
     with _ipr(h.netns(node)) as ipr:

@@ -36,7 +36,7 @@ class BareRuntime(Runtime):
         return {"netns": netns_name}
 
     def remove(self, node: str, record: Mapping[str, Any]) -> None:
-        from testbed.net.builder import kill_processes_in
+        from testbed.net.teardown import kill_processes_in
 
         name = record.get("netns")
         if not name:
