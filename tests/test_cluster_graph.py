@@ -29,7 +29,7 @@ import uuid
 import pytest
 
 from cluster_hosts import REPO, host_state, iperf3_server, remote_tops, tb
-from testbed.observe import graph
+from testbed.observe import graph, graph_access
 
 from test_graph import CHROMIUM, Chromium, Served, _get
 from waiting import WaitTimeout, wait_for
@@ -157,7 +157,7 @@ def test_link_down_shows_and_the_pages_control_brings_it_up_on_every_host(served
         assert _until(lambda: {e["host"] for e in get(served, "/api/events?since=0")["events"]
                                if e["what"] == "link down s0 s1"} == {"h1", "h2"}, 10.0)
         status, _, body = _get(served.base + "/api/control", {**served.auth, "Content-Type": "application/json",
-                                                             graph.CONTROL_HEADER: "1"}, "POST",
+                                                             graph_access.CONTROL_HEADER: "1"}, "POST",
                                json.dumps({"action": "link_up", "a": "s0", "b": "s1"}).encode())
         assert status == 200 and json.loads(body)["ok"], body
         assert [link_record(emu, h, line, "s0", "s1")["state"] for h in ("h1", "h2")] == ["up", "up"]
@@ -170,7 +170,7 @@ def test_link_down_shows_and_the_pages_control_brings_it_up_on_every_host(served
 
 def test_node_down_and_up_from_the_page_on_every_host(served, line):
     """s1 (on h2) down from the page: every host's links to it down, the page shows the node down."""
-    post = {**served.auth, "Content-Type": "application/json", graph.CONTROL_HEADER: "1"}
+    post = {**served.auth, "Content-Type": "application/json", graph_access.CONTROL_HEADER: "1"}
 
     def act(action: str) -> None:
         status, _, body = _get(served.base + "/api/control", post, "POST",

@@ -42,9 +42,11 @@ from pathlib import Path
 
 import pytest
 
-from testbed.observe import graph
+from testbed.observe import graph, graph_access, graph_doc
 from waiting import WaitTimeout, tcp_sockets, wait_for
-from testbed.observe.graph import Access, EventTail, StepHistory, format_profile, topology_doc
+from testbed.observe.graph_access import Access
+from testbed.observe.graph_doc import EventTail, StepHistory, topology_doc
+from testbed.topology.units import format_profile
 
 IS_ROOT = os.geteuid() == 0
 REPO = Path(__file__).resolve().parents[1]
@@ -57,7 +59,7 @@ LINK_FIELDS = {"index", "a", "b", "tier", "state", "down_by", "ab", "ba", "ab_te
 PROFILE_FIELDS = {"bandwidth_bps", "delay_s", "jitter_s", "loss", "queue"}
 # testbed top --json's document, and what graph adds to it
 TOP_FIELDS = {"testbed", "t", "interval_s", "read_s", "time", "dilation", "links", "workers", "run"}
-SAMPLE_FIELDS = TOP_FIELDS | set(graph.SAMPLE_FIELDS)
+SAMPLE_FIELDS = TOP_FIELDS | set(graph_doc.SAMPLE_FIELDS)
 
 
 # -- pure: the drawing ---------------------------------------------------------------------------------------
@@ -128,7 +130,7 @@ def test_overlay_takes_newer_states():
     sample = {"t": 1.0, "version": 6, "nodes": {}, "links": [
         {"index": 1, "name": "w1->s0", "state": "up", "down_by": [], "util": 0.5},
         {"index": 0, "name": "w0->s0", "state": "up", "down_by": [], "util": 0.1}]}
-    out = graph.overlay(sample, topo, {"w1": "down"})
+    out = graph_doc.overlay(sample, topo, {"w1": "down"})
     assert [(l["state"], l["down_by"], l["util"]) for l in out["links"]] == [("down", ["link"], 0.5),
                                                                          ("up", [], 0.1)]
     assert out["version"] == 7 and out["nodes"] == {"w1": "down"}
@@ -201,11 +203,11 @@ def test_access_with_token():
 
 
 def test_bind_and_url():
-    assert graph.check_bind("localhost") == "127.0.0.1" and graph.check_bind("::1") == "::1"
-    with pytest.raises(graph.GraphError) as e:
-        graph.check_bind("example.org")
+    assert graph_access.check_bind("localhost") == "127.0.0.1" and graph_access.check_bind("::1") == "::1"
+    with pytest.raises(graph_access.GraphError) as e:
+        graph_access.check_bind("example.org")
     assert e.value.exit_code == 2 and "--bind" in str(e.value)
-    assert graph.is_loopback("127.0.0.2") and graph.is_loopback("::1") and not graph.is_loopback("0.0.0.0")
+    assert graph_access.is_loopback("127.0.0.2") and graph_access.is_loopback("::1") and not graph_access.is_loopback("0.0.0.0")
     assert graph.url_of("127.0.0.1", 80, None) == "http://127.0.0.1:80/"
     assert graph.url_of("::1", 80, "t") == "http://[::1]:80/#token=t"
 
@@ -252,7 +254,7 @@ class FakeGraph(graph.Graph):
         return {"w0": "up", "w1": "down", "s0": "up"}
 
     def control(self, body):
-        action, args = graph.parse_control(body)
+        action, args = graph_access.parse_control(body)
         self.controlled.append(body)
         return {"ok": True, "action": action, "args": args, "result": None}
 
@@ -368,18 +370,18 @@ def test_token_only_in_a_header_never_a_cookie(fake_server):
 
 def test_control_refused_unless_allowed_and_asked_right(fake_server):
     body = json.dumps({"action": "link_down", "a": "w0", "b": "s0"}).encode()
-    ok = {"Content-Type": "application/json", graph.CONTROL_HEADER: "1"}
+    ok = {"Content-Type": "application/json", graph_access.CONTROL_HEADER: "1"}
     base, g, _ = fake_server()                                         # read-only
     status, _, out = _get(base + "/api/control", ok, "POST", body)
     assert status == 403 and "--allow-control" in json.loads(out)["error"] and g.controlled == []
     base, g, logged = fake_server(token="tk", allow_control=True)
     auth = {**ok, "Authorization": "Bearer tk"}
     assert _get(base + "/api/control", ok, "POST", body)[0] == 403                    # no token
-    no_header = {k: v for k, v in auth.items() if k != graph.CONTROL_HEADER}
+    no_header = {k: v for k, v in auth.items() if k != graph_access.CONTROL_HEADER}
     assert _get(base + "/api/control", no_header, "POST", body)[0] == 403              # a form post from anywhere
     assert _get(base + "/api/control", {**auth, "Origin": "http://evil.example"}, "POST", body)[0] == 403
     assert _get(base + "/api/control", {**auth, "Content-Type": "text/plain"}, "POST", body)[0] == 415
-    assert _get(base + "/api/control", auth, "POST", b"x" * (graph.MAX_BODY + 1))[0] == 413
+    assert _get(base + "/api/control", auth, "POST", b"x" * (graph_access.MAX_BODY + 1))[0] == 413
     assert _get(base + "/api/control", auth, "POST", b"{not json")[0] == 400
     assert _get(base + "/api/other", auth, "POST", body)[0] == 404
     assert g.controlled == []
@@ -601,7 +603,7 @@ def test_server_across_hosts_names_hosts_and_forwards_control(state_dir, monkeyp
         assert [(e["host"], e["what"]) for e in ev] == [("h1", "up"), ("h1", "link down s0 s1")]
         # control: to every host, then the records asked for again (a new version of the topology)
         version = topo["version"]
-        post = {**auth, "Content-Type": "application/json", graph.CONTROL_HEADER: "1"}
+        post = {**auth, "Content-Type": "application/json", graph_access.CONTROL_HEADER: "1"}
         status, _, body = _get(base + "/api/control", post, "POST",
                                json.dumps({"action": "link_down", "a": "s0", "b": "s1"}).encode())
         assert status == 200 and json.loads(body)["ok"], body
@@ -784,7 +786,7 @@ def test_served_star_traffic_down_link_and_exits(testbed):
         assert [e["kind"] for e in ev][:1] == ["up"] and ev[-1]["what"] == "link down w2 s0"
         # read-only: a control POST, even well formed, is refused
         status, _, body = _get(srv.base + "/api/control", {"Content-Type": "application/json",
-                                                          graph.CONTROL_HEADER: "1"}, "POST",
+                                                          graph_access.CONTROL_HEADER: "1"}, "POST",
                                json.dumps({"action": "link_up", "a": "w2", "b": "s0"}).encode())
         assert status == 403 and "--allow-control" in json.loads(body)["error"]
         assert srv.json("/api/topology")["links"][2]["state"] == "down"
@@ -1008,7 +1010,7 @@ def test_browser_draws_the_fat_tree_and_follows_a_link_down(testbed, tmp_path):
         assert rec["state"] == "up"
         assert "control from 127.0.0.1: link up" in "".join(srv.out)
         # a node from a script with the token: down on the page, then up again
-        auth = {"Authorization": f"Bearer {srv.token}", "Content-Type": "application/json", graph.CONTROL_HEADER: "1"}
+        auth = {"Authorization": f"Bearer {srv.token}", "Content-Type": "application/json", graph_access.CONTROL_HEADER: "1"}
         node = "#graph g.node[data-node=\"core0\"]"
         for action, state in (("node_down", "down"), ("node_up", "up")):
             status, _, body = _get(srv.base + "/api/control", auth, "POST",

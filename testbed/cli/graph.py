@@ -45,7 +45,8 @@ def graph_cmd(
     link records and events; each node's host shown, a host that fails named on the page; the
     page's actions go to every host. Ctrl-C stops every host's top."""
     from testbed.handle import open_testbed
-    from testbed.observe.graph import DOWN_GRACE_S, check_bind, serve
+    from testbed.observe.graph import DOWN_GRACE_S, serve
+    from testbed.observe.graph_access import check_bind
 
     bind = check_bind(bind)
     require_root("testbed graph")

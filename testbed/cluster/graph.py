@@ -38,7 +38,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 from testbed.errors import StateError
 from testbed.observe import answers
-from testbed.observe.graph import EVENTS_KEEP, EVENTS_LIMIT, IDLE_S, GraphRequestError, topology_doc
+from testbed.observe.graph import IDLE_S
+from testbed.observe.graph_access import GraphRequestError
+from testbed.observe.graph_doc import EVENTS_KEEP, EVENTS_LIMIT, topology_doc
 
 REFRESH_S = 3.0            # the hosts' link records and events are asked for this often while a page watches
 STALE_S = 5.0              # a host whose top lags behind the newest reading this long is named in the banner
@@ -74,7 +76,7 @@ def address_plan(record: Mapping[str, Any]) -> dict[str, Any]:
 
 def state_of(record: Mapping[str, Any], links: Sequence[Mapping[str, Any]] | None,
              plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """A state as testbed.observe.graph.topology_doc reads it, made of the controller's record and a
+    """A state as testbed.observe.graph_doc.topology_doc reads it, made of the controller's record and a
     host's `link show --json` (None: no host answered; the links then read as the topology has them)."""
     records = []
     for l in links or ():
@@ -93,7 +95,7 @@ def state_of(record: Mapping[str, Any], links: Sequence[Mapping[str, Any]] | Non
 def hosts_topology_doc(record: Mapping[str, Any], links: Sequence[Mapping[str, Any]] | None, version: int = 0,
                        control: bool = False, plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The /api/topology document of a testbed over several hosts (with "states", as a source gives it)."""
-    from testbed.observe.graph import node_states
+    from testbed.observe.graph_doc import node_states
 
     st = state_of(record, links, plan)
     doc = topology_doc(st, version, control)

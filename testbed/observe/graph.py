@@ -67,8 +67,6 @@ only this server's own script, style and fetches; nothing is logged but control 
 from __future__ import annotations
 
 import errno
-import hmac
-import ipaddress
 import json
 import os
 import secrets
@@ -82,162 +80,27 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import parse_qs, urlsplit
 
-from testbed import events, paths, store
+from testbed import paths, store
 from testbed.errors import StateError, TestbedError
-from testbed.topology.units import format_profile
+from testbed.observe.graph_access import (CONTROL_HEADER, MAX_BODY, Access, GraphError, GraphRequestError, check_bind,
+                                          is_loopback, parse_control)
+from testbed.observe.graph_doc import (EVENTS_KEEP, EVENTS_LIMIT, EventTail, StepHistory, empty_sample, node_states,
+                                       overlay, topology_doc)
 
 DEFAULT_BIND = "127.0.0.1"
 DEFAULT_PORT = 8765            # tried first when no --port is given; taken: any free port
 IDLE_S = 15.0                  # sampling pauses when no page asked for a sample this long
 FIRST_SAMPLE_WAIT_S = 3.0      # a request that wakes the sampler waits this long for its first sample
 DOWN_GRACE_S = 5.0             # after the testbed went down, serve "down" this long, then exit
-EVENTS_KEEP = 500
-EVENTS_LIMIT = 100
-STEPS_KEEP = 600
-MAX_BODY = 4096
-CONTROL_ACTIONS = ("link_down", "link_up", "node_down", "node_up")
-CONTROL_HEADER = "X-Testbed-Graph"
 STATIC = Path(__file__).with_name("static")
 FILES = {"/": ("graph.html", "text/html; charset=utf-8"),
          "/graph.js": ("graph.js", "text/javascript; charset=utf-8"),
          "/graph.css": ("graph.css", "text/css; charset=utf-8")}
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
-SAMPLE_FIELDS = ("up", "version", "nodes", "steps", "warming", "error", "trouble")
-
-
-class GraphError(TestbedError):
-    """A flag of `testbed graph` that cannot be honoured (a --bind that is not an address): exit 2."""
-
-    exit_code = 2
 
 
 # -- the drawing: pure functions of a state -----------------------------------------------------------------
-
-
-def node_states(st: Mapping[str, Any]) -> dict[str, str]:
-    """Every node's state: "up", or what `testbed node` made it ("down", "crashed")."""
-    faults = (st.get("faults") or {}).get("nodes") or {}
-    return {n["name"]: (faults.get(n["name"]) or {}).get("state") or "up" for n in st["topology"]["nodes"]}
-
-
-def addresses(st: Mapping[str, Any]) -> dict[str, list[str]]:
-    """Node -> the addresses (CIDR) of its ports, from the state's address plan."""
-    out: dict[str, list[str]] = {}
-    for lp in (st.get("plan") or {}).get("links") or []:
-        for side in ("a", "b"):
-            end = lp.get(side) or {}
-            if end.get("node") and end.get("address"):
-                out.setdefault(end["node"], []).append(end["address"])
-    return out
-
-
-def topology_doc(st: Mapping[str, Any], version: int = 0, control: bool = False) -> dict[str, Any]:
-    """The /api/topology document of a (validated) state."""
-    from testbed.faults.control import PROFILE_FIELDS
-    from testbed.running import dilation_of
-    from testbed.topology.layout import layout
-    from testbed.topology.model import LinkProfile, Topology
-
-    topo = Topology.from_json(st["topology"])
-    pos = layout(topo)
-    states = node_states(st)
-    addrs = addresses(st)
-    rows: dict[int, int] = {}
-    nodes = []
-    for name, node in topo.nodes.items():
-        x, y = pos[name]
-        rows[int(y)] = rows.get(int(y), 0) + 1
-        nodes.append({"name": name, "kind": node.kind, "layer": int(y), "x": x, "state": states.get(name, "up"),
-                      "gpus": node.gpus, "addresses": addrs.get(name, [])})
-    records = st.get("links") or []
-    links = []
-    for i, link in enumerate(topo.links):
-        rec = records[i] if i < len(records) else {}
-        prof = rec.get("profile")
-        ab, ba = (LinkProfile.from_json(prof["ab"]), LinkProfile.from_json(prof["ba"])) if prof else (link.ab, link.ba)
-        ab_d = {k: getattr(ab, k) for k in PROFILE_FIELDS}
-        ba_d = {k: getattr(ba, k) for k in PROFILE_FIELDS}
-        down_by = rec.get("down_by")
-        if down_by is None:
-            down_by = ["link"] if rec.get("state") == "down" else []
-        links.append({"index": i, "a": link.a, "b": link.b, "tier": link.tier, "state": rec.get("state", "up"),
-                      "down_by": list(down_by), "ab": ab_d, "ba": ba_d, "ab_text": format_profile(ab_d),
-                      "ba_text": format_profile(ba_d), "changed": bool(prof), "ifnames": rec.get("ifnames")})
-    s = dilation_of(dict(st))
-    return {"testbed": st["name"], "version": version, "up": True, "created": st.get("created"), "dilation": s,
-            "time": "emulated" if s != 1 else "real", "control": control, "tiers": topo.tiers(),
-            "layers": max(rows, default=0) + 1, "widest": max(rows.values(), default=0),
-            "nodes": nodes, "links": links}
-
-
-def overlay(sample: Mapping[str, Any], topo: Mapping[str, Any], states: Mapping[str, str]) -> dict[str, Any]:
-    """A sample with the link and node states of a newer topology document (a change made after
-    the sample was taken shows at once, not at the next sample)."""
-    records = topo["links"]
-    links = []
-    for l in sample.get("links") or []:
-        rec = records[l["index"]] if l.get("index") is not None and l["index"] < len(records) else None
-        links.append(l if rec is None else {**l, "state": rec["state"], "down_by": list(rec["down_by"])})
-    return {**sample, "links": links, "nodes": dict(states), "version": topo["version"]}
-
-
-def empty_sample(name: str, up: bool, version: int = 0, error: str | None = None,
-                 trouble: list[str] | None = None) -> dict[str, Any]:
-    """A sample with no readings: before the first one (warming) or once the testbed is gone."""
-    return {"testbed": name, "t": time.time(), "interval_s": None, "read_s": None, "time": None, "dilation": None,
-            "links": [], "workers": [], "run": None, "up": up, "version": version, "nodes": {}, "steps": [],
-            "warming": up, "error": error, "trouble": list(trouble or [])}
-
-
-class StepHistory:
-    """The active run's step times, one point per new step a sample saw (the ranks' median)."""
-
-    def __init__(self, keep: int = STEPS_KEEP):
-        self.keep = keep
-        self.run_id: str | None = None
-        self.points: list[dict[str, Any]] = []
-
-    def update(self, run: Mapping[str, Any] | None, now: float | None = None) -> list[dict[str, Any]]:
-        if run is None:
-            self.run_id, self.points = None, []
-            return []
-        if run.get("run_id") != self.run_id:
-            self.run_id, self.points = run.get("run_id"), []
-        step, dt = run.get("step"), run.get("last_step_s")
-        if step is not None and dt is not None and (not self.points or self.points[-1]["step"] != step):
-            self.points.append({"step": step, "t": time.time() if now is None else now, "step_s": dt,
-                                "max_s": run.get("last_step_max_s")})
-            del self.points[:-self.keep]
-        return list(self.points)
-
-
-class EventTail:
-    """The testbed's event stream, read again only when the file changed, the last `keep` kept."""
-
-    def __init__(self, name: str, keep: int = EVENTS_KEEP, reader: Callable[..., Any] = events.read):
-        self.name = name
-        self.keep = keep
-        self._reader = reader
-        self._stamp: tuple[int, int, int] | None = None
-        self._records: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-
-    def _refresh(self) -> None:
-        try:
-            s = os.stat(events.path(self.name))
-            stamp = (s.st_ino, s.st_size, s.st_mtime_ns)
-        except OSError:
-            stamp = None
-        if stamp != self._stamp:
-            self._records = list(self._reader(self.name))[-self.keep:] if stamp is not None else []
-            self._stamp = stamp
-
-    def since(self, t: float, limit: int = EVENTS_LIMIT) -> list[dict[str, Any]]:
-        with self._lock:
-            self._refresh()
-            newer = [r for r in self._records if r["t"] > t]
-        return newer[-limit:] if limit > 0 else []
 
 
 # -- where the numbers come from: a testbed on this host, or one over several hosts ------------------------
@@ -491,78 +354,6 @@ class Graph:
 
 
 # -- who may ask -----------------------------------------------------------------------------------------------
-
-
-class GraphRequestError(Exception):
-    """A request the server answers with `status` and `message` (a malformed query or body)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def parse_control(body: Any) -> tuple[str, list[str]]:
-    """(action, its node names) of a /api/control body; GraphRequestError(400) when malformed."""
-    if not isinstance(body, dict) or body.get("action") not in CONTROL_ACTIONS:
-        raise GraphRequestError(400, f"action: one of {', '.join(CONTROL_ACTIONS)}")
-    action = body["action"]
-    values = []
-    for key in (("a", "b") if action.startswith("link_") else ("node",)):
-        v = body.get(key)
-        if not isinstance(v, str) or not v or len(v) > 64:
-            raise GraphRequestError(400, f"{key}: a node name")
-        values.append(v)
-    return action, values
-
-
-def is_loopback(bind: str) -> bool:
-    try:
-        return ipaddress.ip_address(bind).is_loopback
-    except ValueError:
-        return bind == "localhost"
-
-
-def check_bind(bind: str) -> str:
-    """The address to bind: an IP address (or localhost); GraphError otherwise."""
-    if bind == "localhost":
-        return "127.0.0.1"
-    try:
-        return str(ipaddress.ip_address(bind))
-    except ValueError:
-        raise GraphError(f"--bind {bind!r}: not an IP address (127.0.0.1, ::1, 0.0.0.0, or one of this "
-                         "machine's addresses)") from None
-
-
-class Access:
-    """Who may ask: a token (when one is required) and, without one, a Host header naming loopback."""
-
-    def __init__(self, bind: str, port: int, token: str | None):
-        self.token = token
-        self.port = port
-        if token is None:
-            names_ = {"127.0.0.1", "localhost", "[::1]", bind if ":" not in bind else f"[{bind}]"}
-            self.hosts: frozenset[str] | None = frozenset(f"{h}:{port}" for h in names_)
-        else:
-            self.hosts = None
-
-    def _token_ok(self, given: str | None) -> bool:
-        return given is not None and self.token is not None and hmac.compare_digest(
-            given.encode("utf-8", "replace"), self.token.encode())
-
-    def check(self, headers: Mapping[str, str], query: Mapping[str, list[str]],
-              page: bool = False) -> tuple[bool, bool, str]:
-        """(allowed, False, why not). page: one of the page's own files (no token needed: no data)."""
-        host = (headers.get("Host") or "").strip().lower()
-        if self.hosts is not None and host not in self.hosts:
-            return False, False, f"Host {host!r} is not this server's loopback address"
-        if self.token is None or page:
-            return True, False, ""
-        auth = headers.get("Authorization") or ""
-        if auth.startswith("Bearer ") and self._token_ok(auth[7:].strip()):
-            return True, False, ""
-        return False, False, ("a token is required (Authorization: Bearer): open the URL `testbed graph` printed "
-                              "(it carries #token=)")
 
 
 # -- HTTP ------------------------------------------------------------------------------------------------------
