@@ -15,7 +15,7 @@ import pytest
 
 from testbed import paths, safeio
 from testbed.jobs import rundir
-from testbed.observe import top
+from testbed.observe import run_watch
 from testbed.report import analyze
 
 MINE = '{"ev": "step", "t": 10.0, "dur": 0.5, "n": 1}\n'
@@ -103,17 +103,17 @@ def test_top_reads_a_live_run_from_its_exchange_folder_not_through_the_link(tmp_
     exchange.mkdir(parents=True)
     (exchange / "rank-0.jsonl").write_text(MINE)
     (rd / "probe").symlink_to(exchange)
-    run = top.RunWatch("tb", cwd / "runs").poll(now=11.0)
+    run = run_watch.RunWatch("tb", cwd / "runs").poll(now=11.0)
     assert run["dir"] == str(rd) and run["step"] == 1 and run["ranks"] == 1
     # the job points the link at another run's probe: top still reads the run's own folder
     other = _foreign(tmp_path)
     (rd / "probe").unlink()
     (rd / "probe").symlink_to(other / "probe")
-    run = top.RunWatch("tb", cwd / "runs").poll(now=11.0)
+    run = run_watch.RunWatch("tb", cwd / "runs").poll(now=11.0)
     assert run["dir"] == str(rd) and run["step"] == 1
     # ... and once that folder is gone, the run is not active: nothing foreign is shown
     shutil.rmtree(exchange.parent)
-    assert top.RunWatch("tb", cwd / "runs").poll(now=11.0) is None
+    assert run_watch.RunWatch("tb", cwd / "runs").poll(now=11.0) is None
 
 
 def test_top_passes_over_a_linked_run_directory(tmp_path, state_dir):
@@ -121,8 +121,8 @@ def test_top_passes_over_a_linked_run_directory(tmp_path, state_dir):
     (cwd / "runs").mkdir(parents=True)
     other = _foreign(tmp_path)
     (cwd / "runs" / "20260101-100000-tb").symlink_to(other)   # "running", with a real probe there
-    assert top.RunWatch("tb", cwd / "runs").poll(now=100.0) is None
+    assert run_watch.RunWatch("tb", cwd / "runs").poll(now=100.0) is None
     # a probe in the exchange folder that is a link (to the same foreign run): passed over too
     (paths.directory("tb") / "runs" / "cccccccccccc").mkdir(parents=True)
     (paths.directory("tb") / "runs" / "cccccccccccc" / "probe").symlink_to(other / "probe")
-    assert top.RunWatch("tb", cwd / "runs").poll(now=100.0) is None
+    assert run_watch.RunWatch("tb", cwd / "runs").poll(now=100.0) is None

@@ -308,10 +308,10 @@ def test_report_reads_the_probe_file_it_opened_not_a_name_it_checked(tmp_path, m
 
 
 def test_top_reads_the_probe_file_it_opened_not_a_name_it_checked(tmp_path, monkeypatch, state_dir):
-    from testbed.observe import top
+    from testbed.observe import run_watch
 
     rd, raced = _racing_probe(tmp_path, monkeypatch)
-    run = _done_within(lambda: top.RunWatch("tb", rd.parent).poll(now=11.0), [raced], "top's RunWatch")
+    run = _done_within(lambda: run_watch.RunWatch("tb", rd.parent).poll(now=11.0), [raced], "top's RunWatch")
     assert run is not None and run["step"] >= 1 and run["ranks"] >= 1
 
 

@@ -27,7 +27,7 @@ import pytest
 import requires
 from waiting import in_netns, tcp_sockets, wait_for
 
-from testbed.observe import top
+from testbed.observe import run_watch, top
 from testbed.observe.top import Direction, Model, Worker, compute, counter_delta, select
 
 IS_ROOT = os.geteuid() == 0
@@ -462,7 +462,7 @@ def test_run_watch_reads_steps_incrementally(tmp_path, state_dir):
                   '{"ev": "coll", "op": "all_reduce", "t": 10.1, "dur": 0.1}\n'
                   '{"ev": "step", "t": 11.0, "dur": 0.4, "n": 2}\nnot json\n{"ev": "step", "t": 1')
     r1.write_text('{"ev": "step", "t": 10.5, "dur": 0.8, "n": 1}\n')
-    watch = top.RunWatch("tb", runs)
+    watch = run_watch.RunWatch("tb", runs)
     run = watch.poll(now=13.0)
     assert set(run) == RUN_FIELDS
     assert run["dir"] == str(d) and run["status"] == "running" and run["world_size"] == 2
@@ -483,8 +483,8 @@ def test_run_watch_long_file_reads_its_end(tmp_path, state_dir):
     with open(d / "probe" / "rank-0.jsonl", "w") as f:
         f.writelines(json.dumps({"ev": "step", "t": float(n), "dur": 0.9, "n": n, "samples": 32}) + "\n"
                      for n in range(1, 40_001))
-    assert (d / "probe" / "rank-0.jsonl").stat().st_size > top.PROBE_TAIL_BYTES
-    run = top.RunWatch("tb", runs).poll(now=40_001.0)
+    assert (d / "probe" / "rank-0.jsonl").stat().st_size > run_watch.PROBE_TAIL_BYTES
+    run = run_watch.RunWatch("tb", runs).poll(now=40_001.0)
     assert run["step"] == 40_000 and run["last_step_s"] == pytest.approx(1.0)
 
 
@@ -493,12 +493,12 @@ def test_run_watch_exchange_dir_and_none(tmp_path, state_dir):
 
     runs = tmp_path / "runs"
     _write_run(runs, "20260101-120000-tb", "tb", status="failed")
-    assert top.RunWatch("tb", runs).poll() is None
-    assert top.RunWatch("tb", tmp_path / "nowhere").poll() is None
+    assert run_watch.RunWatch("tb", runs).poll() is None
+    assert run_watch.RunWatch("tb", tmp_path / "nowhere").poll() is None
     probe = paths.directory("tb") / "runs" / "abc123" / "probe"
     probe.mkdir(parents=True)
     (probe / "rank-0.jsonl").write_text('{"ev": "step", "t": 5.0, "dur": 0.25, "n": 7}\n')
-    run = top.RunWatch("tb", runs, dilation=1.0).poll(now=6.0)
+    run = run_watch.RunWatch("tb", runs, dilation=1.0).poll(now=6.0)
     assert (run["run_id"], run["dir"], run["status"], run["step"]) == ("abc123", None, "unknown", 7)
     assert run["last_step_s"] == pytest.approx(0.25)
 
