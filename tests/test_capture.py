@@ -27,6 +27,7 @@ import requires
 from waiting import wait_for, wait_gone
 
 from testbed.observe import capture as cap
+from testbed.observe import capture_target
 
 IS_ROOT = os.geteuid() == 0
 STAR = ["params.n=2", "tiers.host.delay=0"]     # plain veths; w0 10.0.0.2, w1 10.0.0.3 on s0
@@ -69,7 +70,7 @@ def test_duration(text, seconds):
 
 @pytest.mark.parametrize("text", ["5x", "-1s", "soon", "-2m"])
 def test_bad_duration_names_the_value(text):
-    with pytest.raises(cap.CaptureError, match=re.escape(repr(text))) as ei:
+    with pytest.raises(capture_target.CaptureError, match=re.escape(repr(text))) as ei:
         cap.parse_duration(text)
     assert ei.value.exit_code == 2
 
@@ -88,15 +89,15 @@ def _star_state(name="tx"):
 
 def test_resolve_names_a_link_as_the_link_verbs_do():
     st = _star_state()
-    t = cap.resolve("tx", "w0", "s0", st=st)
+    t = capture_target.resolve("tx", "w0", "s0", st=st)
     assert (t.node, t.peer, t.ifname, t.netns, t.direction, t.link) == ("w0", "s0", "eth0", "tb-tx-w0", None, 0)
-    t = cap.resolve("tx", "s0", "w1", st=st)           # either order; the first is captured
+    t = capture_target.resolve("tx", "s0", "w1", st=st)           # either order; the first is captured
     assert (t.node, t.ifname, t.peer_ifname) == ("s0", "eth1", "eth0")
-    t = cap.resolve("tx", "w1", "s0", at="s0", st=st)
+    t = capture_target.resolve("tx", "w1", "s0", at="s0", st=st)
     assert (t.node, t.ifname) == ("s0", "eth1")
-    t = cap.resolve("tx", "s0", "eth1", st=st)         # a node's interface
+    t = capture_target.resolve("tx", "s0", "eth1", st=st)         # a node's interface
     assert (t.node, t.peer, t.link) == ("s0", "w1", 1)
-    t = cap.resolve("tx", "w1", st=st)                 # a worker's only link
+    t = capture_target.resolve("tx", "w1", st=st)                 # a worker's only link
     assert (t.node, t.peer, t.ifname) == ("w1", "s0", "eth0")
 
 
@@ -105,7 +106,7 @@ def test_resolve_names_a_link_as_the_link_verbs_do():
     ("w0->s0", None, "out"), ("s0->w0", None, "in"), ("w0 -> s0", None, "out"),
     ("w0->s0", "s0", "in"), ("A->B", "s0", "in"), ("out", "s0", "out")])
 def test_direction_is_seen_from_the_captured_end(direction, at, want):
-    assert cap.resolve("tx", "w0", "s0", at=at, direction=direction, st=_star_state()).direction == want
+    assert capture_target.resolve("tx", "w0", "s0", at=at, direction=direction, st=_star_state()).direction == want
 
 
 @pytest.mark.parametrize("args,kw,message", [
@@ -118,13 +119,13 @@ def test_direction_is_seen_from_the_captured_end(direction, at, want):
     (("w0", "s0"), {"direction": "w1->s0"}, "got 'w1->s0'"),
 ])
 def test_resolve_errors_name_the_value(args, kw, message):
-    with pytest.raises(cap.CaptureError) as ei:
-        cap.resolve("tx", *args, st=_star_state(), **kw)
+    with pytest.raises(capture_target.CaptureError) as ei:
+        capture_target.resolve("tx", *args, st=_star_state(), **kw)
     assert message in str(ei.value) and ei.value.exit_code == 2
 
 
 def test_argv_runs_tcpdump_in_the_namespace_bounded_and_owned():
-    t = cap.resolve("tx", "w0", "s0", direction="out", st=_star_state())
+    t = capture_target.resolve("tx", "w0", "s0", direction="out", st=_star_state())
     argv = cap.Capture(t, count=5, duration_s=2.5, snaplen=128, bpf="icmp or arp").argv()
     assert argv[:3] == ["setpriv", "--pdeathsig", "INT"]
     assert argv[3:5] == ["nsenter", "--net=/run/netns/tb-tx-w0"]
@@ -144,14 +145,14 @@ def test_missing_tcpdump_says_how_to_install_it(tmp_path, monkeypatch):
         if shutil.which(tool):
             (bin_dir / tool).symlink_to(shutil.which(tool))
     monkeypatch.setenv("PATH", str(bin_dir))
-    c = cap.Capture(cap.resolve("tx", "w0", "s0", st=_star_state()))
+    c = cap.Capture(capture_target.resolve("tx", "w0", "s0", st=_star_state()))
     with pytest.raises(cap.CapabilityError, match=re.escape("apt-get install -y tcpdump")) as ei:
         c.start()
     assert ei.value.exit_code == 3 and c.proc is None
 
 
 def test_summary_names_why_it_stopped_and_what_was_lost():
-    t = cap.resolve("tx", "w0", "s0", st=_star_state())
+    t = capture_target.resolve("tx", "w0", "s0", st=_star_state())
     res = cap.Result(packets=7, bytes=2048, elapsed_s=1.25, reason="count", returncode=0, captured=7, received=9,
                      dropped=2, messages=["something odd"])
     first, *rest = cap.describe_result(res, t, "x.pcap", 7, 60)

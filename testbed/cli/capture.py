@@ -18,7 +18,7 @@ from testbed.cli.common import NameOption, err_console, require_root
 
 
 def _check_writable(path: str) -> None:
-    from testbed.observe.capture import CaptureError
+    from testbed.observe.capture_target import CaptureError
 
     p = Path(path)
     if p.is_dir():
@@ -72,20 +72,21 @@ def capture(
     """
     from testbed.handle import open_testbed
     from testbed.observe import capture as cap
+    from testbed.observe.capture_target import CaptureError
 
     duration_s = cap.parse_duration(duration)
     if count < 0:
-        raise cap.CaptureError(f"--count must be 0 (no limit) or more (got {count})")
+        raise CaptureError(f"--count must be 0 (no limit) or more (got {count})")
     require_root("testbed capture")
     tb = open_testbed(name)
     target = tb.capture_target(a, b, at, direction)
     if write is None:
         if sys.stdout.isatty():
-            raise cap.CaptureError("stdout is a terminal: write to a file (-w FILE.pcap) or pipe the pcap stream "
+            raise CaptureError("stdout is a terminal: write to a file (-w FILE.pcap) or pipe the pcap stream "
                                    f"(testbed capture {a} {b or ''} | tcpdump -n -r -)".replace("  ", " "))
         write = "-"
     elif write == "-" and sys.stdout.isatty():
-        raise cap.CaptureError("-w -: stdout is a terminal; pipe it (| tcpdump -n -r -, | wireshark -k -i -) "
+        raise CaptureError("-w -: stdout is a terminal; pipe it (| tcpdump -n -r -, | wireshark -k -i -) "
                                "or write to a file (-w FILE.pcap)")
     elif write != "-":
         _check_writable(write)

@@ -18,14 +18,14 @@ def resolve(name: str, a: str, b: str | None, at: str | None, direction: str) ->
     The interface names are the network plan's, which every host builds from the same topology;
     the end's host has the rest (link state, delay line, dilation)."""
     from testbed.cluster import controller
-    from testbed.observe import capture as cap
+    from testbed.observe.capture_target import resolve
     from testbed.topology.model import Topology
     from testbed.topology.plan import plan_network
 
     doc = controller.load(name)
     plan = plan_network(Topology.from_json(doc["topology"]))
     links = [{"endpoints": [lp.a.node, lp.b.node], "ifnames": [lp.a.ifname, lp.b.ifname]} for lp in plan.links]
-    return cap.resolve(name, a, b, at=at, direction=direction, st={"topology": doc["topology"], "links": links})
+    return resolve(name, a, b, at=at, direction=direction, st={"topology": doc["topology"], "links": links})
 
 
 def capture_to(name: str, target: Any, write: str, args: list[str], until: str, say: Say) -> int:

@@ -155,7 +155,7 @@ class Testbed(ABC):
 
     @abstractmethod
     def capture_target(self, a: str, b: str | None, at: str | None, direction: str) -> Any:
-        """The link end `testbed capture A [B] --at --direction` names (testbed.observe.capture.Target),
+        """The link end `testbed capture A [B] --at --direction` names (testbed.observe.capture_target.Target),
         checked: an unknown node or link is refused before anything starts."""
 
     @abstractmethod

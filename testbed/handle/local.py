@@ -119,9 +119,9 @@ class LocalTestbed(Testbed):
         return subprocess.call(argv)
 
     def capture_target(self, a: str, b: str | None, at: str | None, direction: str) -> Any:
-        from testbed.observe import capture as cap
+        from testbed.observe.capture_target import resolve
 
-        return cap.resolve(self.name, a, b, at=at, direction=direction)
+        return resolve(self.name, a, b, at=at, direction=direction)
 
     def capture(self, target: Any, write: str, *, a: str, b: str | None, at: str | None, direction: str, count: int,
                 duration: str, duration_s: float, snaplen: int | None, bpf: str | None,
