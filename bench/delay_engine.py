@@ -221,7 +221,7 @@ def _stop_engine(mod: Any, links: list[Any]) -> None:
 
 def timers_child(n: int) -> dict[str, Any]:
     """Runs in a child at SCHED_FIFO 1 (the engine's priority): n sleeps to a random 50-2000 us ahead."""
-    from testbed.net.delay_engine import Timer
+    from testbed.net.timerfd import Timer
 
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
