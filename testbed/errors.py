@@ -67,3 +67,15 @@ class RunError(TestbedError):
     """A job cannot be run as asked (its command, workers, options): exit status 2."""
 
     exit_code = 2
+
+
+class InstallRefused(TestbedError):
+    """`testbed install` cannot do what was asked (a relative PREFIX, no source tree, ...): exit 2.
+    A host's own problems are never raised: they are in its outcome (testbed.cluster.install)."""
+
+    exit_code = 2
+
+
+class WheelhouseError(TestbedError):
+    """The wheelhouse `testbed install` ships could not be built (pip wheel failed: no network, a
+    dependency without a wheel)."""

@@ -1,5 +1,5 @@
 """The wheelhouse `testbed install` ships is vouched for by a digest its writer cannot rewrite
-(testbed/cluster/install.py).
+(testbed/cluster/install.py, wheelhouse.py, wheelhouse_ledger.py).
 
 Whatever is in the wheelhouse cache is installed as root on every host. Its sha256 used to sit in
 manifest.json beside wheels.tar: whoever could rewrite one could rewrite both, and the old check
@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from testbed.cluster import install
+from testbed import errors
+from testbed.cluster import install, wheelhouse_ledger
+from testbed.cluster import wheelhouse as wh
 
 
 @pytest.fixture
@@ -41,14 +43,14 @@ def _build(tmp_path: Path) -> install.Build:
 
 def _made(build: install.Build, tmp_path: Path, payload: bytes = b"a real wheel") -> install.Wheelhouse:
     """The cache entry exactly as wheelhouse() keeps what pip made, then found by wheelhouse()."""
-    cache = install._private_dir(install.cache_root())
-    root = install._private_dir(cache / "wheelhouse")
+    cache = wh._private_dir(install.cache_root())
+    root = wh._private_dir(cache / "wheelhouse")
     scratch = root / ".build-test"
     wheels = scratch / "wheels"
     wheels.mkdir(parents=True)
     (wheels / f"testbed-{build.version}-py3-none-any.whl").write_bytes(payload)
     (wheels / "dep-1.0-py3-none-any.whl").write_bytes(b"a dependency")
-    install._keep(build, root, scratch, wheels, 1.0)
+    wh._keep(build, root, scratch, wheels, 1.0)
     house = install.wheelhouse(build)
     assert house.cached and house.dir == root / build.name
     return house
@@ -80,7 +82,7 @@ def test_a_wheelhouse_whose_tar_and_manifest_were_both_rewritten_is_refused(hous
     house = _made(build, house_env)
     assert house.sha256 == hashlib.sha256(house.tar.read_bytes()).hexdigest()
     _rewrite(house)
-    with pytest.raises(install.WheelhouseError) as caught:
+    with pytest.raises(errors.WheelhouseError) as caught:
         install.wheelhouse(build)
     text = str(caught.value)
     assert "changed after it was built" in text and str(house.dir) in text and house.sha256 in text, text
@@ -92,7 +94,7 @@ def test_an_entry_nobody_recorded_is_not_used(house_env):
     """A whole entry planted in the cache (no build of ours recorded a digest for it) is built anew,
     never used."""
     build = _build(house_env)
-    root = install._private_dir(install._private_dir(install.cache_root()) / "wheelhouse")
+    root = wh._private_dir(wh._private_dir(install.cache_root()) / "wheelhouse")
     entry = root / build.name
     entry.mkdir()
     evil = _evil_tar()
@@ -100,7 +102,7 @@ def test_an_entry_nobody_recorded_is_not_used(house_env):
     (entry / "manifest.json").write_text(json.dumps({"key": build.key, "wheels": ["x.whl"], "size": 1,
                                                      "tar_bytes": len(evil),
                                                      "tar_sha256": hashlib.sha256(evil).hexdigest()}))
-    found, why = install._load_cached(build, entry)
+    found, why = wh._load_cached(build, entry)
     assert found is None and "no digest of it was recorded" in why, why
 
 
@@ -109,11 +111,11 @@ def test_a_ledger_others_can_write_is_refused(house_env, monkeypatch):
     shared.mkdir(mode=0o777)
     os.chmod(shared, 0o777)   # (not sticky: anyone may replace what is in it)
     monkeypatch.setenv("TESTBED_WHEELHOUSE_LEDGER", str(shared / "ledger"))
-    with pytest.raises(install.InstallRefused, match=rf"ledger .*not private: {shared} is owned by uid \d+ "
+    with pytest.raises(errors.InstallRefused, match=rf"ledger .*not private: {shared} is owned by uid \d+ "
                                                      "with mode 777"):
-        install._ledger()
+        wheelhouse_ledger.ledger_dir()
     os.chmod(shared, 0o1777)  # sticky, like /tmp: fine
-    assert install._ledger() == shared / "ledger"
+    assert wheelhouse_ledger.ledger_dir() == shared / "ledger"
 
 
 class _HereHost:
@@ -174,11 +176,12 @@ def test_the_receiver_takes_exactly_the_recorded_bytes(tmp_path):
 
 def test_the_ledger_keeps_a_digest_per_build_and_prunes_old_ones(house_env, monkeypatch):
     build = _build(house_env)
-    monkeypatch.setattr(install, "KEEP_LEDGER", 3)
+    monkeypatch.setattr(wheelhouse_ledger, "KEEP_LEDGER", 3)
     for i in range(5):
         digest = hashlib.sha256(str(i).encode()).hexdigest()
-        install._record(build, digest, i)
+        wheelhouse_ledger.record(build.name, build.key, digest, i)
         # (its age: older than the next one's, which is written now)
-        os.utime(install._ledger() / install._ledger_entry(build, digest), (1000 + i, 1000 + i))
-    kept = install._recorded(build)
+        entry = wheelhouse_ledger.ledger_dir() / wheelhouse_ledger.entry_name(build.name, digest)
+        os.utime(entry, (1000 + i, 1000 + i))
+    kept = wheelhouse_ledger.recorded(build.name)
     assert kept == {hashlib.sha256(str(i).encode()).hexdigest() for i in (2, 3, 4)}

@@ -55,12 +55,13 @@ def install_cmd(
 
     from testbed.cluster import install
     from testbed.cluster.hosts import load_hosts
+    from testbed.errors import InstallRefused
 
     t0 = time.monotonic()
     try:
         prefix = install.check_prefix(prefix)
         python = install.check_python(python)
-    except install.InstallRefused as exc:
+    except InstallRefused as exc:
         fail(str(exc), 2)
     hosts = load_hosts(hosts_file)
     names = [n.strip() for item in only for n in item.split(",") if n.strip()]
