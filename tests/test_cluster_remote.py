@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import testbed
-from testbed.cluster import emulate
+from testbed.cluster import emulate, emulate_processes
 from waiting import wait_for
 from testbed.cluster.remote import (
     HostControl,
@@ -257,7 +257,7 @@ def test_destroy_leaves_no_namespace_process_veth_or_file(tmp_path):
         raw.sendall(b"SSH-2.0-testbed-test\r\n")   # after the client's banner sshd forks that child
 
         def chrooted_child() -> list[int]:
-            found = emulate._our_pids(e.token, netns_inodes=emulate._our_netns_inodes(e))
+            found = emulate_processes.our_pids(e.token, netns_inodes=emulate_processes.our_netns_inodes(e))
             return found if [p for p in found if os.readlink(f"/proc/{p}/root") == "/run/sshd"] else []
 
         ours = wait_for(chrooted_child, timeout=5, what="sshd's chrooted pre-authentication child",
@@ -275,7 +275,7 @@ def test_destroy_leaves_no_namespace_process_veth_or_file(tmp_path):
         raw.close()
     assert not [n for n in _netns_names() if n.startswith(f"{emulate.PREFIX}{e.id}")]
     assert e.root_veth not in _root_links()
-    assert emulate._our_pids(e.token) == []
+    assert emulate_processes.our_pids(e.token) == []
     assert not [p for p in ours + pids if _alive(p)]
     assert not work.exists()
     emulate.destroy(work)   # idempotent
