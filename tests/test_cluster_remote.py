@@ -27,10 +27,9 @@ from testbed.cluster.remote import (
     RemoteResult,
     RemoteTimeout,
     SshHost,
-    check_host,
-    check_hosts,
     run_parallel,
 )
+from testbed.cluster.host_checks import check_host, check_hosts
 
 
 

@@ -52,7 +52,7 @@ def leftovers(emu, host: str, name: str) -> list[str]:
 
 
 def test_the_hosts_log_in_as_the_user_and_run_commands_as_root_through_sudo(emu):
-    from testbed.cluster.remote import check_host
+    from testbed.cluster.host_checks import check_host
 
     assert [h.target.user for h in emu.load_hosts()] == [USER] * 3
     for ctl in emu.controls():
@@ -70,7 +70,8 @@ def test_the_hosts_log_in_as_the_user_and_run_commands_as_root_through_sudo(emu)
 
 
 def test_a_host_without_a_sudo_rule_is_reported(emu):
-    from testbed.cluster.remote import SudoRefused, check_host
+    from testbed.cluster.host_checks import check_host
+    from testbed.cluster.remote import SudoRefused
 
     ctl = next(c for c in emu.controls() if c.name == "h3")
     with ctl:

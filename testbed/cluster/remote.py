@@ -55,26 +55,24 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import math
 import os
 import shlex
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, Self, TypeVar, runtime_checkable
 
-from testbed import __version__
 from testbed.errors import TestbedError
 from testbed.cluster import hostside
+from testbed.cluster.host_keys import APPEND_LOCK, SYSTEM_KNOWN_HOSTS, KeyPolicy, UnknownHostKey, fingerprint
 from testbed.cluster.hosts import Host
 
-__all__ = ["HostAuthFailed", "HostControl", "HostKeyRejected", "HostReport", "HostUnreachable", "OutputTooLarge",
-           "RemoteError", "RemoteResult", "RemoteTimeout", "SshHost", "SudoRefused", "check_host", "check_hosts",
-           "lines", "report_from_answers", "run_parallel"]
+__all__ = ["HostAuthFailed", "HostControl", "HostKeyRejected", "HostUnreachable", "OutputTooLarge", "RemoteError",
+           "RemoteResult", "RemoteTimeout", "SshHost", "SudoRefused", "lines", "run_parallel"]
 
 T = TypeVar("T")
 
@@ -87,7 +85,6 @@ STREAM_KEEP = 1 << 20            # with on_stdout, the result keeps this much of
 STDOUT_MAX = 64 << 20            # without on_stdout: a host that sends more is refused, not buffered
 STDERR_KEEP = 1 << 20            # of stderr, its end is kept (what a failure quotes)
 LINE_MAX = 1 << 16               # lines(): what waits for a newline (a longer line is passed on cut)
-SYSTEM_KNOWN_HOSTS = ("~/.ssh/known_hosts", "/etc/ssh/ssh_known_hosts")
 
 
 # -- errors ----------------------------------------------------------------------------------------------
@@ -111,12 +108,12 @@ class HostAuthFailed(HostUnreachable):
     """The host answered but refused our key / agent (or the key cannot be used without a prompt)."""
 
 
-def _tail(text: str, n: int = STDERR_LINES) -> list[str]:
+def tail_lines(text: str, n: int = STDERR_LINES) -> list[str]:
     lines = [ln.rstrip() for ln in text.strip().splitlines() if ln.strip()]
     return [ln if len(ln) <= 300 else ln[:297] + "..." for ln in lines[-n:]]
 
 
-def _shown(argv: Sequence[str]) -> str:
+def shown_argv(argv: Sequence[str]) -> str:
     text = shlex.join(argv)
     return text if len(text) <= 200 else text[:197] + "..."
 
@@ -130,10 +127,10 @@ class RemoteError(TestbedError):
         self.host, self.argv, self.rc, self.stderr, self.stdout = host, tuple(argv), rc, stderr, stdout
         if why is None:
             why = "was killed by a signal" if rc < 0 else f"exited with status {rc}"
-        text = f"on host {host}: `{_shown(argv)}` {why}"
-        lines, label = _tail(stderr), "stderr"
+        text = f"on host {host}: `{shown_argv(argv)}` {why}"
+        lines, label = tail_lines(stderr), "stderr"
         if not lines:
-            lines, label = _tail(stdout), "stdout"
+            lines, label = tail_lines(stdout), "stdout"
         if lines:
             text += f"; last lines of its {label}:\n" + "\n".join(f"  {ln}" for ln in lines)
         super().__init__(text)
@@ -182,7 +179,7 @@ class SudoRefused(RemoteError):
 
     def __init__(self, host: str, user: str, stderr: str):
         self.user = user
-        reason = (_tail(stderr, 1) or ["no reason given"])[0]
+        reason = (tail_lines(stderr, 1) or ["no reason given"])[0]
         super().__init__(host, ["sudo", "-n", "true"], 1, "", "",
                          why=f"failed: commands need root and {user} is not root, and sudo -n refused ({reason}); "
                              f"allow {user} passwordless sudo (NOPASSWD) or log in as root")
@@ -236,37 +233,6 @@ class HostControl(Protocol):
 
 
 # -- SSH --------------------------------------------------------------------------------------------------
-
-
-class _UnknownHostKey(Exception):
-    def __init__(self, hostname: str, key: Any):
-        self.hostname, self.key = hostname, key
-        super().__init__(hostname)
-
-
-def _fingerprint(key: Any) -> str:
-    return f"{key.get_name()} {key.fingerprint}"
-
-
-class _KeyPolicy:
-    """paramiko's missing-host-key policy, our way: refuse, or (trust_new) accept and record."""
-
-    def __init__(self, trust_new: bool, known_hosts: Path | None, lock: threading.Lock):
-        self.trust_new, self.known_hosts, self.lock = trust_new, known_hosts, lock
-
-    def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
-        if not self.trust_new:
-            raise _UnknownHostKey(hostname, key)
-        client.get_host_keys().add(hostname, key.get_name(), key)
-        if self.known_hosts is not None:
-            with self.lock:   # hosts connecting in parallel append to the same file
-                self.known_hosts.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.known_hosts, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-                with os.fdopen(fd, "a") as fh:
-                    fh.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
-
-
-_APPEND_LOCK = threading.Lock()
 
 
 def _close_quietly(conn: Any) -> None:
@@ -387,22 +353,22 @@ class SshHost:
         hop = conn
         while isinstance(hop, Connection):
             self._load_host_keys(hop.client)
-            hop.client.set_missing_host_key_policy(_KeyPolicy(self.trust_new, self.known_hosts, _APPEND_LOCK))
+            hop.client.set_missing_host_key_policy(KeyPolicy(self.trust_new, self.known_hosts, APPEND_LOCK))
             hop = hop.gateway
         how = " and ".join(([f"the key {key}"] if key else []) + (["the SSH agent"] if self.host.uses_agent else []))
         try:
             conn.open()
         except BaseException as exc:
             _close_quietly(conn)
-            if isinstance(exc, _UnknownHostKey):
+            if isinstance(exc, UnknownHostKey):
                 raise self._unreachable(
-                    f"its host key ({_fingerprint(exc.key)}) is not in {self._where_keys()}; unknown host keys "
+                    f"its host key ({fingerprint(exc.key)}) is not in {self._where_keys()}; unknown host keys "
                     "are refused (add the key, e.g. from ssh-keyscan checked out of band, or pass trust_new=True "
                     "to accept new keys)", HostKeyRejected) from None
             if isinstance(exc, paramiko.BadHostKeyException):
                 raise self._unreachable(
-                    f"its host key ({_fingerprint(exc.key)}) differs from the one recorded in {self._where_keys()} "
-                    f"({_fingerprint(exc.expected_key)}): another machine answers, or the host's key changed; "
+                    f"its host key ({fingerprint(exc.key)}) differs from the one recorded in {self._where_keys()} "
+                    f"({fingerprint(exc.expected_key)}): another machine answers, or the host's key changed; "
                     "refused", HostKeyRejected) from None
             if isinstance(exc, paramiko.PasswordRequiredException):
                 raise self._unreachable(
@@ -588,7 +554,7 @@ class SshHost:
             raise OutputTooLarge(self.name, args, STDOUT_MAX, stderr)
         if why == "lost":
             self.close()
-            raise self._unreachable(f"lost the connection while running `{_shown(args)}`")
+            raise self._unreachable(f"lost the connection while running `{shown_argv(args)}`")
         if why == "timeout" or (timeout is not None and rc in (124, 128 + 9)
                                 and time.monotonic() - t0 >= timeout):
             raise RemoteTimeout(self.name, args, timeout or 0.0, stderr, stdout)
@@ -606,7 +572,7 @@ class SshHost:
             self.run(["sh", "-c", self._PUT, "sh", remote, f"{mode:o}"], stdin=fh, check=True)
 
 
-# -- parallel work and host checks ---------------------------------------------------------------------------
+# -- parallel work ---------------------------------------------------------------------------
 
 
 def run_parallel(ctls: Sequence[HostControl], fn: Callable[[HostControl], T]) -> list[T | Exception]:
@@ -627,200 +593,3 @@ def run_parallel(ctls: Sequence[HostControl], fn: Callable[[HostControl], T]) ->
     for th in threads:
         th.join()
     return results
-
-
-@dataclass
-class HostReport:
-    """What check_host found on one host. `problems`: what stops a testbed from using the host, as
-    sentences; `warnings`: what it can do without (links needing it will be refused at `up`)."""
-
-    name: str
-    address: str
-    reachable: bool = False
-    uid: int | None = None               # the uid commands run as (0: root, directly or through sudo)
-    sudo: bool | None = None             # commands go through `sudo -n`
-    version: str | None = None           # `testbed version` there
-    version_info: dict[str, Any] | None = None   # `testbed version --json`, when the host's testbed has it
-    doctor: dict[str, Any] | None = None         # `testbed doctor --json`
-    problems: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.reachable and not self.problems
-
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok}
-
-
-def _json_object(text: str) -> dict[str, Any] | None:
-    """The JSON object in a command's stdout (anything printed before its first '{' is skipped)."""
-    start = text.find("{")
-    if start < 0:
-        return None
-    try:
-        data = json.loads(text[start:])
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _outcome(future: Any) -> Any:
-    """A check's RemoteResult, or the exception it raised (raised again where it is judged)."""
-    try:
-        return future.result()
-    except Exception as exc:  # noqa: BLE001 - judged in order by check_host
-        return exc
-
-
-def _answer(ctl: HostControl, argv: list[str], timeout: float, ready: Any) -> RemoteResult:
-    if ready is None:
-        return ctl.run(argv, timeout=timeout)
-    if isinstance(ready, Exception):
-        raise ready
-    return ready
-
-
-def _check_version(ctl: HostControl, cmd: list[str], rep: HostReport, expect: str | None, timeout: float,
-                   ready: Any = None) -> bool:
-    """Fill rep.version; False when testbed is not usable there (nothing more to ask it). ready: the
-    answer to `version --json` when it was asked already."""
-    r = _answer(ctl, [*cmd, "version", "--json"], timeout, ready)
-    if r.rc != 0 and "no such option" in (r.stderr + r.stdout).lower():
-        r = ctl.run([*cmd, "version"], timeout=timeout)   # a testbed from before `version --json`
-    if r.rc in (126, 127):
-        rep.problems.append(f"testbed is not installed on {rep.name} at `{_shown(cmd)}` "
-                            f"({(_tail(r.stderr, 1) or ['not found'])[0]}): `testbed install --hosts FILE` "
-                            "installs this controller's version there")
-        return False
-    if r.rc != 0:
-        last = (_tail(r.stderr, 1) or _tail(r.stdout, 1) or ["no output"])[0]
-        rep.problems.append(f"`{_shown([*cmd, 'version'])}` failed on {rep.name} (exit status {r.rc}): {last}")
-        return False
-    info = _json_object(r.stdout)
-    if info is not None:
-        rep.version_info = info
-        rep.version = str(info.get("version")) if info.get("version") is not None else None
-    else:
-        lines = r.stdout.strip().splitlines()
-        rep.version = lines[-1].strip() if lines else None
-    if expect is not None and rep.version != expect:
-        rep.problems.append(f"{rep.name} runs testbed {rep.version or '(unknown version)'} and this controller "
-                            f"{expect}: install the same version there (`testbed install --hosts FILE` "
-                            "ships this controller's version)")
-    return True
-
-
-def _check_doctor(ctl: HostControl, cmd: list[str], rep: HostReport, doctor_args: Sequence[str],
-                  timeout: float, ready: Any = None) -> None:
-    r = _answer(ctl, [*cmd, "doctor", "--json", *doctor_args], timeout, ready)
-    doc = _json_object(r.stdout) if r.rc == 0 else None
-    if doc is None:
-        last = (_tail(r.stderr, 1) or _tail(r.stdout, 1) or ["no JSON on stdout"])[0]
-        rep.problems.append(f"`{_shown([*cmd, 'doctor', '--json'])}` failed on {rep.name} "
-                            f"(exit status {r.rc}): {last}")
-        return
-    rep.doctor = doc
-    if doc.get("is_root") is False:
-        rep.problems.append(f"testbed doctor on {rep.name} does not run as root: namespaces and tc need root")
-    for chk in (doc.get("limits") or {}).get("checks") or []:
-        if chk.get("ok"):
-            continue
-        text = (f"{rep.name}: {chk.get('name')}: {chk.get('have')} here, {chk.get('need')} needed "
-                f"({chk.get('fix')})")
-        (rep.problems if chk.get("blocks_up") else rep.warnings).append(text)
-    if doc.get("htb") is False:
-        rep.warnings.append(f"{rep.name} has no sch_htb: links with a bandwidth cannot be emulated there")
-    if not doc.get("netem") and not doc.get("tun"):
-        rep.warnings.append(f"{rep.name} has neither sch_netem nor /dev/net/tun: no link delay there")
-    if not doc.get("netem") and not doc.get("bpf"):
-        rep.warnings.append(f"{rep.name} has neither sch_netem nor cls_bpf: no link loss there")
-
-
-def check_host(ctl: HostControl, testbed_cmd: Sequence[str], *, expect_version: str | None = __version__,
-               doctor_args: Sequence[str] = (), timeout: float = 120.0) -> HostReport:
-    """Is `ctl`'s host usable? Reachable, commands run as uid 0 (as root or through sudo),
-    `<testbed_cmd> version [--json]` equal to expect_version (this controller's; None: any) and
-    `<testbed_cmd> doctor --json [doctor_args]` parsed. Never raises for what it finds on the host:
-    every finding is in the report (problems, warnings)."""
-    t0 = time.monotonic()
-    rep = HostReport(name=ctl.name, address=str(getattr(ctl, "address", ctl.name)))
-    cmd = [os.fspath(w) for w in testbed_cmd]
-    try:
-        # the three questions at once, on one connection (the answers are judged in order below:
-        # an `up` waits for the slowest host's checks)
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            ahead = {"version": pool.submit(ctl.run, [*cmd, "version", "--json"], timeout=timeout),
-                     "doctor": pool.submit(ctl.run, [*cmd, "doctor", "--json", *doctor_args], timeout=timeout)}
-            r = ctl.run(["id", "-u"], timeout=min(timeout, 30.0))
-            done = {k: _outcome(f) for k, f in ahead.items()}
-        _judge(ctl, cmd, rep, r.stdout, done["version"], done["doctor"], expect_version, doctor_args, timeout)
-    except HostUnreachable as exc:
-        rep.problems.append(str(exc))
-    except SudoRefused as exc:
-        rep.reachable = True
-        rep.sudo = True
-        rep.problems.append(str(exc))
-    except RemoteError as exc:   # a timeout of one of the checks
-        rep.problems.append(str(exc))
-    rep.seconds = round(time.monotonic() - t0, 3)
-    return rep
-
-
-def _judge(ctl: HostControl, cmd: list[str], rep: HostReport, uid_text: str, version: Any, doctor: Any,
-           expect_version: str | None, doctor_args: Sequence[str], timeout: float) -> None:
-    """Fill rep from the answers to `id -u`, `version --json` and `doctor --json` (RemoteResults, or
-    the exceptions asking raised)."""
-    rep.reachable = True
-    rep.sudo = getattr(ctl, "uses_sudo", None)
-    try:
-        rep.uid = int(uid_text.strip())
-    except ValueError:
-        rep.problems.append(f"`id -u` on {rep.name} printed {uid_text.strip()[:80]!r}, not a uid")
-    if rep.uid is not None and rep.uid != 0:
-        rep.problems.append(f"commands on {rep.name} run as uid {rep.uid}, not root: log in as root or allow "
-                            "passwordless sudo")
-    elif rep.uid == 0 and _check_version(ctl, cmd, rep, expect_version, timeout, version):
-        _check_doctor(ctl, cmd, rep, doctor_args, timeout, doctor)
-
-
-def report_from_answers(ctl: HostControl, testbed_cmd: Sequence[str], answers: Mapping[str, Any], *,
-                        expect_version: str | None = __version__, seconds: float = 0.0) -> HostReport:
-    """check_host's report from answers a host gave in one go (`testbed part up --check`: {"uid",
-    "version" (version --json's document), "doctor" (doctor --json's)}), judged exactly as the
-    answers to the separate commands are. Never raises for what the answers say."""
-    rep = HostReport(name=ctl.name, address=str(getattr(ctl, "address", ctl.name)), seconds=round(seconds, 3))
-    cmd = [os.fspath(w) for w in testbed_cmd]
-
-    def said(key: str) -> RemoteResult:
-        value = answers.get(key)
-        ok = isinstance(value, dict)
-        why = str(answers.get(f"{key}_error") or f"no {key} in the host's answers")
-        return RemoteResult(rc=0 if ok else 1, stdout=json.dumps(value) if ok else "", stderr="" if ok else why,
-                            host=ctl.name,
-                            argv=(*cmd, key, "--json"))
-
-    uid = answers.get("uid")
-    _judge(ctl, cmd, rep, str(uid) if isinstance(uid, int) and not isinstance(uid, bool) else repr(uid),
-           said("version"), said("doctor"), expect_version, (), 0.0)
-    return rep
-
-
-def check_hosts(ctls: Sequence[HostControl], testbed_cmd: Sequence[str] | Mapping[str, Sequence[str]],
-                **kw: Any) -> list[HostReport]:
-    """check_host on every host in parallel; reports in the order of `ctls`. testbed_cmd: one command
-    for all hosts, or a mapping from host name to its command. kw: check_host's options."""
-    def one(ctl: HostControl) -> HostReport:
-        cmd = testbed_cmd[ctl.name] if isinstance(testbed_cmd, Mapping) else testbed_cmd
-        return check_host(ctl, cmd, **kw)
-
-    reports: list[HostReport] = []
-    for ctl, res in zip(ctls, run_parallel(ctls, one)):
-        if isinstance(res, Exception):   # a bug in a check, not a finding: still one report per host
-            res = HostReport(name=ctl.name, address=str(getattr(ctl, "address", ctl.name)),
-                             problems=[f"checking {ctl.name} failed: {type(res).__name__}: {res}"])
-        reports.append(res)
-    return reports

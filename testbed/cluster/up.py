@@ -249,10 +249,11 @@ def _underlay(topo: Topology, placement: Any, hosts: Hosts, asks: dict[str, list
 
 
 def _judge_hosts(sessions: dict[str, _PartSession], by_name: dict[str, Host]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Every host's check report (remote.HostReport) and its answers, from its session. A host whose
+    """Every host's check report (host_checks.HostReport) and its answers, from its session. A host whose
     session gave no answers (a testbed without `part up --check`, none installed, ...) is asked the
     separate questions instead, so its report says why as precisely as ever."""
-    from testbed.cluster.remote import HostUnreachable, SudoRefused, check_host, report_from_answers
+    from testbed.cluster.host_checks import check_host, report_from_answers
+    from testbed.cluster.remote import HostUnreachable, SudoRefused
 
     reports: dict[str, Any] = {}
     answered: dict[str, Any] = {}
@@ -305,7 +306,7 @@ def _probe_words(host: Host, hosts: Hosts) -> list[str]:
 
 
 def _problem_report(ctl: Any, why: str) -> Any:
-    from testbed.cluster.remote import HostReport
+    from testbed.cluster.host_checks import HostReport
 
     rep = HostReport(name=ctl.name, address=str(getattr(ctl, "address", ctl.name)))
     rep.problems.append(why)
