@@ -34,7 +34,8 @@ def root(test):
 
 
 def _plan(events, dilation=1.0):
-    from testbed.faults.scenario import plan_scenario, scenario_from_data
+    from testbed.faults.scenario_loader import scenario_from_data
+    from testbed.faults.scenario_planner import plan_scenario
     from testbed.topology.loader import load_topology
 
     topo = load_topology(str(REPO / "topologies" / "two-sides.yaml"))

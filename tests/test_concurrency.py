@@ -25,7 +25,7 @@ SCENARIO = {"name": "race", "job": {"command": "true"},
 @pytest.mark.slow
 def test_down_racing_link_changes_and_scenario_events(root, state_dir):
     from testbed.faults import control, player
-    from testbed.faults.scenario import scenario_from_data
+    from testbed.faults.scenario_loader import scenario_from_data
 
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)

@@ -17,7 +17,9 @@ from hypothesis import given, settings, strategies as st
 
 from testbed.faults import expect as ex
 from testbed.faults.expect import EventInfo, ExpectError, RunFacts, StepEnd, Window
-from testbed.faults.scenario import ScenarioError, plan_scenario, scenario_from_data
+from testbed.faults.scenario import ScenarioError
+from testbed.faults.scenario_loader import scenario_from_data
+from testbed.faults.scenario_planner import plan_scenario
 from testbed.topology.loader import load_topology
 
 REPO = Path(__file__).resolve().parent.parent
@@ -136,7 +138,7 @@ def test_an_unknown_event_lists_the_known_ones():
 
 
 def _file_error(tmp_path, text):
-    from testbed.faults.scenario import load_scenario
+    from testbed.faults.scenario_loader import load_scenario
 
     f = tmp_path / "bad.yaml"
     f.write_text(text)
@@ -211,7 +213,7 @@ def test_plan_checks_the_workers_of_an_expectation():
 
 
 def test_every_example_scenario_states_its_expectations():
-    from testbed.faults.scenario import load_scenario
+    from testbed.faults.scenario_loader import load_scenario
 
     files = sorted((REPO / "scenarios").glob("*.yaml"))
     assert files

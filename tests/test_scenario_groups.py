@@ -21,7 +21,9 @@ import pytest
 import yaml
 from hypothesis import given, settings, strategies as st
 
-from testbed.faults.scenario import ScenarioError, load_scenario, plan_scenario, scenario_from_data
+from testbed.faults.scenario import ScenarioError
+from testbed.faults.scenario_loader import load_scenario, scenario_from_data
+from testbed.faults.scenario_planner import plan_scenario
 from testbed.jobs import groups
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from testbed.faults.scenario import (ScenarioError, load_scenario, plan_scenario, scenario_from_data,
-                                     parse_link_changes)
+from testbed.faults.scenario import ScenarioError, parse_link_changes
+from testbed.faults.scenario_loader import load_scenario, scenario_from_data
+from testbed.faults.scenario_planner import plan_scenario
 from testbed.topology.loader import load_topology
 from testbed.topology.plan import NextHop, Route
 
@@ -93,7 +94,8 @@ def test_plan_is_deterministic(fat_tree):
     texts = {plan_scenario(scen(ISSUE_EXAMPLE), fat_tree).format() for _ in range(5)}
     assert len(texts) == 1
     # ... and across processes (no dependence on hash randomisation)
-    code = ("from testbed.faults.scenario import *; import yaml, sys; "
+    code = ("from testbed.faults.scenario_loader import *; from testbed.faults.scenario_planner import *; "
+            "import yaml, sys; "
             "from testbed.topology.loader import load_topology; "
             f"print(plan_scenario(scenario_from_data(yaml.safe_load({ISSUE_EXAMPLE!r}), 's.yaml'), "
             "load_topology('fat-tree')).format())")

@@ -52,7 +52,7 @@ def _links_pristine(name):
 def test_example_scenario_runs(env, stem, monkeypatch):
     from testbed import lifecycle
     from testbed.faults.player import play
-    from testbed.faults.scenario import load_scenario
+    from testbed.faults.scenario_loader import load_scenario
     from testbed import store
 
     monkeypatch.chdir(REPO)
@@ -109,7 +109,8 @@ def test_example_scenario_runs(env, stem, monkeypatch):
 def test_bad_scenario_changes_nothing(env, tmp_path):
     from testbed import lifecycle
     from testbed.faults.player import play
-    from testbed.faults.scenario import ScenarioError, scenario_from_data
+    from testbed.faults.scenario import ScenarioError
+    from testbed.faults.scenario_loader import scenario_from_data
     from testbed.topology.loader import load_topology
 
     name = f"s{uuid.uuid4().hex[:6]}"
@@ -134,7 +135,7 @@ def test_cli_gates_on_the_expectations_and_writes_junit(env):
     from xml.etree import ElementTree as ET
 
     from testbed import lifecycle
-    from testbed.faults.scenario import load_scenario
+    from testbed.faults.scenario_loader import load_scenario
 
     s = load_scenario(REPO / "scenarios" / "partition.yaml")
     text = (REPO / "scenarios" / "partition.yaml").read_text()

@@ -235,7 +235,7 @@ def test_torchft_partition_scenario_meets_its_expectations(state_dir, tb_name, m
 
     from testbed import lifecycle
     from testbed.faults.player import play
-    from testbed.faults.scenario import load_scenario
+    from testbed.faults.scenario_loader import load_scenario
 
     monkeypatch.chdir(REPO)
     s = load_scenario(REPO / "scenarios" / "torchft-partition.yaml")

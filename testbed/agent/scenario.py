@@ -13,7 +13,8 @@ from typing import Any
 
 from testbed import events as tb_events
 from testbed.faults.player import preflight
-from testbed.faults.scenario import Plan, ScenarioError, Step
+from testbed.faults.scenario import ScenarioError
+from testbed.faults.scenario_plan import Plan, Step
 
 
 # -- steps as JSON (they travel to the hosts) -------------------------------------------------------------

@@ -115,7 +115,8 @@ def register(app: typer.Typer) -> None:
 
         The same file and seed always give the same plan.
         """
-        from testbed.faults.scenario import load_scenario, plan_scenario
+        from testbed.faults.scenario_loader import load_scenario
+        from testbed.faults.scenario_planner import plan_scenario
 
         scenario = load_scenario(file)
         topo, dilation = _topology_for_plan(scenario, name, topology)
@@ -147,7 +148,7 @@ def register(app: typer.Typer) -> None:
         host applies each step to what it holds.
         """
         from testbed.faults.control import FaultError
-        from testbed.faults.scenario import load_scenario
+        from testbed.faults.scenario_loader import load_scenario
         from testbed.handle import open_testbed
         from testbed.topology.units import parse_time
 
@@ -190,7 +191,8 @@ def register(app: typer.Typer) -> None:
         """
         from testbed.faults.expect import judge, run_facts
         from testbed.faults.player import PlayResult
-        from testbed.faults.scenario import ScenarioError, load_scenario
+        from testbed.faults.scenario import ScenarioError
+        from testbed.faults.scenario_loader import load_scenario
         from testbed.jobs import rundir
 
         scenario = load_scenario(file)

@@ -36,7 +36,9 @@ from typing import Any, Callable
 
 from testbed.cluster import hostside
 from testbed.faults.player import PlayResult, expectations_text, judge_run, outcome_of, plot, sayer
-from testbed.faults.scenario import Plan, Scenario, ScenarioError, Step, plan_scenario
+from testbed.faults.scenario import Scenario, ScenarioError
+from testbed.faults.scenario_plan import Plan, Step
+from testbed.faults.scenario_planner import plan_scenario
 from testbed.jobs import rundir
 
 POLL_S = 0.5          # how often the master host's step records are read (the watchdog)...

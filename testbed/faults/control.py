@@ -514,7 +514,8 @@ def partition(name: str, groups: Sequence[Sequence[str]]) -> list[list[str]]:
     A switch in a group stands for the workers attached to it; workers in no group form one more
     group. Replaces a partition in place. Returns the groups of workers.
     """
-    from testbed.faults.scenario import ScenarioError, resolve_partition_groups
+    from testbed.faults.scenario import ScenarioError
+    from testbed.faults.scenario_planner import resolve_partition_groups
 
     with locked(name) as h:
         try:
@@ -597,7 +598,7 @@ def restore_all(name: str) -> list[str]:
 
 
 def apply_step(name: str, step: Any) -> str:
-    """Apply one planned scenario step (testbed.faults.scenario.Step); returns what changed."""
+    """Apply one planned scenario step (testbed.faults.scenario_plan.Step); returns what changed."""
     op, tgt, p = step.op, step.target, step.kwargs
     if op == "link_down":
         link_down(name, *tgt)

@@ -35,7 +35,9 @@ from typing import Any, Callable
 from testbed import events as tb_events
 from testbed import safeio
 from testbed.faults import control, expect
-from testbed.faults.scenario import Plan, Scenario, plan_scenario
+from testbed.faults.scenario import Scenario
+from testbed.faults.scenario_plan import Plan
+from testbed.faults.scenario_planner import plan_scenario
 from testbed.jobs import rundir
 from testbed.jobs.rundir import StepReader
 

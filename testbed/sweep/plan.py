@@ -163,7 +163,7 @@ def make_plan(sweep: Sweep, load: Callable[[str, Sequence[str]], Topology] | Non
         scenario = values.get("scenario", sweep.scenario) if "scenario" in values else sweep.scenario
         if scenario:
             scenario = _resolve(str(scenario), sweep.base_dir)
-            from testbed.faults.scenario import load_scenario
+            from testbed.faults.scenario_loader import load_scenario
 
             try:
                 load_scenario(scenario)

@@ -329,7 +329,7 @@ class Runner:
         try:
             if point.scenario:
                 from testbed.faults.player import play
-                from testbed.faults.scenario import load_scenario
+                from testbed.faults.scenario_loader import load_scenario
 
                 res = play(self.name, load_scenario(point.scenario), echo=self.echo or False, base_dir=str(self.dir.path))
                 run_dir, rc, outcome = res.run_dir, res.rc, res.outcome
