@@ -409,7 +409,7 @@ def test_tables_after_link_down_avoid_dead_links(fat_tree):
 
 
 def test_route_changes_replace_what_differs_and_delete_what_vanished():
-    from testbed.faults.control import route_changes
+    from testbed.faults.link_admin import route_changes
 
     a, b = NextHop("10.255.0.1", "eth1"), NextHop("10.255.0.3", "eth2")
     old = [Route("default", (a, b)), Route("10.0.2.0/23", (a,)), Route("10.0.4.0/24", ())]

@@ -96,7 +96,7 @@ def _warm_up() -> None:
     """Import what applying a step uses (netlink, shaping, routes): a few hundred ms on a loaded host."""
     import pyroute2  # noqa: F401
 
-    from testbed.net import builder, fanout, shaping  # noqa: F401
+    from testbed.net import builder, fanout, routes, shaping  # noqa: F401
     from testbed.topology import dilation, plan  # noqa: F401
 
 

@@ -30,177 +30,25 @@ like on a real partition (no EPERM to the sender, as an output drop would).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
 import subprocess
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
-from testbed.errors import CapabilityError, StateError, TestbedError
+from testbed.errors import CapabilityError, TestbedError
 from testbed import names, procs, running
+from testbed.faults.link_admin import down_reasons, down_set, hold_down, ipr_in, release, sync_routes
 from testbed.net import netns
 # The running testbed and a worker's CPU limit live below faults/, since a run caps CPUs too; the
 # verbs and scenario steps still reach them here.
 from testbed.node_cpus import node_restore, node_slow
 from testbed.running import FaultError, Handle, locked  # noqa: F401
 from testbed.topology.model import LinkProfile
-from testbed.topology.plan import Route
 
 PROFILE_FIELDS = ("bandwidth_bps", "delay_s", "jitter_s", "loss", "queue")
 NFT_TABLE = "testbed_partition"
 STOP_GRACE_S = 2.0
-
-
-# -- netlink helpers ----------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _ipr(ns: str) -> Iterator[Any]:
-    from pyroute2 import IPRoute
-
-    if not netns.exists(ns):
-        raise StateError(f"namespace {ns} is gone (testbed half-removed? try `testbed cleanup`)")
-    with netns.enter(ns):
-        ipr = IPRoute()
-    try:
-        yield ipr
-    finally:
-        ipr.close()
-
-
-def _index(ipr: Any, ifname: str) -> int | None:
-    found = ipr.link_lookup(ifname=ifname)
-    return found[0] if found else None
-
-
-def _set_admin(h: Handle, i: int, up: bool) -> None:
-    rec = h.st["links"][i]
-    link = h.topo.links[i]
-    for node, ifname in zip((link.a, link.b), rec["ifnames"]):
-        if not h.here(node):
-            continue
-        with _ipr(h.netns(node)) as ipr:
-            idx = _index(ipr, ifname)
-            if idx is not None:
-                ipr.link("set", index=idx, state="up" if up else "down")
-
-
-def _down_set(h: Handle) -> set[int]:
-    return {i for i, rec in enumerate(h.st.get("links", [])) if rec.get("state") == "down"}
-
-
-def _down_ifnames(h: Handle) -> set[tuple[str, str]]:
-    """(node, ifname) of every link end that is down now."""
-    out = set()
-    for i in _down_set(h):
-        rec = h.st["links"][i]
-        link = h.topo.links[i]
-        out.add((link.a, rec["ifnames"][0]))
-        out.add((link.b, rec["ifnames"][1]))
-    return out
-
-
-def route_changes(old: Sequence[Route], new: Sequence[Route]) -> tuple[list[Route], list[str]]:
-    """What turns routing table `old` into `new`: (routes to put in with `replace`, destinations to delete)."""
-    before = {r.dst: r for r in old}
-    after = {r.dst for r in new}
-    return [r for r in new if before.get(r.dst) != r], [dst for dst in before if dst not in after]
-
-
-def _sync_routes(h: Handle, old_down: set[int], touched: Sequence[str] = ()) -> None:
-    """After links went down or up: converge the switches' routes to the plan's tables for the links
-    down now (only what changed), and re-install routes and permanent neighbours on `touched` nodes
-    (endpoints of links that came up: admin-down flushed what used their interfaces). The nodes
-    are independent: spread over the cores (a link of a k=16 fat-tree changes 144 switches' tables)."""
-    from testbed.net import fanout
-    from testbed.net.builder import Builder
-
-    new_down = _down_set(h)
-    old_r = h.plan.switch_routes(old_down)
-    new_r = h.plan.switch_routes(new_down)
-    touched = set(touched)
-    down_if = _down_ifnames(h)
-    neigh = Builder(h.name, h.topo, h.plan)._neighbours() if touched else {}
-    nodes = [n for n in h.topo.nodes if h.here(n) and (n in touched or (n in new_r and old_r[n] != new_r[n]))]
-
-    def work(node: str) -> dict[str, Any]:
-        return {"problems": _sync_node(h, node, old_r.get(node), new_r.get(node), node in touched, down_if,
-                                       neigh.get(node, []))}
-
-    fanout.each(nodes, work, name=lambda n: f"routes of {n}",
-                on_done=lambda _i, r: [h.log(p) for p in r.get("problems") or []])
-
-
-def _sync_node(h: Handle, node: str, old: list[Route] | None, new: list[Route] | None, full: bool,
-               down_if: set[tuple[str, str]], neigh: list[tuple[str, str, str]]) -> list[str]:
-    """One node's part of _sync_routes; returns what could not be installed, to log."""
-    from testbed.net.routes import install_route, remove_route
-
-    problems = []
-    with _ipr(h.netns(node)) as ipr:
-        index = {l.get_attr("IFLA_IFNAME"): l["index"] for l in ipr.get_links()}
-        if full:
-            for ifname, ip, mac in neigh:
-                if (node, ifname) in down_if or ifname not in index:
-                    continue
-                with contextlib.suppress(Exception):
-                    ipr.neigh("replace", dst=ip, lladdr=mac, ifindex=index[ifname], state="permanent")
-        if new is not None:   # a switch
-            put, gone = route_changes(old or [], new)
-            for route in new if full else put:
-                try:
-                    install_route(ipr, route, index, "replace")
-                except Exception as exc:  # reported, the rest still goes in
-                    problems.append(f"route {route.dst} on {node} not installed: {exc}")
-            for dst in gone:
-                with contextlib.suppress(Exception):   # admin-down may have flushed it already
-                    remove_route(ipr, dst)
-        else:
-            for route in h.plan.routes.get(node, []):
-                hops = tuple(hp for hp in route.nexthops if (node, hp.ifname) not in down_if and hp.ifname in index)
-                if hops:
-                    with contextlib.suppress(Exception):
-                        install_route(ipr, Route(route.dst, hops), index, "replace")
-    return problems
-
-
-def _down_reasons(rec: dict[str, Any]) -> list[str]:
-    reasons = rec.get("down_by")
-    if reasons is None:
-        reasons = ["link"] if rec.get("state") == "down" else []
-    return list(reasons)
-
-
-def _hold_down(h: Handle, i: int, reason: str) -> bool:
-    """Add a reason for link i to be down; returns True if it went down now."""
-    rec = h.st["links"][i]
-    reasons = _down_reasons(rec)
-    was_up = not reasons
-    if reason not in reasons:
-        reasons.append(reason)
-    rec["down_by"] = reasons
-    rec["state"] = "down"
-    if was_up:
-        _set_admin(h, i, False)
-    return was_up
-
-
-def _release(h: Handle, i: int, reason: str | None) -> bool:
-    """Drop a reason (None: all) for link i to be down; bring it up when none is left. True if it came up."""
-    rec = h.st["links"][i]
-    reasons = _down_reasons(rec)
-    if not reasons:
-        rec["down_by"] = []
-        rec["state"] = "up"
-        return False
-    reasons = [] if reason is None else [r for r in reasons if r != reason]
-    rec["down_by"] = reasons
-    if reasons:
-        return False
-    rec["state"] = "up"
-    _set_admin(h, i, True)
-    return True
 
 
 # -- links ----------------------------------------------------------------------------------------------------------
@@ -218,7 +66,7 @@ def link_show(name: str) -> list[dict[str, Any]]:
         rec = h.st["links"][i]
         ab, ba = h.profiles(i)
         out.append({"index": i, "endpoints": [link.a, link.b], "tier": link.tier,
-                    "state": rec.get("state", "up"), "down_by": _down_reasons(rec),
+                    "state": rec.get("state", "up"), "down_by": down_reasons(rec),
                     "ab": _fmt_profile(ab), "ba": _fmt_profile(ba), "changed": bool(rec.get("profile")),
                     "ifnames": rec.get("ifnames")})
     return out
@@ -274,7 +122,7 @@ def _apply_profiles(h: Handle, i: int, new_ab: LinkProfile, new_ba: LinkProfile)
                                    (link.b, rec["ifnames"][1], old_ba, new_ba)):
         if old == new or not h.here(node):
             continue
-        with _ipr(h.netns(node)) as ipr:
+        with ipr_in(h.netns(node)) as ipr:
             shaping.change(ipr, ifname, sent(old), sent(new), caps)
     if dl is not None and ((old_ab.delay_s, old_ab.jitter_s, old_ba.delay_s, old_ba.jitter_s) !=
                            (new_ab.delay_s, new_ab.jitter_s, new_ba.delay_s, new_ba.jitter_s)):
@@ -348,9 +196,9 @@ def link_down(name: str, a: str, b: str) -> bool:
     """Take link a-b down (both ends admin down). False if it was down already."""
     with locked(name) as h:
         i, _ = h.link(a, b)
-        old = _down_set(h)
-        went = _hold_down(h, i, "link")
-        _sync_routes(h, old)
+        old = down_set(h)
+        went = hold_down(h, i, "link")
+        sync_routes(h, old)
         h.log(f"link down {a} {b}")
         return went
 
@@ -359,11 +207,11 @@ def link_up(name: str, a: str, b: str) -> list[str]:
     """Undo `link down a b`. Returns what still holds it down (e.g. ["node:core1"]); [] if it is up."""
     with locked(name) as h:
         i, rec = h.link(a, b)
-        old = _down_set(h)
-        if _release(h, i, "link"):
-            _sync_routes(h, old, h.topo.links[i].endpoints)
+        old = down_set(h)
+        if release(h, i, "link"):
+            sync_routes(h, old, h.topo.links[i].endpoints)
         h.log(f"link up {a} {b}")
-        return _down_reasons(rec)
+        return down_reasons(rec)
 
 
 def link_reset(name: str, a: str, b: str) -> None:
@@ -372,9 +220,9 @@ def link_reset(name: str, a: str, b: str) -> None:
         i, rec = h.link(a, b)
         link = h.topo.links[i]
         _apply_profiles(h, i, link.ab, link.ba)
-        old = _down_set(h)
-        if _release(h, i, "link"):
-            _sync_routes(h, old, link.endpoints)
+        old = down_set(h)
+        if release(h, i, "link"):
+            sync_routes(h, old, link.endpoints)
         h.log(f"link reset {a} {b}")
 
 
@@ -413,10 +261,10 @@ def node_down(name: str, node: str) -> None:
                 h.log(f"node down {node}: runtime stop: {exc}")
             _kill(strays, signal.SIGTERM, STOP_GRACE_S)
             _kill(strays, signal.SIGKILL, 1.0)
-        old = _down_set(h)
+        old = down_set(h)
         for link in h.topo.links_of(node):
-            _hold_down(h, h.topo.link_index(link.a, link.b), f"node:{node}")
-        _sync_routes(h, old)
+            hold_down(h, h.topo.link_index(link.a, link.b), f"node:{node}")
+        sync_routes(h, old)
         ns["state"] = "down"
         ns["since"] = time.time()
         h.log(f"node down {node}")
@@ -437,12 +285,12 @@ def node_up(name: str, node: str) -> None:
                     rec.update(new)
             except NotImplementedError:
                 pass   # the bare runtime has nothing to start: the namespace is the node
-        old = _down_set(h)
+        old = down_set(h)
         touched: list[str] = []
         for link in h.topo.links_of(node):
-            if _release(h, h.topo.link_index(link.a, link.b), f"node:{node}"):
+            if release(h, h.topo.link_index(link.a, link.b), f"node:{node}"):
                 touched += link.endpoints
-        _sync_routes(h, old, touched)
+        sync_routes(h, old, touched)
         ns["state"] = "up"
         ns.pop("since", None)
         h.log(f"node up {node}")
@@ -589,9 +437,9 @@ def restore_all(name: str) -> list[str]:
         if rec.get("profile") or rec.get("state") == "down" or rec.get("down_by"):
             with locked(name) as hh:
                 _apply_profiles(hh, i, link.ab, link.ba)
-                old = _down_set(hh)
-                if _release(hh, i, None):
-                    _sync_routes(hh, old, link.endpoints)
+                old = down_set(hh)
+                if release(hh, i, None):
+                    sync_routes(hh, old, link.endpoints)
                 hh.log(f"link reset {link.a} {link.b}")
             changed.append(f"link reset {link.a} {link.b}")
     return changed
