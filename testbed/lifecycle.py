@@ -1,16 +1,16 @@
-"""Bring testbeds up and down, clean up after dead ones, report their status.
+"""Bring testbeds up and down.
 
 The functions every CLI verb (and tests, jobs, faults) call:
 
     up(topo, name=None, *, progress=None, runtime=None) -> state dict
     running(topo, name=None, **kw)     a `with` block with the testbed up, down afterwards
     down(name) -> None                 down_all() -> [names]
-    cleanup() -> [(name, what was removed)]
-    status(name) -> the `status --json` document
-    list_testbeds() -> [{"name", "status", "workers", "switches", "links", "runtime"}]
     load(name) -> state dict           runtime_for(state) -> Runtime
-    node_netns(state, node) -> netns   exec_argv(state, node, argv) -> host argv
+    node_netns(state, node) -> netns   health(state) -> [what is missing]
     set_link_state(name, index, "up"|"down") -> None  (records what a fault did)
+
+Beside it: testbed.cleanup (what dead testbeds left), testbed.status (the list of testbeds and
+`status --json`), testbed.node_exec (a command inside a node).
 
 `up` is all-or-nothing. It validates and checks capabilities before creating
 anything, then writes the state file (status "building", every namespace it
@@ -39,7 +39,7 @@ import time
 import threading
 from contextlib import ExitStack, contextmanager, suppress
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 from testbed import events, paths, procs, store
 from testbed.errors import CapabilityError, StateError, TestbedError
@@ -63,7 +63,7 @@ def owner_label(name: str) -> str:
     return f"testbed:{name}:{paths.root()}"
 
 
-def _alive(pid: Any, start: Any) -> bool:
+def process_alive(pid: Any, start: Any) -> bool:
     """The process (pid, start ticks since boot) still runs: the wall clock plays no part."""
     if isinstance(pid, bool) or not isinstance(pid, int) or isinstance(start, bool) or not isinstance(start, int):
         return False
@@ -433,7 +433,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
             if pending is not None:
                 with suppress(Exception):
                     pending.abort()
-            _remove(st)   # what it cannot remove stays recorded for `cleanup`
+            remove_recorded(st)   # what it cannot remove stays recorded for `cleanup`
         finally:
             if main:
                 signal.signal(signal.SIGINT, old_int)
@@ -459,7 +459,7 @@ def running(topo: Topology, name: str | None = None, **kw: Any) -> Iterator[dict
 
 # -- down / cleanup ----------------------------------------------------------------------------------------
 
-def _remove(st: dict[str, Any], refused: list[str] | None = None) -> list[str]:
+def remove_recorded(st: dict[str, Any], refused: list[str] | None = None) -> list[str]:
     """Remove everything a validated state (complete or half-built) lists. Idempotent.
 
     Every step runs even when an earlier one failed; what could not be removed is returned and
@@ -546,7 +546,7 @@ def down(name: str) -> list[str]:
     Returns the state's entries that were not acted on (not ours by a second proof), to report."""
     with store.lock(name, what="testbed down"):
         st = store.load(name)
-        if st.get("status") == BUILDING and _alive(st.get("pid"), st.get("pid_start")) \
+        if st.get("status") == BUILDING and process_alive(st.get("pid"), st.get("pid_start")) \
                 and st.get("pid") != os.getpid():
             raise StateError(f"testbed {name!r} is still being brought up (pid {st.get('pid')}); "
                              "wait for it, or interrupt that `testbed up`")
@@ -554,7 +554,7 @@ def down(name: str) -> list[str]:
         store.save(name, st)
         events.emit(name, "down", "down: removing the testbed (its event stream ends here)")
         refused: list[str] = []
-        left = _remove(st, refused)
+        left = remove_recorded(st, refused)
     if left:
         raise TeardownError(f"testbed {name!r} is down, but {len(left)} thing(s) could not be removed: "
                             + "; ".join(left[:5]) + (" ..." if len(left) > 5 else "")
@@ -574,25 +574,6 @@ def down_all() -> list[str]:
     return done
 
 
-def _read_owner(ns: str) -> str | None:
-    """lo's alias inside namespace `ns` (our ownership label), or None.
-
-    Read from a thread of its own: `ns` may be another testbed's, and its `down` ends every process
-    whose main thread sits in one of its namespaces (/proc/PID/ns/net is the main thread's). A
-    cleanup that entered with its main thread was killed with them."""
-    from pyroute2 import IPRoute
-
-    def read() -> str | None:
-        with IPRoute() as ipr:
-            lo = ipr.get_links(ipr.link_lookup(ifname="lo")[0])[0]
-            return lo.get_attr("IFLA_IFALIAS")
-
-    try:
-        return netns.run_in_netns(ns, read)
-    except Exception:
-        return None
-
-
 def health(st: dict[str, Any]) -> list[str]:
     """What a testbed that says it is up is missing (empty: healthy)."""
     missing = []
@@ -604,156 +585,10 @@ def health(st: dict[str, Any]) -> list[str]:
     for rec in res.get("delay_lines", []):
         key = (rec.get("pid"), rec.get("start"))
         if key not in engines:
-            engines[key] = _alive(*key)
+            engines[key] = process_alive(*key)
         if not engines[key]:
             missing.append(f"delay line of link {rec.get('link')} (pid {rec.get('pid')})")
     return missing
-
-
-def _inits_alive(st: dict[str, Any]) -> bool:
-    """Any of the workers' init processes still runs (checked by PID and start time)."""
-    return any(_alive(rec.get("pid"), rec.get("starttime"))
-               for rec in (st.get("runtime") or {}).get("workers", {}).values())
-
-
-def cleanup() -> list[tuple[str, str]]:
-    """Remove what dead testbeds left; leave healthy, in-progress and running ones alone.
-
-    A testbed whose state is valid is removed when its `up` died, when it was being removed, or
-    when it says it is up but none of its workers' inits runs any more (a testbed with live
-    inits is kept, even with parts missing: `testbed down` is for that). A state that is not
-    valid is not acted on: only namespaces labelled ours and labelled containers go."""
-    from testbed.net.teardown import delete_namespaces, kill_processes_in
-
-    removed: list[tuple[str, str]] = []
-    keep: set[str] = set()
-    base = paths.check_root()
-    dirs = sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")) \
-        if base.is_dir() else []
-    for name in dirs:
-        if not names.valid_testbed_name(name):
-            continue
-        try:
-            with store.lock(name, timeout=2.0, what="testbed cleanup"):
-                outcome = _cleanup_one(name)
-        except StateError as exc:   # busy: an up, down or fault holds it
-            keep.add(name)
-            removed.append((name, f"kept: {exc}"))
-            continue
-        if outcome is None:
-            keep.add(name)
-        else:
-            removed.append((name, outcome))
-    # Namespaces with our label and no state (or a state we just removed, or one we do not trust).
-    labelled: set[str] = set()
-    for ns in netns.list_names(names.PREFIX):
-        label = _read_owner(ns)
-        if not label or not label.startswith("testbed:"):
-            continue
-        _, _, rest = label.partition(":")
-        tb, _, root = rest.partition(":")
-        if root != str(base) or tb in keep or store.exists(tb) and _trusted(tb):
-            continue
-        kill_processes_in([ns])
-        delete_namespaces([ns])
-        removed.append((tb, f"namespace {ns} (labelled ours, no trusted state)"))
-        labelled.add(tb)
-    for name in dirs:   # what an untrusted state's testbed left that we can prove ours, then the state
-        if name not in keep and store.exists(name) and not _trusted(name):
-            removed += _remove_provable(name)
-            store.remove(name)
-            labelled.discard(name)
-    for tb in sorted(labelled):   # a testbed known by its labels alone: its groups, by name
-        if names.valid_testbed_name(tb) and not store.exists(tb):
-            removed += _remove_provable(tb)
-    removed += _cleanup_containers(keep, base)
-    from testbed.net import underlay_filter
-
-    try:   # tunnel ends' filters of testbeds no longer here, labelled with this state root
-        removed += underlay_filter.sweep(keep | {n for n in store.list_names() if _trusted(n)})
-    except underlay_filter.FilterError as exc:
-        removed.append(("-", f"underlay filters not checked: {exc}"))
-    from testbed.net.capabilities import sweep_stale_probes
-
-    removed += [("-", f"namespace {ns} (a capability probe that was killed)") for ns in sweep_stale_probes()]
-    return removed
-
-
-def _remove_provable(name: str) -> list[tuple[str, str]]:
-    """Without a trusted state: the delay-line helpers its pid files name (written by us when they
-    started, PID and start time) and its cgroups (testbed/NAME/ is ours by name, made 0755 by root)."""
-    from testbed.net import delayline
-    from testbed.runtime import cgroups
-
-    out = []
-    d = paths.directory(name)
-    if d.is_dir() and not d.is_symlink():
-        n = delayline.stop_all(d)
-        if n:
-            out.append((name, f"{n} delay-line helper(s) named by their pid files"))
-    for group in cgroups.groups_of(name):
-        try:
-            cgroups.remove(group, kill=True)
-            out.append((name, f"cgroup {group[0]}"))
-        except OSError as exc:
-            out.append((name, f"cgroup {group[0]} could not be removed: {exc}"))
-    return out
-
-
-def _trusted(name: str) -> bool:
-    try:
-        store.load(name)
-        return True
-    except StateError:
-        return False
-
-
-def _cleanup_one(name: str) -> str | None:
-    """Under the testbed's lock: what was done to it, or None to keep it."""
-    sf = paths.state_file(name)
-    try:
-        st = store.load(name)
-    except StateError as exc:
-        if not sf.exists() or sf.stat().st_size == 0:   # we hold the lock: its `up` is gone
-            store.remove(name)
-            return "claimed by an `up` that died before writing its state"
-        return f"state not trusted, only what is labelled ours is removed ({exc})"
-    status = st.get("status")
-    if status == BUILDING and _alive(st.get("pid"), st.get("pid_start")):
-        return None
-    if status == UP:
-        workers = (st.get("runtime") or {}).get("workers", {}).values()
-        if _inits_alive(st):
-            return None   # running: kept even with parts missing (`testbed down` removes it)
-        if not any(rec.get("pid") for rec in workers) and not health(st):
-            return None   # no inits to go by (the bare runtime), and nothing missing
-        what = "up, but none of its workers runs any more"
-    elif status == REMOVING and st.get("leftovers"):
-        what = f"retried {len(st['leftovers'])} leftover(s)"
-    else:
-        what = f"left {status} by a process that is gone (pid {st.get('pid')})"
-    refused: list[str] = []
-    left = _remove(st, refused)
-    return (what + (f"; still left: {'; '.join(left[:3])}" if left else "")
-            + (f"; not acted on, not ours: {'; '.join(refused)}" if refused else ""))
-
-
-def _cleanup_containers(keep: set[str], base: Any) -> list[tuple[str, str]]:
-    """Docker containers labelled ours (this state root) whose testbed has no trusted state."""
-    try:
-        from testbed.runtime import docker as dk
-
-        if not dk.daemon_available():
-            return []
-        out = []
-        for c in dk.list_containers():
-            tb = c.labels.get("testbed.name")
-            root = c.labels.get("testbed.state_root")
-            if tb and tb not in keep and root in (None, str(base)) and not (store.exists(tb) and _trusted(tb)):
-                out += [(tb, f"container {n} (labelled ours, no state)") for n in dk.cleanup_by_label(tb)]
-        return out
-    except Exception:
-        return []
 
 
 # -- status ------------------------------------------------------------------------------------------------
@@ -763,88 +598,3 @@ def set_link_state(name: str, index: int, link_state: str) -> None:
         st = store.load(name)
         st["links"][index]["state"] = link_state
         store.save(name, st)
-
-
-def list_testbeds() -> list[dict[str, Any]]:
-    out = []
-    for name in store.list_names():
-        try:
-            st = store.load(name)
-        except StateError:
-            out.append({"name": name, "status": "untrusted state (testbed cleanup)"})
-            continue
-        topo = st.get("topology", {})
-        nodes = topo.get("nodes", [])
-        status_ = st.get("status")
-        if status_ == BUILDING and not _alive(st.get("pid"), st.get("pid_start")):
-            status_ = "dead (run testbed cleanup)"
-        elif status_ == UP and health(st):
-            status_ = "degraded: parts missing (testbed status; testbed down)"
-        elif status_ == REMOVING and st.get("leftovers"):
-            status_ = f"removing: {len(st['leftovers'])} leftover(s) (testbed cleanup)"
-        out.append({
-            "name": name, "status": status_, "topology": topo.get("name"),
-            "workers": sum(1 for n in nodes if n["kind"] == "worker"),
-            "switches": sum(1 for n in nodes if n["kind"] == "switch"),
-            "links": len(topo.get("links", [])),
-            "runtime": st.get("runtime", {}).get("kind"), "created": st.get("created"),
-        })
-    return out
-
-
-def status(name: str) -> dict[str, Any]:
-    """The `testbed status --json` document."""
-    st, topo = store.load_with_topology(name)
-    plan = st.get("plan", {})
-    addrs: dict[str, list[str]] = {n: [] for n in topo.nodes}
-    for sw, sub in plan.get("subnets", {}).items():
-        addrs[sw].append(sub["gateway"])
-    for lp in plan.get("links", []):
-        for side in ("a", "b"):
-            p = lp[side]
-            if p.get("address"):
-                addrs[p["node"]].append(p["address"])
-    nodes = [{"name": n.name, "kind": n.kind, "addresses": addrs[n.name], "netns": names.netns(name, n.name)}
-             for n in topo.nodes.values()]
-    fields = ("bandwidth_bps", "delay_s", "jitter_s", "loss", "queue")
-    links = []
-    for rec, link in zip(st.get("links", []), topo.links):
-        ab, ba = link.ab, link.ba
-        if rec.get("profile"):  # changed at run time (testbed link set); nominal (undilated) values
-            ab, ba = LinkProfile.from_json(rec["profile"]["ab"]), LinkProfile.from_json(rec["profile"]["ba"])
-        d = {"index": rec["index"], "endpoints": [link.a, link.b], "tier": link.tier,
-             "ifnames": rec.get("ifnames"), **{k: getattr(ab, k) for k in fields},
-             "state": rec.get("state", "up"), "changed": bool(rec.get("profile"))}
-        if ab != ba:
-            d["reverse"] = {k: getattr(ba, k) for k in fields}
-        links.append(d)
-    missing = health(st) if st.get("status") == UP else []
-    return {
-        "name": name, "status": st.get("status") if not missing else "degraded", "missing": missing,
-        "topology": topo.name, "runtime": st.get("runtime", {}).get("kind"), "created": st.get("created"),
-        "net_admin": bool(st.get("runtime", {}).get("net_admin")),
-        "latency_floor_s": st.get("latency_floor_s"), "no_delay_element": st.get("no_delay_element", []),
-        "time_dilation": st.get("time_dilation", 1.0), "dilation": st.get("dilation"),
-        "nodes": nodes, "links": links, "faults": st.get("faults") or {},
-    }
-
-
-def node_target(st: dict[str, Any], node: str) -> tuple[Any, dict[str, Any], str]:
-    """(runtime, record, kind) of a node of a running testbed: workers through the testbed's
-    runtime, switches (plain namespaces) through the bare runtime."""
-    nodes = {n["name"]: n for n in st.get("topology", {}).get("nodes", [])}
-    if node not in nodes:
-        some = ", ".join(list(nodes)[:12]) + (" ..." if len(nodes) > 12 else "")
-        raise StateError(f"testbed {st['name']!r} has no node {node!r}; nodes: {some}")
-    if nodes[node]["kind"] == "worker":
-        rec = st.get("runtime", {}).get("workers", {}).get(node) or {"netns": node_netns(st, node)}
-        return runtime_for(st), dict(rec), "worker"
-    from testbed.runtime.bare import BareRuntime
-
-    return BareRuntime(st["name"]), {"netns": node_netns(st, node)}, "switch"
-
-
-def exec_argv(st: dict[str, Any], node: str, argv: Sequence[str], **kw: Any) -> list[str]:
-    """The host command line running argv inside `node` (a worker through its runtime, a switch bare)."""
-    rt, rec, _ = node_target(st, node)
-    return rt.exec_argv(node, rec, argv, **kw)

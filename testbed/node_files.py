@@ -70,7 +70,7 @@ def write_all(fd: int) -> Callable[[bytes], None]:
 
 class Copier:
     def __init__(self, st: dict[str, Any] | None):
-        from testbed.lifecycle import node_target
+        from testbed.node_exec import node_target
 
         self.st = st
         self._target = node_target

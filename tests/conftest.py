@@ -186,18 +186,20 @@ def tb_name(request) -> Iterator[str]:
     request.getfixturevalue("state_dir")   # set up first, so torn down after this
     yield name
     from testbed import lifecycle, store
+    from testbed.cleanup import cleanup
 
     try:
         if store.exists(name):
             lifecycle.down(name)
     finally:
-        lifecycle.cleanup()
+        cleanup()
 
 
 @pytest.fixture
 def testbed(root, state_dir) -> Iterator[Callable[..., dict]]:
     """up(topology, name=None, **kw) -> state; everything brought up is brought down afterwards."""
     from testbed import lifecycle
+    from testbed.cleanup import cleanup
     from testbed import store
 
     names: list[str] = []
@@ -214,7 +216,7 @@ def testbed(root, state_dir) -> Iterator[Callable[..., dict]]:
                 lifecycle.down(name)
             except Exception:
                 pass
-    lifecycle.cleanup()
+    cleanup()
 
 
 def testbed_namespaces(name: str) -> list[str]:

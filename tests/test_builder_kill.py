@@ -125,6 +125,7 @@ def test_one_state_roots_cleanup_leaves_anothers_testbed_alone(root, tmp_path, m
     state root finds the other's namespaces (labelled ours, no state in this root) and must not
     touch them, nor the processes in them."""
     from testbed import lifecycle, procs
+    from testbed.cleanup import cleanup
     from testbed.net import names, netns
     from testbed.topology.loader import load_topology_text
 
@@ -139,7 +140,7 @@ def test_one_state_roots_cleanup_leaves_anothers_testbed_alone(root, tmp_path, m
         inits = [procs.ProcRef(r["pid"], r["starttime"]) for r in st["runtime"]["workers"].values()]
         spaces_before = netns.list_names(names.netns_prefix(name))
         monkeypatch.setenv("TESTBED_STATE_DIR", str(b))
-        said = lifecycle.cleanup()
+        said = cleanup()
         assert not [r for r in said if r[0] == name], said
         assert netns.list_names(names.netns_prefix(name)) == spaces_before
         assert all(procs.alive(r) for r in inits)

@@ -175,10 +175,11 @@ def test_lines_describe_every_collective():
 def _our_namespaces() -> list[str]:
     """Namespaces of a calibration's testbed (calib-HEX) labelled with this test's state root: beside
     other tests (and other sessions' calibrations) the machine's list of namespaces changes anyway."""
-    from testbed import lifecycle, paths
+    from testbed import paths
+    from testbed.cleanup import read_owner
     from testbed.net import netns
 
-    return [n for n in netns.list_names("tb-calib-") if (lifecycle._read_owner(n) or "").endswith(f":{paths.root()}")]
+    return [n for n in netns.list_names("tb-calib-") if (read_owner(n) or "").endswith(f":{paths.root()}")]
 
 
 def test_measure_for_real(root, state_dir, tmp_path, monkeypatch):

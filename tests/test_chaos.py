@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from testbed import lifecycle, paths, procs, store
+from testbed.cleanup import cleanup
 from testbed.net import names, netns
 from testbed.runtime import cgroups
 from waiting import wait_for, wait_gone
@@ -25,6 +26,7 @@ ROUNDS = 30
 SCRIPT = """
 import sys
 from testbed import lifecycle
+from testbed.cleanup import cleanup
 from testbed.faults import control
 from testbed.topology.loader import load_topology_text
 name = sys.argv[1]
@@ -82,7 +84,7 @@ def test_chaos_kill_9_then_cleanup(root, state_dir):
                 p.send_signal(signal.SIGKILL)
                 p.wait()
                 killed_at["before the end"] += 1
-            said = lifecycle.cleanup()
+            said = cleanup()
             where = f"round {r}, killed after {delay:.2f} s (seed {seed}); cleanup said {said}"
             if store.exists(name):
                 # killed after `up` had finished: a testbed that is up stays up (its workers run);

@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from testbed import lifecycle, paths, store
+from testbed.cleanup import cleanup
 from testbed import errors as tb_errors
 from testbed.net import names, netns
 from testbed.topology.loader import load_topology_text
@@ -73,4 +74,4 @@ def test_down_racing_link_changes_and_scenario_events(root, state_dir):
         applied += count[0]
     print(f"{ROUNDS} rounds, {applied} fault operations applied before the testbeds went")
     assert applied > 0   # the faults did run against the live testbeds, not only against gone ones
-    assert lifecycle.cleanup() == []
+    assert cleanup() == []

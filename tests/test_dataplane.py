@@ -8,6 +8,8 @@ import sys
 import pytest
 
 from testbed import lifecycle
+from testbed.status import status as status_document
+from testbed import node_exec
 from testbed.topology.loader import load_topology, load_topology_text
 from waiting import WaitTimeout, wait_for
 
@@ -15,7 +17,7 @@ pytestmark = pytest.mark.root
 
 
 def run_in(st: dict, node: str, *argv: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run(lifecycle.exec_argv(st, node, list(argv)), capture_output=True, text=True,
+    return subprocess.run(node_exec.exec_argv(st, node, list(argv)), capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -169,6 +171,6 @@ def test_failover_agg_core_link_down(testbed):
         except WaitTimeout:
             raise AssertionError(f"{src}->{dst}: {seen[0]} of 640 packets arrived with {link['endpoints']} down") \
                 from None
-    doc = lifecycle.status(st["name"])
+    doc = status_document(st["name"])
     assert doc["links"][link["index"]]["state"] == "down"
     _set_link(st, "agg0-0", link["ifnames"][0], "up")

@@ -66,6 +66,7 @@ def make_testbed(root, state_dir):
     Afterwards, whatever the test did (links down, nodes slowed, a failure half-way), the testbed is
     brought down; a testbed that could not be removed, or left a namespace, is this test's error."""
     from testbed import lifecycle, store
+    from testbed.cleanup import cleanup
     from testbed.topology.loader import load_topology
 
     made: list[str] = []
@@ -89,7 +90,7 @@ def make_testbed(root, state_dir):
             errors.append(f"down {name}: {exc!r}")
     if errors or any(_namespaces_of(n) for n in made):
         try:
-            lifecycle.cleanup()
+            cleanup()
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(f"cleanup: {exc!r}")
     left = [ns for n in made for ns in _namespaces_of(n)]

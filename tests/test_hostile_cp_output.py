@@ -26,7 +26,7 @@ def loud_node(testbed, shared_tmp):
     """(testbed name, bind(program, stream)): bind puts a program printing LOUD bytes on stream
     (1: stdout, then exit 0; 2: stderr, then exit 1) over /usr/bin/PROGRAM in w0 only."""
     from testbed import lifecycle
-    from testbed.lifecycle import node_target
+    from testbed.node_exec import node_target
     from testbed.topology.loader import load_topology_text
 
     st = testbed(load_topology_text(TOPO, "<test>"), runtime="netns")

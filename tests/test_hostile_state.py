@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from testbed import lifecycle, paths, procs, store
+from testbed.cleanup import cleanup
 from testbed import errors
 from testbed.errors import StateError
 from testbed.net import names, netns
@@ -129,7 +130,7 @@ def test_hostile_state_is_refused_and_canaries_survive(case, canaries, state_dir
         assert case in second_proof, f"{case}: down acted on the state without a word"
     else:
         assert name in refused and "cleanup" in refused, refused
-    removed = lifecycle.cleanup()
+    removed = cleanup()
     _assert_canaries_alive(canaries)
     assert not netns.list_names(names.netns_prefix(name)), removed   # what is provably ours is gone
     assert not paths.directory(name).exists(), removed

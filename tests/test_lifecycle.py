@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from testbed import lifecycle
+from testbed import lifecycle, node_exec
+from testbed.cleanup import cleanup
 from testbed.errors import StateError
 from testbed.errors import TestbedError as TBError
 from testbed import paths, store
+from testbed.status import list_testbeds, status as status_document
 from testbed.net import names, netns
 from testbed.topology.loader import load_topology, load_topology_text
 from waiting import need_py_spy, paused_at, wait_for
@@ -144,7 +146,7 @@ def test_cleanup_finds_labelled_namespaces_without_state(testbed, state_dir, tb_
     testbed(load_topology("two-racks"), tb_name)
     store.remove(tb_name)          # the state is gone, the namespaces are still there (labelled ours)
     assert ours(tb_name)
-    removed = lifecycle.cleanup()
+    removed = cleanup()
     assert any(n == tb_name for n, _ in removed)
     assert ours(tb_name) == []
     from testbed.runtime import cgroups
@@ -158,21 +160,21 @@ def test_cleanup_leaves_healthy_testbeds_and_others_alone(testbed, state_dir, tb
     foreign = names.netns(tb_name + "x", "w0")
     netns.create(foreign)
     try:
-        assert lifecycle.cleanup() == []
+        assert cleanup() == []
         assert len(ours(tb_name)) == 5
         assert netns.exists(foreign)
     finally:
         netns.delete(foreign)
     # half-gone but its workers still run: kept (`testbed down` removes it), and `ls` says so
     netns.delete(names.netns(tb_name, "spine0"))
-    assert lifecycle.cleanup() == []
-    assert next(t for t in lifecycle.list_testbeds() if t["name"] == tb_name)["status"].startswith("degraded")
+    assert cleanup() == []
+    assert next(t for t in list_testbeds() if t["name"] == tb_name)["status"].startswith("degraded")
     # once its workers are dead too, cleanup removes the rest
     from testbed import procs
 
     inits = [procs.ProcRef(r["pid"], r["starttime"]) for r in st["runtime"]["workers"].values()]
     assert not procs.stop(inits, term=False)
-    removed = lifecycle.cleanup()
+    removed = cleanup()
     assert [n for n, _ in removed] == [tb_name]
     assert_nothing_left(tb_name, state_dir)
 
@@ -189,10 +191,10 @@ def test_cleanup_survives_another_testbeds_down(root, tb_name):
     netns.create(ns)
     reader = subprocess.Popen([sys.executable, "-c", f"""
 import time
-from testbed import lifecycle
+from testbed.cleanup import read_owner
 end = time.monotonic() + 4
 while time.monotonic() < end:
-    lifecycle._read_owner({ns!r})
+    read_owner({ns!r})
 print("read for 4 s", flush=True)
 """], env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, stdout=subprocess.PIPE, text=True)
     try:
@@ -216,15 +218,15 @@ def test_second_up_same_name_refused(testbed, state_dir, tb_name):
     with pytest.raises(StateError, match="already up"):
         lifecycle.up(topo, tb_name)
     assert ours(tb_name) == before
-    assert lifecycle.status(tb_name)["status"] == "up"
+    assert status_document(tb_name)["status"] == "up"
 
 
 def test_two_testbeds_side_by_side(testbed, state_dir):
     a = testbed(load_topology("two-racks"))
     b = testbed(load_topology("two-racks"))
-    assert {t["name"] for t in lifecycle.list_testbeds()} == {a["name"], b["name"]}
+    assert {t["name"] for t in list_testbeds()} == {a["name"], b["name"]}
     for st in (a, b):
-        r = subprocess.run(lifecycle.exec_argv(st, "w0", ["ping", "-c1", "-W2", "10.0.1.2"]), capture_output=True)
+        r = subprocess.run(node_exec.exec_argv(st, "w0", ["ping", "-c1", "-W2", "10.0.1.2"]), capture_output=True)
         assert r.returncode == 0
     lifecycle.down(a["name"])
     assert ours(a["name"]) == [] and len(ours(b["name"])) == 5
@@ -287,11 +289,11 @@ def test_cli_round_trip(root, state_dir, tb_name):
 def test_down_all(root, state_dir):
     for _ in range(2):
         assert cli("up", "two-racks", "--name", f"t{os.urandom(3).hex()}").returncode == 0
-    assert len(lifecycle.list_testbeds()) == 2
+    assert len(list_testbeds()) == 2
     assert cli("down").returncode == 4   # ambiguous without a name
     r = cli("down", "--all")
     assert r.returncode == 0, r.stderr
-    assert lifecycle.list_testbeds() == []
+    assert list_testbeds() == []
 
 
 DELAYED = "name: s\ngenerator: star\nparams: {n: 2}\ntiers:\n  host: {bandwidth: 1gbit, delay: 5ms}\n"

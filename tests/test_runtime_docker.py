@@ -269,6 +269,7 @@ def test_sixteen_workers_start_concurrently(rt):
 @pytest.mark.root
 def test_up_star_with_docker_runtime(daemon, tmp_path, monkeypatch):
     from testbed import lifecycle
+    from testbed import node_exec
     from testbed.topology.generators import GENERATORS
     from testbed.topology.model import Topology
 
@@ -285,7 +286,7 @@ def test_up_star_with_docker_runtime(daemon, tmp_path, monkeypatch):
         a, b = workers
 
         def run(node, argv):
-            return subprocess.run(lifecycle.exec_argv(st, node, argv), capture_output=True, text=True, timeout=60)
+            return subprocess.run(node_exec.exec_argv(st, node, argv), capture_output=True, text=True, timeout=60)
 
         assert run(a, ["hostname"]).stdout.strip() == a
         assert run(a, ["ping", "-c", "2", "-i", "0.2", "-W", "2", b]).returncode == 0

@@ -682,7 +682,8 @@ def test_dilation_shows_emulated_rates(testbed):
 def test_down_link_busy_worker_and_run(testbed, tmp_path):
     """A downed link reads down (both directions, JSON and view); a worker's busy loop shows as its
     CPU; a run in ./runs shows its step; --tier filters, an unknown tier is refused."""
-    from testbed import lifecycle, store
+    from testbed import store
+    from testbed import node_exec
     from testbed.faults import control
 
     name = _star(testbed)
@@ -694,7 +695,7 @@ def test_down_link_busy_worker_and_run(testbed, tmp_path):
                                                 "world_size": 1, "time_dilation": {"factor": 1.0}}))
     (d / "probe" / "rank-0.jsonl").write_text('{"ev":"step","t":1.0,"dur":0.1,"n":41}\n'
                                               '{"ev":"step","t":1.25,"dur":0.1,"n":42}\n')
-    argv = lifecycle.exec_argv(store.load(name), "w2", [sys.executable, "-c",
+    argv = node_exec.exec_argv(store.load(name), "w2", [sys.executable, "-c",
                                                       "import time\nt=time.time()\nwhile time.time()-t<4: pass"])
     busy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

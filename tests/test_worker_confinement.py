@@ -20,6 +20,7 @@ import requires
 from waiting import tcp_sockets, wait_for
 
 from testbed import lifecycle, paths
+from testbed import node_exec
 from testbed.topology.loader import load_topology_text
 
 pytestmark = pytest.mark.root
@@ -77,7 +78,7 @@ def testbed_of(tmp_path, monkeypatch):
 
 
 def _in(st: dict, node: str, argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(lifecycle.exec_argv(st, node, argv), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(node_exec.exec_argv(st, node, argv), capture_output=True, text=True, timeout=timeout)
 
 
 def _uplink(st: dict, node: str) -> str:
@@ -90,7 +91,7 @@ def _uplink(st: dict, node: str) -> str:
 
 def _goodput_mbit(st: dict) -> float:
     """TCP goodput w0 -> w1 over 2 s, from iperf3 in the workers."""
-    server = subprocess.Popen(lifecycle.exec_argv(st, "w1", ["iperf3", "-s", "-1", "-p", "5299"]),
+    server = subprocess.Popen(node_exec.exec_argv(st, "w1", ["iperf3", "-s", "-1", "-p", "5299"]),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         # read through w1's init, which is in w1's namespace (with Docker, the exec client is not)

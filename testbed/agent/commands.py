@@ -85,9 +85,10 @@ def exec_in_node(name: str, node: str, argv: Sequence[str], emit: Callable[[dict
                  stop: threading.Event | None = None) -> dict[str, Any]:
     """argv inside `node` of testbed `name`, which this host holds (run's terms). {"rc": status}."""
     from testbed import lifecycle
+    from testbed import node_exec
 
     st = lifecycle.load(name)
     part = st.get("part")
     if part is not None and node not in part.get("nodes", ()):
         raise StateError(f"{node} is not on this host ({part.get('host')}): testbed {name} spans several hosts")
-    return {"rc": run(lifecycle.exec_argv(st, node, argv), emit, stop)}
+    return {"rc": run(node_exec.exec_argv(st, node, argv), emit, stop)}

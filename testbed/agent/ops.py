@@ -18,9 +18,9 @@ COMMAND_MAX = 8192   # of a process's command line, in `ps`
 
 
 def status(name: str) -> dict[str, Any]:
-    from testbed import lifecycle
+    from testbed.status import status as status_document
 
-    return lifecycle.status(name)
+    return status_document(name)
 
 
 def link_show(name: str) -> list[dict[str, Any]]:

@@ -47,11 +47,11 @@ def cleanup_cmd() -> None:
     """Remove what dead testbeds left behind (half-built or half-gone); healthy testbeds are kept.
 
     On the controller of testbeds over several hosts, on every one of their hosts too."""
-    from testbed import lifecycle
+    from testbed.cleanup import cleanup
     from testbed.handle.everywhere import spread_names
 
     require_root("testbed cleanup")
-    removed = lifecycle.cleanup()
+    removed = cleanup()
     if not removed:
         console.print("nothing to clean up" + (" here" if spread_names() else ""))
     for name, what in removed:

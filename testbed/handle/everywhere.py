@@ -13,10 +13,10 @@ HOST_CLEANUP_TIMEOUT_S = 300.0
 def up_rows() -> list[dict[str, Any]]:
     """One row per testbed up: name, status, topology, workers, switches, links, runtime, created (a
     testbed over several hosts: its controller's record; one that cannot be read is listed as such)."""
-    from testbed import lifecycle
+    from testbed.status import list_testbeds
     from testbed.cluster import controller
 
-    rows = lifecycle.list_testbeds()
+    rows = list_testbeds()
     local = {r.get("name") for r in rows}
     for name in controller.list_names():
         if name in local:

@@ -94,8 +94,9 @@ class LocalTestbed(Testbed):
         import sys
 
         from testbed import lifecycle
+        from testbed import node_exec
 
-        argv = lifecycle.exec_argv(lifecycle.load(self.name), node, cmd)
+        argv = node_exec.exec_argv(lifecycle.load(self.name), node, cmd)
         sys.stdout.flush()
         sys.stderr.flush()
         try:
@@ -108,9 +109,10 @@ class LocalTestbed(Testbed):
         import subprocess
 
         from testbed import lifecycle
+        from testbed import node_exec
 
         st = lifecycle.load(self.name)
-        rt, rec, kind = lifecycle.node_target(st, node)
+        rt, rec, kind = node_exec.node_target(st, node)
         if kind == "worker" and rt.kind != "bare":
             return rt.attach(node, rec)
         # a plain namespace has the host's hostname: say where the shell is in its prompt

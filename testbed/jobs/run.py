@@ -34,7 +34,7 @@ which torchrun puts in sessions of their own), and the launcher ends, by PID,
 every process that carries it, when the run ends for any reason.
 
 Workers are reached only through the testbed's runtime
-(testbed.lifecycle.exec_argv: netns containers, docker), for a testbed
+(testbed.node_exec.exec_argv: netns containers, docker), for a testbed
 brought up by testbed.lifecycle.up.
 
 Probe files: ranks cannot be relied on to see the run directory (a netns

@@ -18,7 +18,7 @@ class Executor:
 
 
 class RuntimeExecutor(Executor):
-    """Through the testbed's runtime (netns containers, docker): testbed.lifecycle.exec_argv.
+    """Through the testbed's runtime (netns containers, docker): testbed.node_exec.exec_argv.
 
     `records` are the workers' runtime records (state runtime.workers); a caller may replace them."""
 
@@ -27,11 +27,11 @@ class RuntimeExecutor(Executor):
         self.records = dict(records if records is not None else (st.get("runtime") or {}).get("workers") or {})
 
     def argv(self, worker, argv, env, workdir):
-        from testbed import lifecycle
+        from testbed import node_exec
 
         rt = dict(self.state.get("runtime") or {})
         rt["workers"] = self.records
-        return lifecycle.exec_argv({**self.state, "runtime": rt}, worker, list(argv), env=dict(env),
+        return node_exec.exec_argv({**self.state, "runtime": rt}, worker, list(argv), env=dict(env),
                                    workdir=workdir)
 
 

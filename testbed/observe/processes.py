@@ -18,7 +18,7 @@ def processes(st: dict[str, Any], nodes: list[str]) -> list[dict[str, Any]]:
     """One row per process: node, pid, nspid, user, rss, cpu seconds, command."""
     import psutil
 
-    from testbed.lifecycle import node_target
+    from testbed.node_exec import node_target
     from testbed.net import netns
 
     # node -> (namespace kind, inode)

@@ -68,6 +68,7 @@ def star(name: str):
 
 def run_check() -> None:
     from testbed import lifecycle
+    from testbed import node_exec
     from testbed.runtime import gpu
     from testbed.runtime.env import worker_env
 
@@ -87,7 +88,7 @@ def run_check() -> None:
                        NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET", PYTHONUNBUFFERED="1")
             # a single GPU shared by all: pin every worker to it
             env["CUDA_VISIBLE_DEVICES"] = plan.env(w)["CUDA_VISIBLE_DEVICES"]
-            argv = lifecycle.exec_argv(st, w, [sys.executable, "-c", RANK_CODE], env=env)
+            argv = node_exec.exec_argv(st, w, [sys.executable, "-c", RANK_CODE], env=env)
             procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outs = []
         for p in procs:
