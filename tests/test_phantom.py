@@ -202,9 +202,13 @@ def test_phantoms_keep_ups_cpu_cap_and_node_restore_gives_it_back(testbed, tmp_p
     assert {w: _cfs_quota(cl.name, w) for w in workers} == {w: capped for w in workers}
 
 
-def test_a_ctrl_c_before_the_ranks_start_undoes_the_runs_cap_and_folder(star, tmp_path):
-    """A Ctrl-C after the run capped its real worker and made its exchange folder, before any rank
-    started (here: in on_start): the cap is lifted, the folder is gone, nothing was started."""
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_a_ctrl_c_before_the_ranks_start_undoes_the_runs_cap_and_folder(star, tmp_path, how):
+    """A Ctrl-C (or SIGTERM, which the launcher takes as one) after the run capped its real worker
+    and made its exchange folder, before any rank started (here: in on_start): the cap is lifted,
+    the folder is gone, nothing was started."""
+    import signal
+
     from testbed import store
     from testbed.jobs.ranks import tagged_pids
     from testbed.jobs.run import run
@@ -213,6 +217,9 @@ def test_a_ctrl_c_before_the_ranks_start_undoes_the_runs_cap_and_folder(star, tm
 
     def ctrl_c(_rd, probe_dir):
         seen.update(quota=_cfs_quota(star.name, "w0"), shared=probe_dir.parent)
+        if how == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)   # (its handler raises at once, in this thread)
+            pytest.fail("SIGTERM did not interrupt the run's setup")
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):

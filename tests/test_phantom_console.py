@@ -1,5 +1,5 @@
 """The console's line on a run with phantom ranks (`testbed run --real`): which ranks were real, on
-which workers, and which were phantoms, with rank lists as ranges (testbed.jobs.run.ranks_line).
+which workers, and which were phantoms, with rank lists as ranges (testbed.jobs.phantom_ranks.ranks_line).
 
 Pure logic, on summaries shaped as summary.json is (one host's, or the controller's merge);
 tests/test_phantom.py checks the line against a real run's summary.

@@ -207,6 +207,11 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     not_kept: list[str] = []   # what could not be written into the run directory at the end
     stop_feed = threading.Event()
     try:
+        if threading.current_thread() is threading.main_thread():   # SIGTERM undoes it all, as Ctrl-C does
+            def _term(signum, frame):
+                raise KeyboardInterrupt
+
+            old_term = signal.signal(signal.SIGTERM, _term)
         probe_dir = shared / "probe"
         probe_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(shared, 0o755)      # ranks run as root in both runtimes: nobody else needs to write here
@@ -297,7 +302,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             if lead.rank is None:
                 lead.env["TESTBED_PHANTOM_LEADER_LOCAL_RANK"] = "0"   # one of the agent's ranks records
 
-        logs = {w: rundir.open_append(rd / "logs" / f"{w}.log") for w in here}
+        for w in here:   # (one by one: a failure closes those already open)
+            logs[w] = rundir.open_append(rd / "logs" / f"{w}.log")
 
         from testbed.topology.dilation import rank_cores
 
@@ -353,11 +359,6 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                          every_second=every_second, on_timeout=on_timeout)
         mirror = groups_mod.ProbeMirror(probe_dir, [g.name for g in job.groups]).start() \
             if job is not None and probe else None
-        if threading.current_thread() is threading.main_thread():
-            def _term(signum, frame):
-                raise KeyboardInterrupt
-
-            old_term = signal.signal(signal.SIGTERM, _term)
         try:
             if real is not None and relay_send is not None and relay_listen is not None:
                 if leads_here:

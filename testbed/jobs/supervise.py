@@ -52,7 +52,7 @@ class Supervisor:
         self._killed_at: float | None = None
         self._readers: list[threading.Thread] = []
         self._log_lock = threading.Lock()
-        self._t_start = time.monotonic()
+        self._t_start = time.monotonic()   # (start() sets it again: the timeout counts from the ranks' start)
 
     def _say(self, line: str) -> None:
         if self.echo is not None:
@@ -61,6 +61,7 @@ class Supervisor:
     # -- the processes
 
     def start(self) -> None:
+        self._t_start = time.monotonic()
         for r in self.ranks:
             self._spawn(r)
 
