@@ -132,63 +132,12 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     job: groups and services (testbed.jobs.groups), each its own command on its own workers, each
     group its own torch world, restarted when it fails (up to its `restarts`); a CMD that is one
     YAML file is read as such a job file."""
-    cmd = list(cmd)
-    trace = None
-    if groups_mod.is_job_file(cmd):
-        if job is not None:
-            raise RunError("give either a job file or groups, not both")
-        job, cmd = groups_mod.load(cmd[0]), []
-    if job is not None:
-        if cmd:
-            raise RunError("a run of groups takes no command of its own: each group names its command")
-        if real is not None or replay is not None or record_ops:
-            raise RunError("groups run real commands: no --real, --replay or --record-ops with them")
-        if cluster.part is not None or this_host_only:
-            raise RunError(f"testbed {cluster.name} spans several hosts: groups run on a testbed of one host only "
-                           "(they are started and restarted by one launcher)")
-        cmd = ["<groups>"]
-    if replay is not None:
-        if cmd:
-            raise RunError("--replay runs no command: give either a command or --replay")
-        if real is not None or record_ops:
-            raise RunError("--replay plays a recorded run to phantoms only: no --real, no --record-ops")
-        trace = load_trace(replay)
-        cmd = ["<replay>"]
-    if not cmd:
-        raise RunError("nothing to run: give a command after --")
-    if record_ops and not probe:
-        raise RunError("--record-ops needs the probe (it records the operations): drop --no-probe")
-    if nproc_per_node < 1:
-        raise RunError("--nproc-per-node must be >= 1")
-    chosen = select_workers(cluster, workers)
-    if job is not None:   # the groups' workers, among those the caller allowed, in topology order
-        groups_mod.check_workers(job, chosen)
-        groups_mod.check_addresses(job, cluster.address, env or {})
-        chosen = [w for w in chosen if w in job.workers]
-    if cluster.part is not None and not this_host_only:
-        raise RunError(f"testbed {cluster.name} spans several hosts and this host holds part of it: start jobs "
-                       "from the controller, where it was brought up (`testbed run` there starts every host's ranks)")
-    if this_host_only and (cluster.part is None or port is None):
-        raise RunError("--this-host-only is the controller's: one host's ranks of a testbed over several hosts, "
-                       "with --port given")
-    if this_host_only and real is not None and (relay_send is None or relay_listen is None):
-        raise RunError("--real over several hosts needs the controller's relay (--mirror-relay): start the run "
-                       "from the controller")
-    here = [w for w in chosen if cluster.part is None or w in cluster.part]
-    if not here:
-        raise RunError(f"none of the run's workers ({', '.join(chosen)}) is on this host")
-    if real is not None:
-        real = check_real(real, chosen)
-        if not probe:
-            raise RunError("--real needs the probe (it announces the real rank's collectives): drop --no-probe")
-    leader_worker = next((w for w in chosen if w in (real or ())), None)   # its lowest rank leads
-    leads_here = leader_worker is not None and leader_worker in here
-    master = master or chosen[0]
-    if master not in chosen:
-        raise RunError(f"master {master!r} is not among the selected workers ({', '.join(chosen)})")
-    if trace is not None and trace.world != len(chosen) * nproc_per_node:
-        raise RunError(f"{trace.source} is a {trace.world}-rank job; this run has {len(chosen) * nproc_per_node} "
-                       "ranks (--workers, --nproc-per-node)")
+    req = _checked_request(cluster, cmd, workers=workers, nproc_per_node=nproc_per_node, master=master, port=port,
+                           probe=probe, real=real, record_ops=record_ops, replay=replay, this_host_only=this_host_only,
+                           relay_send=relay_send, relay_listen=relay_listen, job=job, env=env)
+    cmd, job, trace, chosen, here, real = req.cmd, req.job, req.trace, req.chosen, req.here, req.real
+    leader_worker, leads_here, master = req.leader_worker, req.leads_here, req.master
+
     import random
 
     port = int(port or random.randint(20000, 29999))
@@ -444,6 +393,86 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             echo(f"[testbed] the run directory {rd} was changed while the job ran; not kept there: "
                  + "; ".join(not_kept))
     return RunResult(rc, rd, summary)
+
+
+@dataclass
+class _Request:
+    """A run as asked, checked: the command (or what stands for groups and replays), the workers."""
+    cmd: list[str]
+    job: "groups_mod.Job | None"
+    trace: Any
+    chosen: list[str]          # the run's workers, in topology order
+    here: list[str]            # those on this host
+    real: list[str] | None
+    leader_worker: str | None  # with phantoms: the real worker whose lowest rank announces
+    leads_here: bool
+    master: str
+
+
+def _checked_request(cluster: Cluster, cmd: Sequence[str], *, workers: Any, nproc_per_node: int, master: str | None,
+                     port: int | None, probe: bool, real: Sequence[str] | None, record_ops: bool, replay: Any,
+                     this_host_only: bool, relay_send: Any, relay_listen: Any, job: "groups_mod.Job | None",
+                     env: Mapping[str, str] | None) -> _Request:
+    """run()'s first phase: everything it was asked checked before anything is made (RunError
+    naming what cannot be done)."""
+    cmd = list(cmd)
+    trace = None
+    if groups_mod.is_job_file(cmd):
+        if job is not None:
+            raise RunError("give either a job file or groups, not both")
+        job, cmd = groups_mod.load(cmd[0]), []
+    if job is not None:
+        if cmd:
+            raise RunError("a run of groups takes no command of its own: each group names its command")
+        if real is not None or replay is not None or record_ops:
+            raise RunError("groups run real commands: no --real, --replay or --record-ops with them")
+        if cluster.part is not None or this_host_only:
+            raise RunError(f"testbed {cluster.name} spans several hosts: groups run on a testbed of one host only "
+                           "(they are started and restarted by one launcher)")
+        cmd = ["<groups>"]
+    if replay is not None:
+        if cmd:
+            raise RunError("--replay runs no command: give either a command or --replay")
+        if real is not None or record_ops:
+            raise RunError("--replay plays a recorded run to phantoms only: no --real, no --record-ops")
+        trace = load_trace(replay)
+        cmd = ["<replay>"]
+    if not cmd:
+        raise RunError("nothing to run: give a command after --")
+    if record_ops and not probe:
+        raise RunError("--record-ops needs the probe (it records the operations): drop --no-probe")
+    if nproc_per_node < 1:
+        raise RunError("--nproc-per-node must be >= 1")
+    chosen = select_workers(cluster, workers)
+    if job is not None:   # the groups' workers, among those the caller allowed, in topology order
+        groups_mod.check_workers(job, chosen)
+        groups_mod.check_addresses(job, cluster.address, env or {})
+        chosen = [w for w in chosen if w in job.workers]
+    if cluster.part is not None and not this_host_only:
+        raise RunError(f"testbed {cluster.name} spans several hosts and this host holds part of it: start jobs "
+                       "from the controller, where it was brought up (`testbed run` there starts every host's ranks)")
+    if this_host_only and (cluster.part is None or port is None):
+        raise RunError("--this-host-only is the controller's: one host's ranks of a testbed over several hosts, "
+                       "with --port given")
+    if this_host_only and real is not None and (relay_send is None or relay_listen is None):
+        raise RunError("--real over several hosts needs the controller's relay (--mirror-relay): start the run "
+                       "from the controller")
+    here = [w for w in chosen if cluster.part is None or w in cluster.part]
+    if not here:
+        raise RunError(f"none of the run's workers ({', '.join(chosen)}) is on this host")
+    if real is not None:
+        real = check_real(real, chosen)
+        if not probe:
+            raise RunError("--real needs the probe (it announces the real rank's collectives): drop --no-probe")
+    leader_worker = next((w for w in chosen if w in (real or ())), None)   # its lowest rank leads
+    leads_here = leader_worker is not None and leader_worker in here
+    master = master or chosen[0]
+    if master not in chosen:
+        raise RunError(f"master {master!r} is not among the selected workers ({', '.join(chosen)})")
+    if trace is not None and trace.world != len(chosen) * nproc_per_node:
+        raise RunError(f"{trace.source} is a {trace.world}-rank job; this run has {len(chosen) * nproc_per_node} "
+                       "ranks (--workers, --nproc-per-node)")
+    return _Request(cmd, job, trace, chosen, here, real, leader_worker, leads_here, master)
 
 
 def _into_run_dir(not_kept: list[str], what: str, write: Callable[[], None]) -> None:
