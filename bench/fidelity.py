@@ -479,7 +479,10 @@ def _targets(cells: list[Cell], s: dict[str, Any]) -> list[str]:
 def _probe_parts_targets() -> list[str]:
     """The probe's cost inside one process (bench/probe_interleaved.py): all of it, and its parts."""
     out = []
-    for suffix, what in (("", "the whole probe"), ("-ddp", "DDP's buckets timed (its comm hook) alone"),
+    for suffix, what in (("", "the whole probe"), ("-ddp", "DDP's buckets timed from the job's wrapped group alone"),
+                         ("-comm-hook", "the whole probe with a timed comm hook on DDP (its fallback, and "
+                                        "how it timed every run before 2026-12-06)"),
+                         ("-ddp-comm-hook", "that timed comm hook alone"),
                          ("-ddp-python-hook", "torch's Python allreduce hook, untimed, alone"),
                          ("-ddp-builtin-hook", "DDP's C++ ALLREDUCE hook alone"),
                          ("-clock-gc-steps", "the rest (clock, step records, GC timer)")):
@@ -488,8 +491,9 @@ def _probe_parts_targets() -> list[str]:
             continue
         d = json.loads(f.read_text())
         lo, hi = d["overhead_95"]
-        cmd = "sudo .venv/bin/python bench/probe_interleaved.py" + (f" --parts {','.join(d['parts'])}" if suffix else "") \
-            + (f" --hook {d['hook']}" if d.get("hook", "probe") != "probe" else "")
+        parts = d["parts"] != sorted(("ddp", "steps", "gc", "clock"))
+        cmd = "sudo .venv/bin/python bench/probe_interleaved.py" + (f" --parts {','.join(d['parts'])}" if parts else "") \
+            + (f" --hook {d['hook']}" if d.get("hook", "group") != "group" else "")
         out.append(f"- Probe overhead in one process, {what} (`{cmd}`, {d['when'][:16]}): "
                    f"{100 * d['overhead']:+.1f}% of a step's CPU (95% {100 * lo:+.1f}..{100 * hi:+.1f}%, "
                    f"A/A {100 * d['aa']:+.1f}%) against 2%: {d['verdict']}.")

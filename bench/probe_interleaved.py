@@ -9,10 +9,10 @@ MiB of gradients, DDP with 64 MiB buckets), each with its own optimizer:
 
   plain     DDP as the job has it without the probe
   plain 2   a second plain copy: the method's own resolution (the A/A difference)
-  probe     the probe's runtime parts as `testbed run` installs them: the timed comm hook on DDP's
-            buckets (a Python hook where DDP has a built-in path), the optimizer step hooks that
-            write the step records, the garbage-collection timer, and the emulated clock (s = 8)
-            in place while its steps run
+  probe     the probe's runtime parts as `testbed run` installs them: DDP's buckets timed where the
+            reducer hands them to the job's group (a TimedGroup around gloo's, _testbed_groups.py),
+            the optimizer step hooks that write the step records, the garbage-collection timer, and
+            the emulated clock (s = 8) in place while its steps run
 
 Each epoch makes fresh copies (where a copy's memory lands moves all its steps alike) and runs
 --rounds rounds of --block steps per copy, the copies' order changing from round to round so that
@@ -49,7 +49,7 @@ AA_MAX = 0.01            # the A/A difference the method must stay within to spe
 DILATION = 8.0           # the emulated clock's factor while the probe's steps run
 ARMS = ("plain", "plain 2", "probe")
 PARTS = ("ddp", "steps", "gc", "clock")   # the probe's runtime parts (--parts picks some, to find a cost)
-HOOKS = ("probe", "python", "builtin")
+HOOKS = ("group", "comm", "python", "builtin")
 CLOCKS = ("time", "perf_counter", "monotonic", "time_ns", "perf_counter_ns", "monotonic_ns", "sleep")
 
 
@@ -97,6 +97,8 @@ def inner(epochs: int, rounds: int, block: int, warmup: int, parts: set[str], ho
     from testbed.jobs.probe import PROBE_PATH
 
     sys.path[:0] = [PROBE_PATH, str(REPO / "examples")]
+    import _testbed_clock
+    import _testbed_groups
     import _testbed_probe as probe   # its records go to TESTBED_PROBE_DIR, as in a run
     import torch
     import torch.distributed as dist
@@ -108,8 +110,10 @@ def inner(epochs: int, rounds: int, block: int, warmup: int, parts: set[str], ho
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1)
     pg = dist.distributed_c10d._get_default_group()
+    timed = _testbed_groups._timed_class(torch, dist)(pg, 0)   # what a run's job gets from init_process_group
+    _testbed_groups.time_allreduces(probe._time_bucket)
     real = {f: getattr(time, f) for f in CLOCKS}
-    probe._install_clock(DILATION)
+    _testbed_clock.install(DILATION)
     emulated = {f: getattr(time, f) for f in CLOCKS}
     for f, fn in real.items():
         setattr(time, f, fn)
@@ -118,14 +122,15 @@ def inner(epochs: int, rounds: int, block: int, warmup: int, parts: set[str], ho
 
     def make(arm: str) -> tuple:
         torch.manual_seed(0)
-        ddp = DDP(MLP(3 * 16 ** 2, 1536, 3), bucket_cap_mb=64)
+        timed_ddp = arm == "probe" and "ddp" in parts
+        ddp = DDP(MLP(3 * 16 ** 2, 1536, 3), bucket_cap_mb=64,
+                  process_group=timed if timed_ddp and hook == "group" else pg)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-        if arm == "probe" and "ddp" in parts:
-            if hook == "builtin":
-                ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
-            else:
-                ddp.register_comm_hook(pg, default_hooks.allreduce_hook if hook == "python" else
-                                       probe._timed_hook(default_hooks.allreduce_hook, pg))
+        if timed_ddp and hook == "builtin":
+            ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+        elif timed_ddp and hook in ("comm", "python"):
+            ddp.register_comm_hook(pg, default_hooks.allreduce_hook if hook == "python" else
+                                   probe._timed_hook(default_hooks.allreduce_hook, pg))
         if arm == "probe" and "steps" in parts:
             opt.register_step_pre_hook(probe._step_pre)
             opt.register_step_post_hook(probe._step_post)
@@ -177,7 +182,10 @@ def inner(epochs: int, rounds: int, block: int, warmup: int, parts: set[str], ho
         sys.stderr.write(f"epoch {e + 1}/{epochs}: " + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in out[-1].items())
                          + "\n")
     dist.destroy_process_group()
-    return {"epochs": out, "probe_records": probe._steps}
+    probe._flush_pending()
+    buckets = sum(line.count('"src":"ddp"') for f in Path(os.environ["TESTBED_PROBE_DIR"]).glob("rank-*.jsonl")
+                  for line in f.read_text().splitlines())
+    return {"epochs": out, "probe_records": probe._steps, "bucket_records": buckets}
 
 
 def main() -> int:
@@ -188,9 +196,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3, help="steps per copy before an epoch's first round")
     ap.add_argument("--parts", default=",".join(PARTS),
                     help=f"the probe's parts the probe arm runs (default all: {','.join(PARTS)})")
-    ap.add_argument("--hook", choices=HOOKS, default="probe",
-                    help="the comm hook of the ddp part: the probe's timed one (default), torch's Python "
-                         "allreduce hook untimed, or DDP's C++ ALLREDUCE hook (what any comm hook costs)")
+    ap.add_argument("--hook", choices=HOOKS, default="group",
+                    help="how the ddp part sees DDP's buckets: from the job's wrapped group, as runs do "
+                         "(default); the probe's timed comm hook (its fallback where a group cannot be "
+                         "wrapped); torch's Python allreduce hook untimed; or DDP's C++ ALLREDUCE hook "
+                         "(the last two: what any comm hook costs)")
     a = ap.parse_args()
     parts = {p for p in a.parts.split(",") if p}
     if not parts or parts - set(PARTS):
@@ -214,6 +224,7 @@ def main() -> int:
         got = json.loads(r.stdout.strip().splitlines()[-1])
     doc = {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "block": a.block,
            "load_before": load_before, "load_after": os.getloadavg(), "probe_step_records": got["probe_records"],
+           "probe_bucket_records": got["bucket_records"],
            "rounds_per_epoch": a.rounds, "parts": sorted(parts), "hook": a.hook, **summarize(got["epochs"]), "per_epoch_s": got["epochs"]}
     ms = doc["step_cpu_ms"]
     print(f"a step's CPU, medians over {doc['epochs']} epochs of {a.rounds} x {a.block} steps per arm: "
@@ -223,7 +234,7 @@ def main() -> int:
           f"A/A: {100 * doc['aa']:+.2f}% (95%: {100 * doc['aa_95'][0]:+.2f}..{100 * doc['aa_95'][1]:+.2f}%); "
           f"target {TARGET:.0%}: {doc['verdict']}")
     name = "probe_interleaved" + ("" if parts == set(PARTS) else "-" + "-".join(sorted(parts))) \
-        + ("" if a.hook == "probe" else f"-{a.hook}-hook")
+        + ("" if a.hook == "group" else f"-{a.hook}-hook")
     out = REPO / "bench" / "results" / f"{name}.json"
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(out)

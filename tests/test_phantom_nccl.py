@@ -145,7 +145,7 @@ def test_the_nccl_group_looks_like_an_nccl_group_to_c10d():
     import torch.distributed as dist
 
     m = _mirror_module()
-    Mirror = m._make_group_class(dist)
+    Mirror = m._make_group_class(dist, m.groups.wrapped_class(dist))
     Nccl = m._make_nccl_group_class(torch, Mirror)
     inner = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=30))
     g = Nccl(inner, 3)

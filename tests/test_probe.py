@@ -235,3 +235,107 @@ def test_the_probes_own_operations_are_not_recorded_for_a_replay(tmp_path, monke
     assert trace.getvalue() == b""
     mirror._announce({"ev": "op", "op": "allreduce", "g": 0})
     assert b'"op":"allreduce"' in trace.getvalue() and b"probe" not in trace.getvalue()
+
+
+# -- DDP's buckets, timed from the job's wrapped group -------------------------------------------------
+
+OPS_CODE = """
+import datetime, io, json, os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+r = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29733", rank=r, world_size=2)
+t = torch.ones(8) * (r + 1)
+dist.all_reduce(t); assert t[0] == 3
+dist.broadcast(t, 0)
+out = [torch.zeros(8) for _ in range(2)]; dist.all_gather(out, t); assert out[1][0] == 3
+flat = torch.zeros(16); dist.all_gather_into_tensor(flat, t)
+shard = torch.zeros(4); dist.reduce_scatter_tensor(shard, torch.ones(8)); assert shard[0] == 2
+a2a = torch.zeros(4); dist.all_to_all_single(a2a, torch.arange(4.0) + 10 * r); assert a2a.tolist() == [2 * r, 2 * r + 1, 10 + 2 * r, 11 + 2 * r]
+if r == 0:
+    dist.send(torch.ones(3), 1)
+else:
+    x = torch.zeros(3); dist.recv(x, 0); assert x.sum() == 3
+got = torch.zeros(2)
+ops = [dist.P2POp(dist.isend, torch.ones(2) * r, 1 - r), dist.P2POp(dist.irecv, got, 1 - r)]
+for w in dist.batch_isend_irecv(ops):
+    w.wait()
+assert got[0] == 1 - r
+objs = [None, None]; dist.all_gather_object(objs, {"r": r}); assert objs == [{"r": 0}, {"r": 1}]
+dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+sub = dist.new_group([0, 1]); z = torch.ones(2); dist.all_reduce(z, group=sub); assert z[0] == 2
+m = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), find_unused_parameters=True)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for _ in range(3):
+    opt.zero_grad(); m(torch.randn(4, 8)).sum().backward(); opt.step()
+torch.save(m, io.BytesIO())   # DDP pickles only on the default group: the wrapped one is it
+print(json.dumps({"group": type(dist.distributed_c10d._get_default_group()).__name__,
+                  "backends": [dist.get_backend(), dist.get_backend(sub)], "sub": type(sub).__name__,
+                  "comm_hook": m._get_ddp_logging_data().get("comm_hook")}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a network namespace of its own for the two ranks)")
+def test_every_operation_runs_on_the_wrapped_group_and_ddp_s_buckets_are_timed_without_a_hook(tmp_path):
+    """Without phantoms the probe wraps a gloo job's groups (_testbed_groups.TimedGroup): every kind
+    of operation a job issues still runs (point-to-point, batched, object, monitored barrier, a
+    subgroup, DDP with unused parameters, a DDP model pickled), get_backend still says gloo, and
+    DDP keeps its own path (no comm hook) while each bucket is recorded once; DDP's all_reduce of
+    its map of used parameters (integers) is not a bucket."""
+    script = tmp_path / "job.py"
+    script.write_text(OPS_CODE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESTBED_")}
+    env.update({"PYTHONPATH": PROBE_PATH, "TESTBED_PROBE_DIR": str(tmp_path / "probe")})
+    both = (f"ip link set lo up && (RANK=0 {sys.executable} {script} & RANK=1 {sys.executable} {script} & "
+            "wait %1 && wait %2)")
+    r = subprocess.run(["unshare", "-n", "sh", "-c", both], env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = [json.loads(line) for line in r.stdout.splitlines()]
+    assert said == [{"group": "TimedGroup", "backends": ["gloo", "gloo"], "sub": "TimedGroup", "comm_hook": None}] * 2
+    bucket = (8 * 8 + 8 + 8 * 2 + 2) * 4
+    for name, rr in _records(tmp_path).items():
+        colls = [x for x in rr if x["ev"] == "coll"]
+        ddp = [c for c in colls if c["src"] == "ddp"]
+        assert [(c["op"], c["bytes"], c["async"]) for c in ddp] == [("all_reduce", bucket, True)] * 3, name
+        assert all(c["dur"] > 0 and c["w_done"][0] >= c["w"][0] for c in ddp)
+        api = [c["op"] for c in colls if c["src"] == "api"]
+        p2p = ["send"] if name == "rank-0.jsonl" else ["recv"]
+        assert api == ["all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                       "all_to_all_single", *p2p, "isend", "irecv", "all_gather_object", "all_reduce"], (name, api)
+
+
+HOOKS_CODE = """
+import json, os, torch, torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+m = DDP(torch.nn.Linear(8, 4))
+if {user_hook}:
+    m.register_comm_hook(None, default_hooks.allreduce_hook)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for _ in range(4):
+    opt.zero_grad(); m(torch.randn(5, 8)).sum().backward(); opt.step()
+print(json.dumps({{"group": type(dist.distributed_c10d._get_default_group()).__name__,
+                   "comm_hook": m._get_ddp_logging_data().get("comm_hook")}}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("case", ["user hook", "opted out"])
+def test_a_job_s_own_hook_is_timed_once_and_the_opt_out_leaves_gloo_plain(tmp_path, case):
+    """A comm hook the job registers is timed around it (each bucket once, not again by the
+    group); TESTBED_PROBE_DDP=0 leaves the job's group plain gloo and DDP's buckets unrecorded."""
+    import random
+
+    code = HOOKS_CODE.format(port=random.randint(30000, 40000), user_hook=case == "user hook")
+    extra = {"RANK": "0", "WORLD_SIZE": "1"} | ({"TESTBED_PROBE_DDP": "0"} if case == "opted out" else {})
+    r = _run(tmp_path, code, env_extra=extra)
+    assert r.returncode == 0, r.stderr
+    said = json.loads(r.stdout.splitlines()[-1])
+    ddp = [c for c in _records(tmp_path)["rank-0.jsonl"] if c["ev"] == "coll" and c["src"] == "ddp"]
+    if case == "user hook":
+        assert said["group"] == "TimedGroup" and "_timed_hook" in said["comm_hook"], said
+        assert len(ddp) == 4 and all(c["bytes"] == (8 * 4 + 4) * 4 for c in ddp)
+    else:
+        assert said == {"group": "ProcessGroup", "comm_hook": None}
+        assert ddp == []

@@ -12,6 +12,13 @@ FIFO, then runs on the real gloo group. A phantom reads the line and issues
 the same operation with a buffer of the same size, so it takes its part in
 the real algorithm and the emulated links carry the job's real bytes.
 
+Without phantoms the probe wraps a gloo job's groups too, silently (`install(torch,
+announce=False)`, `TimedGroup`): every operation goes straight to gloo, and each
+all_reduce passes the probe's timer on its way. DDP's reducer then issues its
+buckets through a method the probe times, and keeps its own path, where the
+division by the world size is fused with the copy into the bucket; a comm hook
+loses that path (docs/fidelity.md, "Probe overhead").
+
 NCCL jobs (experimental, not yet run on a GPU): with TESTBED_PHANTOM_NCCL=1 in
 the ranks' environment, a job's NCCL groups are wrapped the same way
 (`NcclMirrorGroup` around a ProcessGroupNCCL) and the phantoms join with nccl
@@ -39,7 +46,12 @@ import os
 import threading
 import time
 
-BACKEND = "testbed_mirror"
+try:
+    import _testbed_groups as groups
+except ImportError:   # imported from the package (tests), not from the ranks' PYTHONPATH
+    from testbed.jobs.probe import _testbed_groups as groups
+
+BACKEND = groups.BACKEND
 BACKEND_NCCL = "testbed_mirror_nccl"   # a backend name of its own: the gloo one stays as it was
 NCCL_GATE = "TESTBED_PHANTOM_NCCL"     # "1": NCCL jobs are mirrored too (experimental)
 NCCL_NOTE = ("An unverified path for backend 'nccl' exists behind TESTBED_PHANTOM_NCCL=1 "
@@ -246,33 +258,11 @@ def _new_group_backend(backend) -> tuple[str, str]:
     raise RuntimeError(f"testbed phantoms: new_group(backend={backend!r}) cannot be mirrored (nccl or gloo only)")
 
 
-def _make_group_class(dist):
+def _make_group_class(dist, WrappedGroup):
     from torch._C import _distributed_c10d as C   # the operations' option classes
 
-    class MirrorGroup(dist.ProcessGroup):
+    class MirrorGroup(WrappedGroup):
         """A gloo group that announces each operation to the phantoms before running it."""
-
-        def __init__(self, inner, gid: int):
-            super().__init__(inner.rank(), inner.size())
-            self.inner = inner
-            self.gid = gid
-
-        def getBackendName(self):
-            return BACKEND
-
-        def shutdown(self):
-            # destroy_process_group shuts a group down: the gloo group inside goes then too, as it
-            # would without the mirror (not at the interpreter's exit, after its peers left)
-            self.inner.shutdown()
-
-        def abort(self):
-            self.inner.abort()
-
-        @property
-        def group_name(self):
-            # a group made by a backend plugin has no name of its own; c10d's table knows it
-            # (DeviceMesh, FSDP2 and functional collectives look groups up by name)
-            return dist.distributed_c10d._world.pg_names.get(self, "")
 
         def _say(self, op: str, **kw) -> None:
             if getattr(_tls, "probe", False):
@@ -286,7 +276,7 @@ def _make_group_class(dist):
             opts = opts or C.AllreduceOptions()
             self._say("allreduce", dtype=_dtype(tensors), n=_counts(tensors), data=_data(tensors),
                       red=_red(opts))
-            return self.inner.allreduce(tensors, opts)
+            return self._timed_allreduce(tensors, opts)
 
         def allreduce_coalesced(self, tensors, opts=None):
             opts = opts or C.AllreduceCoalescedOptions()
@@ -425,7 +415,7 @@ def install(torch) -> None:
     if os.environ.get("TESTBED_OPS_TRACE"):
         global _trace
         _trace = open(os.environ["TESTBED_OPS_TRACE"].replace("{RANK}", os.environ.get("RANK", "0")), "ab")
-    MirrorGroup = _make_group_class(dist)
+    MirrorGroup = _make_group_class(dist, groups.wrapped_class(dist))
     dist.Backend.register_backend(BACKEND, _create(dist, MirrorGroup), devices=["cpu"])
     if os.environ.get(NCCL_GATE) == "1":
         # devices=["cuda"] as nccl's own: the group's store keys then carry the prefix the
@@ -434,7 +424,6 @@ def install(torch) -> None:
                                       extended_api=True, devices=["cuda"])
     orig_init = c10d.init_process_group
     orig_new_group = c10d.new_group
-    orig_get_backend = c10d.get_backend
 
     @functools.wraps(orig_init)
     def init_process_group(backend=None, *args, **kwargs):
@@ -479,19 +468,9 @@ def install(torch) -> None:
         finally:
             _tls.gid = 0
 
-    @functools.wraps(orig_get_backend)
-    def get_backend(group=None):
-        b = orig_get_backend(group)
-        # the job asked for gloo (nccl), and runs on it
-        return {BACKEND: "gloo", BACKEND_NCCL: "nccl"}.get(str(b), b)
-
-    for mod in (c10d, dist):
-        if getattr(mod, "init_process_group", None) is orig_init:
-            mod.init_process_group = init_process_group
-        if getattr(mod, "new_group", None) is orig_new_group:
-            mod.new_group = new_group
-        if getattr(mod, "get_backend", None) is orig_get_backend:
-            mod.get_backend = get_backend
+    groups.replace(orig_init, init_process_group)
+    groups.replace(orig_new_group, new_group)
+    groups.patch_get_backend({BACKEND: "gloo", BACKEND_NCCL: "nccl"})
     atexit.register(_end)
 
 

@@ -16,14 +16,8 @@ between two records is what a rank did between them: the main job's expected ite
 the rank that did the most (docs/fidelity.md: its extra work was kernel time in page faults).
 "bytes" follows nccl-tests: all_gather's output, reduce_scatter's and all_to_all's input.
 
-The emulated clock: under time dilation s (TESTBED_TIME_DILATION > 1, unless
-TESTBED_EMULATED_CLOCK=0) time.time, time.perf_counter, time.monotonic (and
-their _ns forms) run s times slower from the moment the probe loads, and
-time.sleep(x) sleeps s*x, so a script's own throughput figures are the
-emulated cluster's. Calls made from the Python parts of torch.distributed,
-multiprocessing, threading, asyncio and the like keep real time: their
-timeouts and heartbeats are the real machine's (the C++ parts never see the
-patch). Functions bound before the probe loaded keep real time too.
+The emulated clock (_testbed_clock.py): under time dilation s the time module
+runs s times slower for the user's code from the moment the probe loads.
 
 torch is patched only when the user's program imports it (an import hook
 that runs after torch's own import finished), so programs without torch pay
@@ -45,6 +39,8 @@ import sys
 import threading
 import time
 
+import _testbed_clock
+
 # The real clocks, whatever the emulated clock later does to the time module.
 _real_time = time.time
 _real_perf = time.perf_counter
@@ -62,7 +58,6 @@ _step_t0 = None
 _installed = False
 _seq: dict = {}
 _pending: list = []   # DDP bucket records waiting to be written (list.append/pop are atomic under the GIL)
-_clock = {"emulated": False, "factor": 1.0}
 _distributed = False   # init_process_group ran in this process
 _gc = {"cpu": 0.0, "t0": None}   # CPU seconds in garbage collections (one thread collects at a time: the GIL)
 # At exit, a moment with the GIL released for the backend's worker threads: one may not yet have dropped
@@ -97,7 +92,7 @@ def _open():
             "ev": "start", "t": _real_time(), "pid": os.getpid(), "rank": _int_env("RANK"),
             "world_size": _int_env("WORLD_SIZE"), "local_rank": _int_env("LOCAL_RANK"),
             "worker": os.environ.get("TESTBED_WORKER") or os.uname().nodename, "argv": sys.argv[:8],
-            "clock": dict(_clock),
+            "clock": dict(_testbed_clock.state),
         }) + "\n")
     return _file
 
@@ -353,26 +348,53 @@ def _patch_collectives(torch) -> None:
             setattr(dist, name, w)
 
 
-# -- DDP: the gradient all-reduce happens in C++; time it with a comm hook ------
+# -- DDP: the gradient all-reduce happens in C++ ---------------------------------
+# Timed where the reducer hands a bucket to the job's group, wrapped by _testbed_groups (DDP keeps
+# its own path); on a group that is not wrapped (nccl, a group made with backend="gloo" named) and
+# around a hook the job registers, with a comm hook.
+
+def _bucket_start(pg, nbytes):
+    """What a DDP bucket's record needs from its start; _bucket_done completes it."""
+    g, gn, be = _group(pg)
+    return {"ev": "coll", "op": "all_reduce", "bytes": nbytes, "t": _real_time(), "t0": _real_perf(),
+            "async": True, "src": "ddp", "g": g, "gn": gn, "seq": _next_seq(g), "be": be, "w": _work()}
+
+
+def _bucket_done(rec) -> None:
+    """On the backend's thread: note the time only; the record is written later (_flush_pending)."""
+    rec["dur"] = _real_perf() - rec.pop("t0")
+    rec["w_done"] = _work()
+    _pending.append(rec)
+
+
+def _time_bucket(pg, tensors):
+    """The wrapped group's timer (_testbed_groups.time_allreduces): an all_reduce that did not come
+    through torch.distributed's functions (DDP's reducer, from C++) is a bucket, timed to its
+    completion. None for the others: the collective's wrapper times those."""
+    if getattr(_tls, "inside", False) or not tensors or not tensors[0].is_floating_point():
+        return None   # (an integer all_reduce from C++: DDP's map of used parameters, not a bucket)
+    rec = _bucket_start(pg, _nbytes(list(tensors)))
+
+    def issued(work):
+        try:
+            work.get_future().add_done_callback(lambda _f: _bucket_done(rec))
+        except Exception:
+            pass
+
+    return issued
+
 
 def _timed_hook(hook, pg=None):
     def timed(state, bucket):
-        g, gn, be = _group(pg)
-        seq = _next_seq(g)
-        work = _work()
-        t = _real_time()
-        t0 = _real_perf()
-        nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
+        rec = _bucket_start(pg, bucket.buffer().numel() * bucket.buffer().element_size())
         _tls.inside = True
         try:
             fut = hook(state, bucket)
         finally:
             _tls.inside = False
 
-        def done(f):   # on the backend's thread: note the time only; the record is written later
-            _pending.append({"ev": "coll", "op": "all_reduce", "bytes": nbytes, "t": t, "dur": _real_perf() - t0,
-                             "async": True, "src": "ddp", "g": g, "gn": gn, "seq": seq, "be": be, "w": work,
-                             "w_done": _work()})
+        def done(f):
+            _bucket_done(rec)
             return f.value()
 
         return fut.then(done)
@@ -401,7 +423,8 @@ def _patch_ddp(torch) -> None:
         if not getattr(self, "_testbed_user_hook", False) and not getattr(self, "_testbed_hooked", False):
             self._testbed_hooked = True
             try:
-                if getattr(self, "process_group", None) is not None and not getattr(self, "_testbed_builtin", False):
+                pg = getattr(self, "process_group", None)
+                if pg is not None and not getattr(self, "_testbed_builtin", False) and not _groups_time(pg):
                     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
                     orig_register(self, self.process_group,
@@ -426,6 +449,11 @@ def _patch_ddp(torch) -> None:
     DDP.__testbed_probe__ = True
 
 
+def _groups_time(pg) -> bool:
+    groups = sys.modules.get("_testbed_groups")
+    return groups is not None and groups.times(pg)
+
+
 class MirrorFailed(RuntimeError):
     """The real rank of a run with phantoms cannot announce its collectives."""
 
@@ -439,7 +467,8 @@ def _patch_torch(torch) -> None:
     except Exception as exc:
         sys.stderr.write(f"testbed probe: optimizer steps not recorded ({exc!r})\n")
     _patch_collectives(torch)
-    if os.environ.get("TESTBED_PROBE_DDP", "1") != "0":   # 0: DDP's buckets untimed (their comm hook costs)
+    ddp = os.environ.get("TESTBED_PROBE_DDP", "1") != "0"   # 0: DDP's buckets untimed, the job's groups plain gloo
+    if ddp:
         _patch_ddp(torch)
     lead = os.environ.get("TESTBED_PHANTOM_LEADER_LOCAL_RANK")   # under torchrun: one local rank announces
     if os.environ.get("TESTBED_PHANTOM_CHECK") or ((os.environ.get("TESTBED_PHANTOM_OUT")
@@ -453,6 +482,15 @@ def _patch_torch(torch) -> None:
             _testbed_mirror.install(torch)
         except Exception as exc:   # without the mirror the phantoms would wait forever: the job fails
             raise MirrorFailed(f"testbed probe: the phantom mirror failed ({exc!r})") from exc
+    elif ddp:
+        try:
+            import _testbed_groups
+
+            _testbed_groups.wrap_silently(torch)
+        except Exception as exc:   # DDP's buckets are then timed with a comm hook
+            sys.stderr.write(f"testbed probe: the job's groups not wrapped ({exc!r})\n")
+    if ddp and "_testbed_groups" in sys.modules:
+        sys.modules["_testbed_groups"].time_allreduces(_time_bucket)
 
 
 # -- lazy installation ----------------------------------------------------------
@@ -488,62 +526,6 @@ class _TorchFinder:
         return spec
 
 
-# -- the emulated clock -----------------------------------------------------------
-
-# Callers from these packages keep real time (timeouts, heartbeats, schedulers).
-_REAL_TIME_CALLERS = ("torch.distributed", "torch.multiprocessing", "torch.utils.data", "multiprocessing",
-                      "concurrent", "asyncio", "threading", "queue", "subprocess", "selectors", "socket",
-                      "logging", "_testbed_probe", "_testbed_mirror", "sitecustomize")
-
-
-def _real_caller():
-    try:
-        mod = sys._getframe(2).f_globals.get("__name__") or ""
-    except ValueError:
-        return True
-    return mod.startswith(_REAL_TIME_CALLERS)
-
-
-def _install_clock(s: float) -> None:
-    """Make the time module run s times slower for the user's code (see the module text)."""
-    def slowed(real, ns=False):
-        a = real()
-
-        def emulated():
-            now = real()
-            if _real_caller():
-                return now
-            if ns:
-                return a + (now - a) * 1000 // int(s * 1000)
-            return a + (now - a) / s
-
-        emulated.__name__ = real.__name__
-        emulated.__doc__ = (real.__doc__ or "") + f"\n\n[testbed: emulated clock, {s:g} times slower]"
-        emulated.__testbed_probe__ = True
-        return emulated
-
-    def sleep(secs):
-        if _real_caller():
-            return _real_sleep(secs)
-        return _real_sleep(secs * s)
-
-    sleep.__doc__ = (time.sleep.__doc__ or "") + f"\n\n[testbed: emulated clock, sleeps {s:g} times longer]"
-    sleep.__testbed_probe__ = True
-    for fname, ns in (("time", False), ("perf_counter", False), ("monotonic", False),
-                      ("time_ns", True), ("perf_counter_ns", True), ("monotonic_ns", True)):
-        setattr(time, fname, slowed(getattr(time, fname), ns))
-    time.sleep = sleep
-    _clock.update({"emulated": True, "factor": s})
-
-
-def _dilation() -> float:
-    try:
-        s = float(os.environ.get("TESTBED_TIME_DILATION") or 1.0)
-    except ValueError:
-        return 1.0
-    return s if s > 1 and s == s and s != float("inf") else 1.0
-
-
 def _work() -> list:
     """[cpu, sys, faults, gc]: see the module text. One getrusage call (0.8 us here), whose user and
     system times add up to the scheduler's exact runtime."""
@@ -571,9 +553,9 @@ def install() -> None:
     import gc
 
     gc.callbacks.append(_gc_timer)
-    s = _dilation()
+    s = _testbed_clock.dilation()
     if s > 1 and os.environ.get("TESTBED_EMULATED_CLOCK", "1") != "0":
-        _install_clock(s)
+        _testbed_clock.install(s)
     if "torch" in sys.modules:
         _patch_torch(sys.modules["torch"])
     else:
