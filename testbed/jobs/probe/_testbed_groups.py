@@ -2,18 +2,26 @@
 
 c10d lets a backend be a Python ProcessGroup (Backend.register_backend). A
 `WrappedGroup` holds the real group (`inner`, gloo's) and is what the job gets
-from init_process_group and new_group: every operation reaches a Python method
+from init_process_group and new_group: an all_reduce reaches a Python method
 first, whoever issues it (the script through torch.distributed, DDP's reducer
-in C++, functional collectives by the group's name).
+in C++).
 
-- `TimedGroup` (the probe without phantoms, `wrap_silently`): each all_reduce
-  passes the probe's timer (`time_allreduces`), everything else goes straight
-  to gloo. DDP then issues its buckets through a method the probe times and
-  keeps its own path, where the division by the world size is fused with the
-  copy into the bucket; a comm hook loses that path and costs about 4% of a
-  step (README.md, "The probe's cost").
+- `TimedGroup` (the probe without phantoms, `wrap_silently`): gloo is the
+  group's own backend, so every operation takes c10d's usual way to it, and
+  each all_reduce passes the probe's timer (`time_allreduces`) on its way.
+  DDP then issues its buckets through a method the probe times and keeps its
+  own path, where the division by the world size is fused with the copy into
+  the bucket; a comm hook loses that path and costs about 4% of a step
+  (README.md, "The probe's cost").
 - `MirrorGroup` (_testbed_mirror.py) announces each operation to the phantoms
   before running it; its all_reduces pass the same timer.
+
+A timed all_reduce hands DDP a Work whose future completes once the probe has
+noted the completion: DDP waits for the record, as it waited for a comm hook's.
+
+Not wrapped (DDP's buckets are then timed with a comm hook): other backends,
+a backend-less init_process_group where an accelerator is there, and jobs under
+TORCH_DISTRIBUTED_DEBUG=DETAIL (c10d's checking wrapper skips Python groups).
 
 Standard library and torch only: it runs inside the user's job.
 """
@@ -21,29 +29,20 @@ Standard library and torch only: it runs inside the user's job.
 from __future__ import annotations
 
 import functools
+import os
 
 BACKEND = "testbed_mirror"   # the wrapped groups' backend name; get_backend says "gloo", as the job asked
 
 _timer = None     # the probe's: _timer(group, tensors) before an all_reduce; what it returns, if not None, gets the work
 _wrapped = None   # the WrappedGroup class, made once torch is imported
+_work = None      # the Work class of a timed all_reduce
 _installed = False
-
-# What a TimedGroup hands to the gloo group it wraps: the methods c10d's Python side calls on a
-# group, and those C++ reaches a Python group through (DDP's reducer, functional collectives), by
-# their name on ProcessGroup -> on gloo's Backend. An operation not named here fails as it would on
-# any Python group, with c10d's error, rather than reaching gloo around the wrapper.
-FORWARDED = {"broadcast": "broadcast", "allgather": "allgather", "allgather_coalesced": "allgather_coalesced",
-             "allreduce_coalesced": "allreduce_coalesced", "reduce_scatter": "reduce_scatter",
-             "all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base",
-             "reduce": "reduce", "gather": "gather", "scatter": "scatter", "all_to_all_single": "alltoall_base",
-             "alltoall": "alltoall", "barrier": "barrier", "monitored_barrier": "monitored_barrier",
-             "send": "send", "recv": "recv", "recv_anysource": "recv_anysource",
-             "_start_coalescing": "_start_coalescing", "_end_coalescing": "_end_coalescing",
-             "set_timeout": "set_timeout"}
 
 
 def time_allreduces(timer) -> None:
-    """The probe's timer for the wrapped groups' all_reduces (see WrappedGroup._timed_allreduce)."""
+    """The probe's timer for the wrapped groups' all_reduces (see WrappedGroup._timed_allreduce):
+    timer(group, tensors) returns None, or a function that takes the all_reduce's Work and returns
+    the one to hand back (`then`)."""
     global _timer
     _timer = timer
 
@@ -67,56 +66,75 @@ def wrapped_class(dist):
             self.inner = inner
             self.gid = gid
 
-        def getBackendName(self):
-            return BACKEND
-
-        def shutdown(self):
-            # destroy_process_group shuts a group down: the gloo group inside goes then too, as it
-            # would without the wrapper (not at the interpreter's exit, after its peers left)
-            self.inner.shutdown()
-
-        def abort(self):
-            self.inner.abort()
-
-        @property
-        def group_name(self):
-            # a group made by a backend plugin has no name of its own; c10d's table knows it
-            # (DeviceMesh, FSDP2 and functional collectives look groups up by name)
-            return dist.distributed_c10d._world.pg_names.get(self, "")
-
-        def _timed_allreduce(self, tensors, opts):
+        def _timed_allreduce(self, tensors, *args, **kwargs):
+            # (every overload of ProcessGroup.allreduce: a list and options, or one tensor and op=)
             timer = _timer
             timed = timer(self, tensors) if timer is not None else None
-            work = self.inner.allreduce(tensors, opts)
-            if timed is not None:
-                timed(work)
-            return work
+            work = self.inner.allreduce(tensors, *args, **kwargs)
+            return work if timed is None else timed(work)
 
     _wrapped = WrappedGroup
     return WrappedGroup
 
 
+def then(work, callback):
+    """A Work that completes once callback() ran after `work` completed (on the backend's thread):
+    whoever waits for it (DDP's reducer) waits for the callback too."""
+    from torch._C import _distributed_c10d as C
+
+    global _work
+    if _work is None:
+        class ThenWork(C.Work):
+            def __init__(self, inner, fut):
+                super().__init__()
+                self.inner, self.fut = inner, fut
+
+            def wait(self, timeout=None):
+                ok = self.inner.wait() if timeout is None else self.inner.wait(timeout)
+                self.fut.wait()
+                return ok
+
+            def get_future(self):
+                return self.fut
+
+            def is_completed(self):
+                return self.fut.done()
+
+            def result(self):
+                return self.fut.value()
+
+        _work = ThenWork
+
+    def done(fut):
+        callback()
+        return fut.value()
+
+    return _work(work, work.get_future().then(done))
+
+
+# The methods torch looks up in Python on a Python group (PyProcessGroup's overrides), by their name
+# on ProcessGroup -> on gloo's Backend. Where a group has none of its own, torch runs its own C++
+# method with the GIL held, and a gloo thread that frees a tensor Python still knows takes the GIL
+# while holding gloo's lock: the job deadlocks (seen with the final barrier of a torchrun DDP job).
+# gloo's methods release the GIL. (all_gather_single_coalesced and reduce_scatter_single_coalesced,
+# which gloo's Backend does not offer in Python, keep torch's way: functional collectives only.)
+FORWARDED = {"broadcast": "broadcast", "allgather": "allgather", "allreduce_coalesced": "allreduce_coalesced",
+             "reduce_scatter": "reduce_scatter", "all_to_all_single": "alltoall_base", "barrier": "barrier",
+             "send": "send", "recv": "recv", "shutdown": "shutdown", "abort": "abort"}
+
+
 def _timed_class(torch, dist):
-    from torch._C import _distributed_c10d as C   # the operations' option classes
-
-    cpu = torch.device("cpu")
-
     class TimedGroup(wrapped_class(dist)):
-        """A job's gloo group without phantoms: its all_reduces pass the probe's timer, everything
-        else goes straight to gloo."""
+        """A job's gloo group without phantoms: gloo is its backend (every operation takes c10d's
+        way to it), its all_reduces pass the probe's timer."""
 
-        def allreduce(self, tensors, opts=None):
-            return self._timed_allreduce(tensors, opts or C.AllreduceOptions())
+        def __init__(self, inner, gid: int):
+            super().__init__(inner, gid)
+            self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+            self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, inner)
 
-        @property
-        def _device_types(self):
-            return [cpu]
-
-        def _get_backend(self, device):
-            # what c10d asks a group for its backend (object collectives, coalescing, splits): gloo's
-            if torch.device(device).type != "cpu":
-                raise RuntimeError(f"testbed probe: a gloo group has no backend for {device}")
-            return self.inner
+        def allreduce(self, tensors, *args, **kwargs):
+            return self._timed_allreduce(tensors, *args, **kwargs)
 
     for name, theirs in FORWARDED.items():
         setattr(TimedGroup, name, _forwarder(name, theirs))
@@ -155,10 +173,29 @@ def patch_get_backend(names: dict) -> None:
     replace(orig, get_backend)
 
 
+def _accelerator(torch) -> bool:
+    """Whether c10d would give a backend-less init_process_group an accelerator's backend too."""
+    acc = getattr(torch, "accelerator", None)
+    try:
+        return bool(acc.is_available()) if acc is not None else torch.cuda.is_available()
+    except Exception:
+        return True   # (when in doubt, the job's groups stay as c10d makes them)
+
+
+def wraps(torch, backend, device_id, environ=os.environ) -> bool:
+    """Whether a job's init_process_group(backend, device_id=...) gets TimedGroups: a gloo job's
+    (see the module text for the others)."""
+    if environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+        return False
+    if backend is None:
+        return device_id is None and not _accelerator(torch)
+    return str(backend).lower() in ("gloo", "cpu:gloo")
+
+
 def wrap_silently(torch) -> None:
     """Without phantoms: a gloo job's init_process_group makes TimedGroups (and so does new_group,
-    whose groups take the default group's backend unless they name one). Other backends, and
-    c10d's "cpu:gloo,cuda:nccl" default where a GPU is there, are made as the job asks. Once."""
+    whose groups take the default group's backend unless they name one). Other jobs are made as
+    they ask (see the module text). Once."""
     global _installed
     if _installed:
         return
@@ -166,20 +203,22 @@ def wrap_silently(torch) -> None:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    TimedGroup = _timed_class(torch, dist)
-
-    def create(store, rank, size, timeout):
-        return TimedGroup(dist.ProcessGroupGloo(store, rank, size, timeout), 0)
-
-    dist.Backend.register_backend(BACKEND, create, devices=["cpu"])
     orig_init = c10d.init_process_group
+    made: list = []   # the backend is registered with c10d the first time a job asks for gloo
 
     @functools.wraps(orig_init)
     def init_process_group(backend=None, *args, **kwargs):
-        name = str(backend).lower() if backend is not None else None
-        plain_gloo = name in ("gloo", "cpu:gloo") or (
-            name is None and kwargs.get("device_id") is None and not torch.cuda.is_available())
-        return orig_init(BACKEND if plain_gloo else backend, *args, **kwargs)
+        if not wraps(torch, backend, kwargs.get("device_id")):
+            return orig_init(backend, *args, **kwargs)
+        if not made:
+            TimedGroup = _timed_class(torch, dist)
+
+            def create(store, rank, size, timeout):
+                return TimedGroup(dist.ProcessGroupGloo(store, rank, size, timeout), 0)
+
+            dist.Backend.register_backend(BACKEND, create, devices=["cpu"])
+            patch_get_backend({BACKEND: "gloo"})
+            made.append(TimedGroup)
+        return orig_init(BACKEND, *args, **kwargs)
 
     replace(orig_init, init_process_group)
-    patch_get_backend({BACKEND: "gloo"})

@@ -12,12 +12,8 @@ FIFO, then runs on the real gloo group. A phantom reads the line and issues
 the same operation with a buffer of the same size, so it takes its part in
 the real algorithm and the emulated links carry the job's real bytes.
 
-Without phantoms the probe wraps a gloo job's groups too, silently (`install(torch,
-announce=False)`, `TimedGroup`): every operation goes straight to gloo, and each
-all_reduce passes the probe's timer on its way. DDP's reducer then issues its
-buckets through a method the probe times, and keeps its own path, where the
-division by the world size is fused with the copy into the bucket; a comm hook
-loses that path (docs/fidelity.md, "Probe overhead").
+The wrapping is _testbed_groups.py's, which also wraps a gloo job's groups
+without phantoms, for the probe to time DDP's buckets.
 
 NCCL jobs (experimental, not yet run on a GPU): with TESTBED_PHANTOM_NCCL=1 in
 the ranks' environment, a job's NCCL groups are wrapped the same way
@@ -262,7 +258,26 @@ def _make_group_class(dist, WrappedGroup):
     from torch._C import _distributed_c10d as C   # the operations' option classes
 
     class MirrorGroup(WrappedGroup):
-        """A gloo group that announces each operation to the phantoms before running it."""
+        """A gloo group that announces each operation to the phantoms before running it. gloo is
+        not its backend in c10d's sense: an operation it does not announce fails instead of running
+        unannounced (the phantoms would wait for it)."""
+
+        def getBackendName(self):
+            return BACKEND
+
+        def shutdown(self):
+            # destroy_process_group shuts a group down: the gloo group inside goes then too, as it
+            # would without the mirror (not at the interpreter's exit, after its peers left)
+            self.inner.shutdown()
+
+        def abort(self):
+            self.inner.abort()
+
+        @property
+        def group_name(self):
+            # a group made by a backend plugin has no name of its own; c10d's table knows it
+            # (DeviceMesh, FSDP2 and functional collectives look groups up by name)
+            return dist.distributed_c10d._world.pg_names.get(self, "")
 
         def _say(self, op: str, **kw) -> None:
             if getattr(_tls, "probe", False):

@@ -368,20 +368,20 @@ def _bucket_done(rec) -> None:
 
 
 def _time_bucket(pg, tensors):
-    """The wrapped group's timer (_testbed_groups.time_allreduces): an all_reduce that did not come
-    through torch.distributed's functions (DDP's reducer, from C++) is a bucket, timed to its
-    completion. None for the others: the collective's wrapper times those."""
-    if getattr(_tls, "inside", False) or not tensors or not tensors[0].is_floating_point():
-        return None   # (an integer all_reduce from C++: DDP's map of used parameters, not a bucket)
-    rec = _bucket_start(pg, _nbytes(list(tensors)))
+    """The wrapped group's timer (_testbed_groups.time_allreduces): an all_reduce issued during a
+    backward pass and not through torch.distributed's functions is DDP's reducer's, a bucket: timed
+    to its completion, which DDP then waits for (the record is in before the step's). None for the
+    others (the collective's wrapper times those the job issues itself)."""
+    import _testbed_groups
+    import torch
 
-    def issued(work):
-        try:
-            work.get_future().add_done_callback(lambda _f: _bucket_done(rec))
-        except Exception:
-            pass
-
-    return issued
+    one = isinstance(tensors, torch.Tensor)
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    if getattr(_tls, "inside", False) or (task is not None and task() == -1) \
+            or not (one or tensors) or not (tensors if one else tensors[0]).is_floating_point():
+        return None   # (an integer all_reduce: DDP's map of used parameters, not a bucket)
+    rec = _bucket_start(pg, _nbytes(tensors))
+    return lambda work: _testbed_groups.then(work, lambda: _bucket_done(rec))
 
 
 def _timed_hook(hook, pg=None):
