@@ -202,11 +202,12 @@ def test_phantoms_keep_ups_cpu_cap_and_node_restore_gives_it_back(testbed, tmp_p
     assert {w: _cfs_quota(cl.name, w) for w in workers} == {w: capped for w in workers}
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "error"])
 def test_a_ctrl_c_before_the_ranks_start_undoes_the_runs_cap_and_folder(star, tmp_path, how):
-    """A Ctrl-C (or SIGTERM, which the launcher takes as one) after the run capped its real worker
-    and made its exchange folder, before any rank started (here: in on_start): the cap is lifted,
-    the folder is gone, nothing was started."""
+    """A Ctrl-C (or SIGTERM, which the launcher takes as one, or an error of the launcher's) after
+    the run capped its real worker and made its exchange folder, before any rank started (here: in
+    on_start): the cap is lifted, the folder is gone, nothing was started, and the run, which had
+    said it started, says how it ended (its summary no longer "running")."""
     import signal
 
     from testbed import store
@@ -215,14 +216,17 @@ def test_a_ctrl_c_before_the_ranks_start_undoes_the_runs_cap_and_folder(star, tm
 
     seen: dict[str, object] = {}
 
-    def ctrl_c(_rd, probe_dir):
-        seen.update(quota=_cfs_quota(star.name, "w0"), shared=probe_dir.parent)
+    def ctrl_c(rd, probe_dir):
+        seen.update(quota=_cfs_quota(star.name, "w0"), shared=probe_dir.parent, rd=rd,
+                    status=json.loads((rd / "summary.json").read_text())["status"])
         if how == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)   # (its handler raises at once, in this thread)
             pytest.fail("SIGTERM did not interrupt the run's setup")
+        if how == "error":
+            raise OSError(28, "No space left on device")
         raise KeyboardInterrupt
 
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(OSError if how == "error" else KeyboardInterrupt):
         run(star, [sys.executable, "-c", "pass"], echo=False, base_dir=tmp_path, workdir=str(REPO), monitor=False,
             timeout=60, real=["w0"], on_start=ctrl_c)
     assert seen["quota"] != -1, "s = 1 on 2 cores: the real rank's worker is capped at one core while it runs"
@@ -230,6 +234,15 @@ def test_a_ctrl_c_before_the_ranks_start_undoes_the_runs_cap_and_folder(star, tm
     assert "cpus" not in (((store.load(star.name).get("faults") or {}).get("nodes") or {}).get("w0") or {})
     assert not Path(seen["shared"]).exists()
     assert tagged_pids(Path(seen["shared"]).name) == []
+    summary = json.loads((seen["rd"] / "summary.json").read_text())
+    ended = ("error", 1, "OSError: [Errno 28] No space left on device") if how == "error" else ("interrupted", 130, None)
+    assert (seen["status"], summary["status"], summary["rc"], summary["error"]) == ("running", *ended)
+    kept = [json.loads(line)["what"] for line in (seen["rd"] / "testbed-events.jsonl").read_text().splitlines()]
+    said = [w for w in kept if w.startswith(f"run {summary['run_id']} ")]
+    assert [w.split(":")[0] for w in said] == [f"run {summary['run_id']} started", f"run {summary['run_id']} ended"], kept
+    reason = "error (OSError: [Errno 28] No space left on device), exit status 1" if how == "error" \
+        else "interrupted, exit status 130"
+    assert said[1].startswith(f"run {summary['run_id']} ended: {reason}, "), said
 
 
 def test_point_to_point_is_refused_clearly(star, tmp_path):

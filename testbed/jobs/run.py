@@ -155,6 +155,9 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     capped: list[str] = []
     not_kept: list[str] = []   # what could not be written into the run directory at the end
     stop_feed = threading.Event()
+    summary: dict[str, Any] = {}
+    announced = False                     # summary.json says "running", the "started" event went out
+    failed: BaseException | None = None   # what ended the launcher itself, if anything did
     try:
         if threading.current_thread() is threading.main_thread():   # SIGTERM undoes it all, as Ctrl-C does
             def _term(signum, frame):
@@ -256,7 +259,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
 
         from testbed.topology.dilation import rank_cores
 
-        summary: dict[str, Any] = {
+        summary = {
             "testbed": cluster.name, "run_id": run_id, "run_dir": str(rd), "cmd": cmd,
             "launcher": "groups" if job is not None else "torchrun" if torchrun else "env",
             "elastic": is_elastic(cmd), "workers": chosen, "nproc_per_node": nproc_per_node,
@@ -277,6 +280,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         events.emit(cluster.name, "run", f"run {run_id} started: {world} rank(s) on {len(chosen)} worker(s)"
                     + (f", {len(feeds)} phantom(s)" if feeds else "") + f": {shlex.join(cmd)[:200]}",
                     run_id=run_id, run_dir=str(rd))
+        announced = True
         steps = rundir.StepReader(probe_dir)
         milestone = [1]
         if on_start is not None:
@@ -323,6 +327,9 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             sup.watch()
         except KeyboardInterrupt:
             sup.interrupted()
+    except BaseException as exc:
+        failed = exc
+        raise
     finally:
         if sup is not None:
             sup.reap()
@@ -346,6 +353,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             mirror.stop()
         uncap(cluster, capped, echo)
         _into_run_dir(not_kept, "the probe's records", lambda: collect_probe(rd, shared))
+        if failed is not None and announced:
+            _ended_by(failed, cluster.name, run_id, rd, summary, not_kept)
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
 
@@ -483,6 +492,24 @@ def _into_run_dir(not_kept: list[str], what: str, write: Callable[[], None]) -> 
         write()
     except (OSError, safeio.Unsafe) as exc:
         not_kept.append(f"{what} ({exc})")
+
+
+def _ended_by(exc: BaseException, name: str, run_id: str, rd: Path, summary: dict[str, Any],
+             not_kept: list[str]) -> None:
+    """A run said "started" (summary.json "running", its event), then the launcher itself was
+    interrupted before its ranks ran (Ctrl-C, SIGTERM) or failed (an error of ours or of the
+    machine's): the run ends as such, not "running" forever (`testbed top` follows the newest
+    running run)."""
+    interrupted = isinstance(exc, KeyboardInterrupt)
+    reason, rc = ("interrupted", 130) if interrupted else ("error", 1)
+    error = None if interrupted else f"{type(exc).__name__}: {str(exc)[:300]}"
+    ended = time.time()
+    events.emit(name, "run", f"run {run_id} ended: {reason}" + (f" ({error})" if error else "")
+                + f", exit status {rc}, {ended - summary['started']:.1f} s", run_id=run_id, status=reason, rc=rc)
+    _into_run_dir(not_kept, "testbed-events.jsonl", lambda: _keep_events(rd, name, summary["started"], time.time()))
+    done = {**summary, "status": reason, "rc": rc, "ended": ended, "duration_s": ended - summary["started"],
+            "error": error, "not_kept": not_kept}
+    _into_run_dir(not_kept, "summary.json", lambda: rundir.write_json(rd / "summary.json", done))
 
 
 def _keep_events(rd: Path, name: str, t0: float, t1: float) -> None:
