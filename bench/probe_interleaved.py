@@ -110,7 +110,8 @@ def inner(epochs: int, rounds: int, block: int, warmup: int, parts: set[str], ho
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1)
     pg = dist.distributed_c10d._get_default_group()
-    timed = _testbed_groups._timed_class(torch, dist)(pg, 0)   # what a run's job gets from init_process_group
+    # what a run's job gets from init_process_group: a TimedGroup around the same gloo backend
+    timed = _testbed_groups._timed_class(torch, dist)(pg._get_backend(torch.device("cpu")), 0)
     _testbed_groups.time_allreduces(probe._time_bucket)
     real = {f: getattr(time, f) for f in CLOCKS}
     _testbed_clock.install(DILATION)
