@@ -119,10 +119,15 @@ def main() -> int:
     series["faithful"] = statuses.count("faithful")
     print(f"faithful {statuses.count('faithful')}/{len(statuses)}; all_reduce error median "
           f"{100 * statistics.median(errs):+.1f}% range {100 * min(errs):+.1f}..{100 * max(errs):+.1f}%" if errs else "")
-    doc = json.loads(OUT.read_text()) if OUT.exists() else []
-    doc.append(series)
-    OUT.write_text(json.dumps(doc, indent=1) + "\n")
+    append_series(OUT, series)
     return 0
+
+
+def append_series(out: Path, series: dict) -> None:
+    """Add one series to a results file that lists every series measured."""
+    doc = json.loads(out.read_text()) if out.exists() else []
+    doc.append(series)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
 
 
 if __name__ == "__main__":

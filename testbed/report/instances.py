@@ -18,8 +18,9 @@ MODEL_OP = {"all_reduce": "all_reduce", "all_gather": "all_gather", "all_gather_
 
 def instances(probe: dict[str, list[dict[str, Any]]], world: int, recording: int | None = None
               ) -> dict[tuple[str, int, tuple[int, ...]], list[dict[str, Any]]]:
-    """(op, bytes, ranks) -> complete instances: {"start", "end", "skew"} (real seconds; skew: from
-    the first rank's arrival to the last's, the wait that is in the ranks' steps but not in `end - start`).
+    """(op, bytes, ranks) -> complete instances: {"start", "end", "skew", "group", "async"} (real
+    seconds; skew: from the first rank's arrival to the last's, the wait that is in the ranks' steps
+    but not in `end - start`; group: its process group; async: launched without waiting for it).
 
     Collectives on the whole world (ranks = ()), matched by process group and sequence number;
     blocking sends and receives, the k-th send from a to b with the k-th receive at b from a
@@ -63,7 +64,9 @@ def instances(probe: dict[str, list[dict[str, Any]]], world: int, recording: int
             nbytes = int(recs[0].get("bytes") or 0)
         except (KeyError, TypeError, ValueError):
             continue
-        out.setdefault((op, nbytes, ranks), []).append({"start": start, "end": end, "skew": start - first})
+        out.setdefault((op, nbytes, ranks), []).append({
+            "start": start, "end": end, "skew": start - first, "group": "p2p" if key[0] == "p2p" else key[0],
+            "async": any(r.get("async") is True for r in recs)})
     return out
 
 

@@ -9,7 +9,9 @@ Evidence (a run directory, see testbed.jobs.rundir):
    counted. Instances of one (collective, size) form a class whose mean (what
    a loop of them takes per call, stalls included) is compared with the reference model (testbed.topology.reference) for those
    ranks on that topology, with the machine constants the run recorded and
-   the hosts the topology declares (Topology.host_rate). Each class has its
+   the hosts the topology declares (Topology.host_rate); where collectives
+   were in flight together (DDP's buckets), they share the links in the
+   model too (testbed.report.sharing). Each class has its
    own tolerance: TOLERANCE, or the 95% confidence interval of its mean
    (its instances' spread) with the calibration's spread on the model's
    latency part, whichever is larger. A class off by more than its tolerance
@@ -56,6 +58,7 @@ from testbed.report.checks import (OTHERS_MAX, TOLERANCE, Check, cpu_check, dela
 from testbed.report.instances import (active_window, instances, launches_only, rank_workers, recording_ranks,
                                       relative_ci95)
 from testbed.report.run_constants import run_alpha
+from testbed.report.sharing import LANES, Launch, shared_times
 from testbed.topology.units import format_size
 
 MAX_NOISE = 0.25   # a class whose mean is less certain than this (95% interval, relative) is not judged
@@ -68,7 +71,7 @@ class ClassRow:
     nbytes: int
     count: int
     measured_s: float      # mean instance, emulated time
-    model_s: float
+    model_s: float         # the model, with the collectives in flight beside each instance (sharing.py)
     lo_s: float
     hi_s: float
     error: float           # relative, against model_s (the median ECMP placement)
@@ -80,6 +83,7 @@ class ClassRow:
     tolerance: float = TOLERANCE
     model_noise: float = 0.0   # the model's own uncertainty (alpha's spread on its latency part), relative
     backend: str = "gloo"
+    alone_s: float = 0.0   # the model for one alone on the network (model_s is more where others were in flight)
     status: str = "within"  # "within" | "off" | "undecided" (off by more than TOLERANCE, within its
     #                          uncertainty) | "noisy" (an uncertainty wider than MAX_NOISE)
 
@@ -216,23 +220,32 @@ def model_classes(run: Path, probe: dict[str, list[dict[str, Any]]], summary: di
     if not inst:
         return [], [], constants.describe(), "no complete collective of the job on the whole world was recorded"
     total = sum((i["end"] - i["start"]) / s for xs in inst.values() for i in xs)
-    rows, unjudged = [], []
-    for (op, nbytes, who), xs in sorted(inst.items(), key=lambda kv: -sum(i["end"] - i["start"] for i in kv[1])):
-        times = [(i["end"] - i["start"]) / s for i in xs]
+    alone: dict[tuple, tuple[Any, Any]] = {}   # class -> (the model's prediction, the links' alone)
+    unjudged = []
+    for (op, nbytes, who), xs in inst.items():
         who_workers = [ranks[r] for r in who] if who else ranks
         try:
-            p = predict(topo, plan, op, nbytes, who_workers, constants, backend=backend)
-            links = predict(topo, plan, op, nbytes, who_workers, NETWORK_ONLY, backend=backend, placements=1)
+            alone[(op, nbytes, who)] = (
+                predict(topo, plan, op, nbytes, who_workers, constants, backend=backend),
+                predict(topo, plan, op, nbytes, who_workers, NETWORK_ONLY, backend=backend, placements=1))
         except ModelError as exc:
             unjudged.append(Unjudged(op, nbytes, len(xs), f"the reference model cannot answer: {exc}"))
+    shared = _in_flight_together(inst, alone, s, backend)
+    rows = []
+    for (op, nbytes, who), xs in sorted(inst.items(), key=lambda kv: -sum(i["end"] - i["start"] for i in kv[1])):
+        if (op, nbytes, who) not in alone:
             continue
+        p, links = alone[(op, nbytes, who)]
+        times = [(i["end"] - i["start"]) / s for i in xs]
+        model_s, links_s = (statistics.fmean(v) for v in zip(*shared[(op, nbytes, who)]))
+        grown = model_s / p.time_s if p.time_s > 0 else 1.0   # sharing the links with others in flight
         mean = statistics.fmean(times)   # what a loop of them takes per call, stalls included
         noise = relative_ci95(times)
         # alpha's uncertainty (the burst's, or the calibration's spread) moves the model's latency part
-        model_noise = calibrated.spread * (p.latency_s / p.time_s) if p.time_s > 0 else 0.0
+        model_noise = calibrated.spread * (p.latency_s / model_s) if model_s > 0 else 0.0
         uncertain = math.hypot(noise, model_noise)
         tol = max(TOLERANCE, uncertain)
-        err = mean / p.time_s - 1 if p.time_s > 0 else math.inf
+        err = mean / model_s - 1 if model_s > 0 else math.inf
         # off beyond even a wide tolerance is off; within one wider than MAX_NOISE cannot be told (either
         # side too uncertain); further off than TOLERANCE but within its uncertainty, neither "within
         # TOLERANCE" nor "off" is shown: the verdict never calls a class within that it measured further off
@@ -242,14 +255,35 @@ def model_classes(run: Path, probe: dict[str, list[dict[str, Any]]], summary: di
             status = "noisy"
         else:
             status = "undecided" if abs(err) > TOLERANCE else "within"
-        rows.append(ClassRow(op, nbytes, len(xs), mean, p.time_s, p.lo_s, p.hi_s, err,
+        rows.append(ClassRow(op, nbytes, len(xs), mean, model_s, p.lo_s * grown, p.hi_s * grown, err,
                              sum(times) / total if total > 0 else 0.0, p.bottleneck,
                              (min(i["start"] for i in xs), max(i["end"] for i in xs)),
-                             links_s=links.time_s, noise=noise, tolerance=tol, status=status,
-                             model_noise=model_noise, backend=backend))
+                             links_s=links_s, noise=noise, tolerance=tol, status=status,
+                             model_noise=model_noise, backend=backend, alone_s=p.time_s))
     for (op, nbytes), count in sorted(launches_only(probe).items()):
         unjudged.append(Unjudged(op, nbytes, count, "asynchronous: only its launch was recorded, not its completion"))
     return rows, unjudged, constants.describe(), None if rows else "no recorded collective is modelled"
+
+
+def _in_flight_together(inst: dict[tuple, list[dict[str, Any]]], alone: dict[tuple, tuple[Any, Any]], s: float,
+                        backend: str) -> dict[tuple, list[tuple[float, float]]]:
+    """class -> per instance, (the model's time, the links' time) with the collectives that were in
+    flight beside it sharing the links (testbed.report.sharing); a collective alone keeps its time
+    alone. Only collectives on the whole world share: a pair's send and receive keeps its own."""
+    keys = [(k, i) for k, xs in inst.items() if k in alone for i in xs]
+    out: dict[tuple, list[tuple[float, float]]] = {}
+    world = [(k, i) for k, i in keys if k[2] == ()]
+    per_kind = []
+    for which in (0, 1):   # the model, then the links alone
+        launches = [Launch(i["start"] / s, i["end"] / s, max(0.0, alone[k][which].time_s), str(i.get("group")),
+                           bool(i.get("async"))) for k, i in world]
+        per_kind.append(shared_times(launches, LANES.get(backend, 1)))
+    for n, (k, _) in enumerate(world):
+        out.setdefault(k, []).append((per_kind[0][n], per_kind[1][n]))
+    for k, _ in keys:
+        if k[2] != ():
+            out.setdefault(k, []).append((alone[k][0].time_s, alone[k][1].time_s))
+    return out
 
 
 # -- the CPU, delay-line and queue checks ------------------------------------------------------------------
@@ -420,6 +454,8 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
 def _class_what(r: ClassRow) -> str:
     what = (f"{r.op} {format_size(r.nbytes)} (x{r.count}, {100 * r.share:.0f}% of the time): {r.measured_s * 1e3:.3g} ms, "
             f"{r.measured_s / r.model_s:.2f}x the model's {r.model_s * 1e3:.3g} ms")
+    if r.alone_s > 0 and r.model_s > r.alone_s * 1.005:
+        what += f" ({r.alone_s * 1e3:.3g} ms alone; it shared the links with collectives in flight beside it)"
     if r.bounded:
         what += (f" (median ECMP placement; {'inside' if r.in_bounds else 'outside'} its bounds "
                  f"{r.lo_s * 1e3:.3g}-{r.hi_s * 1e3:.3g} ms)")

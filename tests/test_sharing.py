@@ -1,0 +1,144 @@
+"""Collectives in flight together share the links: testbed.report.sharing (pure), and the verdict
+judging DDP-style buckets that overlap against it."""
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from testbed.report.sharing import Launch, shared_times
+
+MS = 1e-3
+
+
+def _bucket(start, alone, end=None, group="0", asynchronous=True):
+    return Launch(start, start + alone if end is None else end, alone, group, asynchronous)
+
+
+def test_a_collective_alone_keeps_its_time():
+    assert shared_times([_bucket(0.0, 8 * MS)], 2) == [8 * MS]
+    apart = [_bucket(0.0, 8 * MS), _bucket(0.1, 12 * MS)]   # the second launched after the first ended
+    assert shared_times(apart, 2) == [8 * MS, 12 * MS]
+
+
+def test_two_buckets_in_flight_split_the_links():
+    # the seed's two-worker DDP job: 9.06 MiB alone 8.11 ms, 13.5 MiB launched 3.05 ms later, alone 12.0 ms;
+    # the first runs alone 3.05 ms, then both at half rate until it is done, then the second alone
+    first, second = shared_times([_bucket(0.0, 8.11 * MS, end=18 * MS), _bucket(3.05 * MS, 12.0 * MS, end=23 * MS)], 2)
+    assert first == pytest.approx(3.05 * MS + 2 * (8.11 - 3.05) * MS)
+    assert 3.05 * MS + second == pytest.approx((8.11 + 12.0) * MS)   # the links carried both: nothing lost
+
+
+def test_one_lane_runs_them_one_after_another():
+    first, second = shared_times([_bucket(0.0, 8 * MS), _bucket(1 * MS, 12 * MS)], 1)
+    assert first == pytest.approx(8 * MS)
+    assert second == pytest.approx(7 * MS + 12 * MS)   # waited for the lane, then alone
+
+
+def test_a_third_waits_for_one_of_gloos_two_lanes():
+    times = shared_times([_bucket(0.0, 1.0), _bucket(0.0, 1.0), _bucket(0.0, 1.0)], 2)
+    assert times == pytest.approx([2.0, 2.0, 3.0])
+
+
+def test_other_groups_share_the_links_but_not_the_lanes():
+    times = shared_times([_bucket(0.0, 1.0, group="a"), _bucket(0.0, 1.0, group="b")], 1)
+    assert times == pytest.approx([2.0, 2.0])
+
+
+def test_blocking_collectives_the_model_makes_longer_do_not_share():
+    # a loop of blocking all_reduces that ran 5% faster than the model: each launch came after the
+    # last one returned; the model's longer time must not make them overlap (that would move the
+    # model towards the measurement)
+    loop = [Launch(i * 1.0, i * 1.0 + 0.95, 1.0, "0", False) for i in range(4)]
+    assert shared_times(loop, 2) == [1.0] * 4
+
+
+def test_a_blocking_collective_launched_while_buckets_run_shares_with_them():
+    times = shared_times([_bucket(0.0, 1.0, end=2.0), Launch(0.0, 2.0, 1.0, "0", False)], 2)
+    assert times == pytest.approx([2.0, 2.0])
+
+
+def test_an_asynchronous_launch_shares_what_the_model_keeps_in_flight():
+    # measured, the first ended before the second started; the model says it would still be running
+    # (a measurement faster than the model): the model's time counts the sharing it would have had
+    first, second = shared_times([_bucket(0.0, 1.0, end=0.4), _bucket(0.5, 1.0)], 2)
+    assert first == pytest.approx(1.5) and second == pytest.approx(1.5)
+
+
+def test_epoch_seconds_keep_their_precision():
+    base = 1.796e9   # the probe's timestamps are seconds since the epoch
+    first, second = shared_times([_bucket(base, 8.11 * MS), _bucket(base + 3.05 * MS, 12.0 * MS)], 2)
+    assert first == pytest.approx(13.17 * MS, rel=1e-4) and second == pytest.approx(17.06 * MS, rel=1e-4)
+
+
+def test_lanes_must_be_positive():
+    with pytest.raises(ValueError, match="lanes"):
+        shared_times([_bucket(0.0, 1.0)], 0)
+
+
+_launch = st.builds(Launch, st.floats(0, 10), st.floats(0, 20), st.floats(0, 5), st.sampled_from("ab"),
+                    st.booleans())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_launch, max_size=12), st.integers(1, 3))
+def test_never_shorter_than_alone_and_never_longer_than_everything_in_a_row(launches, lanes):
+    times = shared_times(launches, lanes)
+    assert len(times) == len(launches)
+    for x, t in zip(launches, times):
+        assert t >= x.alone - 1e-12
+        # at worst it waited for and shared with every launch before or beside it
+        assert t <= sum(y.alone for y in launches) + max((x2.start for x2 in launches), default=0.0) + 1e-9
+        assert math.isfinite(t)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.001, 5), min_size=1, max_size=8), st.integers(1, 3))
+def test_buckets_launched_together_finish_when_the_links_have_carried_them_all(alones, lanes):
+    times = shared_times([_bucket(0.0, a, end=100.0) for a in alones], lanes)
+    assert max(times) == pytest.approx(sum(alones))   # the links never idle while work is left
+
+
+# -- the verdict on DDP's overlapping buckets ---------------------------------------------------------------
+
+
+def _ddp_run(d, first_s, second_s, offset_s, steps=8, s=4.0):
+    """Two ranks whose DDP launched two buckets per step, the second offset_s after the first (emulated),
+    taking first_s and second_s from launch to completion."""
+    from tests.test_verdict import MACHINE, STAR2
+    from testbed.topology.loader import load_topology_text
+
+    (d / "probe").mkdir(parents=True)
+    (d / "topology.json").write_text(json.dumps(load_topology_text(STAR2, "<t>").to_json()))
+    (d / "summary.json").write_text(json.dumps({"world_size": 2, "time_dilation": {"factor": s, "cap_cpu": True},
+                                                "machine": MACHINE.to_json(), "duration_s": 10}))
+    (d / "monitor.json").write_text(json.dumps({"cores": 2, "cpu": [], "qdiscs": {}, "delay_lines": {}}))
+    for rank in (0, 1):
+        recs = [{"ev": "start", "t": 0.0, "rank": rank, "world_size": 2, "worker": f"w{rank}"}]
+        for i in range(steps):
+            t = 100.0 + i
+            for seq, (nbytes, start, dur) in enumerate(((9 << 20, 0.0, first_s), (13 << 20, offset_s, second_s)), 1):
+                recs.append({"ev": "coll", "op": "all_reduce", "bytes": nbytes, "t": t + start * s, "dur": dur * s,
+                             "async": True, "src": "ddp", "g": "0", "gn": 2, "seq": 2 * i + seq, "be": "gloo"})
+        (d / "probe" / f"rank-{rank}.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    return d
+
+
+def test_overlapping_buckets_are_judged_against_the_links_they_shared(tmp_path):
+    from tests.test_verdict import _model
+    from testbed.report.verdict import judge
+
+    a, b, offset = _model(9 << 20), _model(13 << 20), 0.2 * _model(9 << 20)
+    first, second = shared_times([_bucket(0.0, a, end=1.0), _bucket(offset, b, end=1.0)], 2)
+    assert second > 1.2 * b   # alone, this run would be far off the model
+    v = judge(_ddp_run(tmp_path / "shared", first, second, offset))
+    assert v.status == "faithful", v.lines()
+    rows = {r.nbytes: r for r in v.classes}
+    assert rows[13 << 20].alone_s == pytest.approx(b) and rows[13 << 20].model_s == pytest.approx(second)
+    assert rows[13 << 20].error == pytest.approx(0.0, abs=1e-6)
+
+    # the same buckets each taking their time alone, though in flight together: faster than sharing allows
+    fast = judge(_ddp_run(tmp_path / "fast", a, b, offset))
+    assert fast.status == "not faithful", fast.lines()
+    assert any("it shared the links with collectives in flight beside it" in r for r in fast.reasons), fast.reasons
