@@ -59,11 +59,37 @@ def test_a_blocking_collective_launched_while_buckets_run_shares_with_them():
     assert times == pytest.approx([2.0, 2.0])
 
 
-def test_an_asynchronous_launch_shares_what_the_model_keeps_in_flight():
-    # measured, the first ended before the second started; the model says it would still be running
-    # (a measurement faster than the model): the model's time counts the sharing it would have had
+def test_an_asynchronous_launch_that_ended_before_the_next_is_taken_as_waited_for():
+    # measured, the first ended before the second started, though the model says it would still be
+    # running: in the records that is a job that waited for it, so the two do not share (the stated
+    # limit: a job that went on and whose collective ran fast is judged against its time alone)
     first, second = shared_times([_bucket(0.0, 1.0, end=0.4), _bucket(0.5, 1.0)], 2)
-    assert first == pytest.approx(1.5) and second == pytest.approx(1.5)
+    assert first == pytest.approx(1.0) and second == pytest.approx(1.0)
+
+
+def test_an_asynchronous_collective_waited_for_at_once_is_a_blocking_one():
+    # `all_reduce(async_op=True).wait()` in a loop that ran 5% faster than the model: nothing was
+    # launched while one ran, so the model must not make them overlap (the error would grow along the loop)
+    loop, t = [], 0.0
+    for _ in range(6):
+        loop.append(Launch(t, t + 0.95, 1.0, "0", True))
+        t += 0.95 + 1e-5
+    assert shared_times(loop, 2) == [1.0] * 6
+
+
+def test_what_the_model_keeps_in_flight_longer_shares_with_later_launches():
+    # the first ran fast (0.6 of its 1.0) and the job went on without it; sharing with the second keeps
+    # it in flight in the model until 1.5, so the third, launched at 1.4, shares with it too
+    first, second, third = shared_times([_bucket(0.0, 1.0, end=0.6), _bucket(0.5, 1.0, end=1.1),
+                                         _bucket(1.4, 1.0, end=2.4)], 2)
+    assert first > 1.4 and third > 1.0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_times_that_are_not_finite_are_refused(bad):
+    # a rank's records are hostile input: NaN parses as JSON, and would stall the simulation
+    with pytest.raises(ValueError, match="finite"):
+        shared_times([_bucket(bad, 1.0, end=1.0), _bucket(0.5, 1.0)], 2)
 
 
 def test_epoch_seconds_keep_their_precision():

@@ -64,6 +64,8 @@ def instances(probe: dict[str, list[dict[str, Any]]], world: int, recording: int
             nbytes = int(recs[0].get("bytes") or 0)
         except (KeyError, TypeError, ValueError):
             continue
+        if not (math.isfinite(start) and math.isfinite(end)):   # NaN and inf parse as JSON too
+            continue
         out.setdefault((op, nbytes, ranks), []).append({
             "start": start, "end": end, "skew": start - first, "group": "p2p" if key[0] == "p2p" else key[0],
             "async": any(r.get("async") is True for r in recs)})

@@ -11,7 +11,8 @@ the seed's two-worker DDP job came out at 1.39x and 1.65x that (docs/fidelity.md
 
 Which launches may share comes from how the job launched them, never from the model alone: a
 collective launched asynchronously stays in flight while the job goes on, so whatever the job
-launches before it ends (measured), or before the model says it would end, runs beside it. A
+launches before it ends (measured) runs beside it, and where the run shows the job went on
+without waiting for it, so does whatever it launches before the model says it would end. A
 blocking collective returns before its rank launches the next, so it shares only with the
 asynchronous ones the run shows it launched beside, and blocking collectives on their own never
 overlap, however much longer the model makes them than they ran. Left: inside a group of launches
@@ -21,6 +22,7 @@ asynchronous one launched after it returned (the model would have launched that 
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from typing import Sequence
 # how many collectives of one process group run at once (ProcessGroupGloo's default worker threads;
 # NCCL's one stream per group)
 LANES = {"gloo": 2, "nccl": 1}
+MAX_PASSES = 32   # a report stays bounded whatever the ranks recorded; real runs settle in one or two
 
 
 @dataclass(frozen=True)
@@ -45,20 +48,35 @@ def shared_times(launches: Sequence[Launch], lanes: int) -> list[float]:
     a lane of its group or shared the links with others in flight. Never shorter than alone."""
     if lanes < 1:
         raise ValueError(f"lanes must be at least 1, not {lanes}")
-    out = [x.alone for x in launches]
-    for cluster in _clusters(launches):
-        if len(cluster) > 1:
-            t0 = launches[cluster[0]].start   # times from the cluster's start keep their precision
-            members = [Launch(launches[i].start - t0, launches[i].end - t0, launches[i].alone, launches[i].group,
-                              launches[i].asynchronous) for i in cluster]
-            for i, t in _simulate(members, lanes).items():
-                out[cluster[i]] = max(t, launches[cluster[i]].alone)
-    return out
+    bad = next((x for x in launches if not all(map(math.isfinite, (x.start, x.end, x.alone)))), None)
+    if bad is not None:
+        raise ValueError(f"a launch's times must be finite numbers: {bad}")
+    times = [x.alone for x in launches]
+    for _ in range(MAX_PASSES):   # until the groups that share stop growing (each pass only joins)
+        out = [x.alone for x in launches]
+        for cluster in _clusters(launches, times):
+            if len(cluster) > 1:
+                t0 = launches[cluster[0]].start   # times from the cluster's start keep their precision
+                members = [Launch(launches[i].start - t0, launches[i].end - t0, launches[i].alone,
+                                  launches[i].group, launches[i].asynchronous) for i in cluster]
+                for i, t in _simulate(members, lanes).items():
+                    out[cluster[i]] = max(t, launches[cluster[i]].alone)
+        if out == times:
+            break
+        times = out
+    return times
 
 
-def _clusters(launches: Sequence[Launch]) -> list[list[int]]:
-    """Indices of launches that may have run together, each list in launch order."""
+def _clusters(launches: Sequence[Launch], times: Sequence[float]) -> list[list[int]]:
+    """Indices of launches that may have run together, each list in launch order. times: each
+    launch's model time so far (alone, then shared), for how long the model keeps it in flight.
+
+    The model keeps an asynchronous launch in flight past its measured end only where the run
+    shows the job went on without waiting for it (something else launched before it ended): a job
+    that waits at once (`async_op=True` then `.wait()`) looks in the records like one whose
+    collective ended early, and its loop must not be made to overlap."""
     order = sorted(range(len(launches)), key=lambda i: (launches[i].start, i))
+    starts = [launches[i].start for i in order]
     clusters: list[list[int]] = []
     open_any = open_blocking = -math.inf   # until when an asynchronous member may still run beside a launch
     for i in order:
@@ -70,7 +88,8 @@ def _clusters(launches: Sequence[Launch]) -> list[list[int]]:
             clusters.append([i])
             open_any = open_blocking = -math.inf
         if x.asynchronous:
-            open_any = max(open_any, x.end, x.start + x.alone)
+            went_on = bisect.bisect_left(starts, x.end) > bisect.bisect_right(starts, x.start)
+            open_any = max(open_any, x.end, x.start + times[i] if went_on else x.end)
             open_blocking = max(open_blocking, x.end)
     return clusters
 

@@ -222,7 +222,8 @@ def model_classes(run: Path, probe: dict[str, list[dict[str, Any]]], summary: di
     total = sum((i["end"] - i["start"]) / s for xs in inst.values() for i in xs)
     alone: dict[tuple, tuple[Any, Any]] = {}   # class -> (the model's prediction, the links' alone)
     unjudged = []
-    for (op, nbytes, who), xs in inst.items():
+    by_time = sorted(inst.items(), key=lambda kv: -sum(i["end"] - i["start"] for i in kv[1]))
+    for (op, nbytes, who), xs in by_time:
         who_workers = [ranks[r] for r in who] if who else ranks
         try:
             alone[(op, nbytes, who)] = (
@@ -232,12 +233,13 @@ def model_classes(run: Path, probe: dict[str, list[dict[str, Any]]], summary: di
             unjudged.append(Unjudged(op, nbytes, len(xs), f"the reference model cannot answer: {exc}"))
     shared = _in_flight_together(inst, alone, s, backend)
     rows = []
-    for (op, nbytes, who), xs in sorted(inst.items(), key=lambda kv: -sum(i["end"] - i["start"] for i in kv[1])):
+    for (op, nbytes, who), xs in by_time:
         if (op, nbytes, who) not in alone:
             continue
         p, links = alone[(op, nbytes, who)]
         times = [(i["end"] - i["start"]) / s for i in xs]
-        model_s, links_s = (statistics.fmean(v) for v in zip(*shared[(op, nbytes, who)]))
+        model_s, links_s = (alone_s if all(t == alone_s for t in v) else statistics.fmean(v)
+                            for alone_s, v in zip((p.time_s, links.time_s), zip(*shared[(op, nbytes, who)])))
         grown = model_s / p.time_s if p.time_s > 0 else 1.0   # sharing the links with others in flight
         mean = statistics.fmean(times)   # what a loop of them takes per call, stalls included
         noise = relative_ci95(times)
