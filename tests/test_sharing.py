@@ -3,6 +3,9 @@ judging DDP-style buckets that overlap against it."""
 
 import json
 import math
+import os
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -10,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 from testbed.report.sharing import Launch, shared_times
 
 MS = 1e-3
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _bucket(start, alone, end=None, group="0", asynchronous=True):
@@ -168,3 +172,28 @@ def test_overlapping_buckets_are_judged_against_the_links_they_shared(tmp_path):
     fast = judge(_ddp_run(tmp_path / "fast", a, b, offset))
     assert fast.status == "not faithful", fast.lines()
     assert any("it shared the links with collectives in flight beside it" in r for r in fast.reasons), fast.reasons
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_a_real_ddp_job_s_buckets_are_judged_in_flight_together(testbed, tmp_path):
+    """Two gloo ranks in namespaces of their own, DDP's default buckets (two per step of the MLP) on
+    1 Gbit/s links: the probe records them as asynchronous, they overlap, and the verdict's model
+    has each share the links with the other, never less than its time alone."""
+    from tests.test_verdict import MACHINE
+    from testbed.jobs.run import run
+    from testbed.jobs.target import cluster_from_state
+    from testbed.report.verdict import judge
+    from testbed.topology.loader import load_topology_text
+
+    st = testbed(load_topology_text("name: sh2\ngenerator: star\nparams: {n: 2}\n"
+                                    "tiers:\n  host: {bandwidth: 1gbit}\n", "<test_sharing>"))
+    res = run(cluster_from_state(st["name"]), [sys.executable, str(REPO / "examples" / "train_ddp.py"), "--model",
+                                               "mlp", "--steps", "6"],
+              base_dir=tmp_path, workdir=str(REPO), echo=False, timeout=240, machine=MACHINE)
+    assert res.rc == 0, (Path(res.run_dir) / "logs" / "w0.log").read_text()
+    v = judge(res.run_dir)
+    buckets = [r for r in v.classes if r.count >= 5 and r.op == "all_reduce"]
+    assert len(buckets) == 2, v.to_json()["classes"]
+    assert all(r.model_s >= r.alone_s > 0 for r in v.classes)
+    assert any(r.model_s > 1.2 * r.alone_s for r in buckets), [(r.nbytes, r.model_s, r.alone_s) for r in buckets]
