@@ -36,6 +36,7 @@ BACKEND = "testbed_mirror"   # the wrapped groups' backend name; get_backend say
 _timer = None     # the probe's: _timer(group, tensors) before an all_reduce; what it returns, if not None, gets the work
 _wrapped = None   # the WrappedGroup class, made once torch is imported
 _work = None      # the Work class of a timed all_reduce
+_all_work = None  # the Work class of a coalesced operation done one tensor at a time
 _installed = False
 
 
@@ -115,12 +116,14 @@ def then(work, callback):
 # The methods torch looks up in Python on a Python group (PyProcessGroup's overrides), by their name
 # on ProcessGroup -> on gloo's Backend. Where a group has none of its own, torch runs its own C++
 # method with the GIL held, and a gloo thread that frees a tensor Python still knows takes the GIL
-# while holding gloo's lock: the job deadlocks (seen with the final barrier of a torchrun DDP job).
-# gloo's methods release the GIL. (all_gather_single_coalesced and reduce_scatter_single_coalesced,
-# which gloo's Backend does not offer in Python, keep torch's way: functional collectives only.)
+# while holding gloo's lock: the job deadlocks (seen with the final barrier of a torchrun DDP job,
+# and within a few dozen functional collectives). gloo's methods release the GIL. The two coalesced
+# ones, which gloo's Backend offers in Python only one tensor at a time, are `_each`'s.
 FORWARDED = {"broadcast": "broadcast", "allgather": "allgather", "allreduce_coalesced": "allreduce_coalesced",
              "reduce_scatter": "reduce_scatter", "all_to_all_single": "alltoall_base", "barrier": "barrier",
              "send": "send", "recv": "recv", "shutdown": "shutdown", "abort": "abort"}
+ONE_AT_A_TIME = {"all_gather_single_coalesced": "_allgather_base",
+                 "reduce_scatter_single_coalesced": "_reduce_scatter_base"}
 
 
 def _timed_class(torch, dist):
@@ -138,6 +141,8 @@ def _timed_class(torch, dist):
 
     for name, theirs in FORWARDED.items():
         setattr(TimedGroup, name, _forwarder(name, theirs))
+    for name, theirs in ONE_AT_A_TIME.items():
+        setattr(TimedGroup, name, _each(name, theirs))
     return TimedGroup
 
 
@@ -147,6 +152,44 @@ def _forwarder(name, theirs):
 
     forward.__name__ = name
     return forward
+
+
+def _each(name, theirs):
+    """A coalesced operation as gloo's one-tensor method, pair by pair in order (every rank issues
+    them in the same order, as gloo's own coalesced form does), behind one Work."""
+    def each(self, outputs, inputs, opts=None):
+        one = getattr(self.inner, theirs)
+        works = [one(o, i) if opts is None else one(o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[0] if len(works) == 1 else all_of(works, list(outputs))
+
+    each.__name__ = name
+    return each
+
+
+def all_of(works, outputs):
+    """One Work that is complete when every one of `works` is (gloo's one-tensor Works have no
+    future, and neither has this one; its result is `outputs`)."""
+    from torch._C import _distributed_c10d as C
+
+    global _all_work
+    if _all_work is None:
+        class AllWork(C.Work):
+            def __init__(self, works, outputs):
+                super().__init__()
+                self.works, self.outputs = works, outputs
+
+            def wait(self, timeout=None):
+                return all([w.wait() if timeout is None else w.wait(timeout) for w in self.works])
+
+            def is_completed(self):
+                return all(w.is_completed() for w in self.works)
+
+            def result(self):
+                return self.outputs
+
+        _all_work = AllWork
+
+    return _all_work(works, outputs)
 
 
 def replace(orig, new) -> None:
