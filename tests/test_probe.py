@@ -370,7 +370,7 @@ def test_functional_collectives_on_a_wrapped_group_do_not_deadlock(tmp_path):
     """Functional collectives reach a TimedGroup through torch's Python-group methods for the
     coalesced all_gather and reduce_scatter. Left to torch's C++ fallback they ran with the GIL held
     into gloo while a gloo thread, freeing the last one's tensors under gloo's lock, waited for the
-    GIL: before the fix, 100 rounds hung in 3 of 3 runs (within the first rounds); gloo's own
+    GIL: before the fix, 100 rounds hung in 4 of 4 runs (2026-12-07, the 2-core VM); gloo's own
     one-tensor methods release the GIL."""
     script = tmp_path / "job.py"
     script.write_text(FUNCOL_CODE)
