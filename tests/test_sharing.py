@@ -133,15 +133,16 @@ def test_buckets_launched_together_finish_when_the_links_have_carried_them_all(a
 # -- the verdict on DDP's overlapping buckets ---------------------------------------------------------------
 
 
-def _ddp_run(d, first_s, second_s, offset_s, steps=8, s=4.0):
+def _ddp_run(d, first_s, second_s, offset_s, steps=8, s=4.0, setting=None):
     """Two ranks whose DDP launched two buckets per step, the second offset_s after the first (emulated),
-    taking first_s and second_s from launch to completion."""
+    taking first_s and second_s from launch to completion (setting: the dilation's, "auto" or "fixed")."""
     from tests.test_verdict import MACHINE, STAR2
     from testbed.topology.loader import load_topology_text
 
     (d / "probe").mkdir(parents=True)
     (d / "topology.json").write_text(json.dumps(load_topology_text(STAR2, "<t>").to_json()))
-    (d / "summary.json").write_text(json.dumps({"world_size": 2, "time_dilation": {"factor": s, "cap_cpu": True},
+    (d / "summary.json").write_text(json.dumps({"world_size": 2, "time_dilation": {"factor": s, "cap_cpu": True,
+                                                                                  **({"setting": setting} if setting else {})},
                                                 "machine": MACHINE.to_json(), "duration_s": 10}))
     (d / "monitor.json").write_text(json.dumps({"cores": 2, "cpu": [], "qdiscs": {}, "delay_lines": {}}))
     for rank in (0, 1):
@@ -172,6 +173,26 @@ def test_overlapping_buckets_are_judged_against_the_links_they_shared(tmp_path):
     fast = judge(_ddp_run(tmp_path / "fast", a, b, offset))
     assert fast.status == "not faithful", fast.lines()
     assert any("it shared the links with collectives in flight beside it" in r for r in fast.reasons), fast.reasons
+
+
+def test_buckets_slower_than_the_links_they_shared_are_named_as_running_beside_the_job(tmp_path):
+    """At auto, buckets that shared the links and still ran slower than the model ran while the job
+    computed beside them on the worker's CPU cap (the seed's DDP case): the fix says so, not that a
+    collective's own CPU work is left whatever the dilation."""
+    from tests.test_verdict import _model
+    from testbed.report.verdict import judge
+
+    a, b, offset = _model(9 << 20), _model(13 << 20), 0.2 * _model(9 << 20)
+    first, second = shared_times([_bucket(0.0, a, end=1.0), _bucket(offset, b, end=1.0)], 2)
+    v = judge(_ddp_run(tmp_path / "auto", 1.3 * first, second, offset, setting="auto"))
+    assert v.status == "not faithful", v.lines()
+    assert [f for f in v.fixes if "ran while the job went on" in f] == [v.fixes[0]], v.fixes
+    assert "all_reduce 9 MiB (1.30x)" in v.fixes[0] and "1.5x margin" in v.fixes[0], v.fixes[0]
+    assert not any("their own CPU work" in f for f in v.fixes), v.fixes
+    # a fixed dilation caps each worker at 1/s of a core: not auto's margin, the other fix
+    fixed = judge(_ddp_run(tmp_path / "fixed", 1.3 * first, second, offset, setting="fixed"))
+    assert fixed.status == "not faithful" and not any("ran while the job went on" in f for f in fixed.fixes), \
+        fixed.fixes
 
 
 @pytest.mark.root
