@@ -178,7 +178,8 @@ def test_overlapping_buckets_are_judged_against_the_links_they_shared(tmp_path):
 def test_buckets_slower_than_the_links_they_shared_are_named_as_running_beside_the_job(tmp_path):
     """At auto, buckets that shared the links and still ran slower than the model ran while the job
     computed beside them on the worker's CPU cap (the seed's DDP case): the fix says so, not that a
-    collective's own CPU work is left whatever the dilation."""
+    collective's own CPU work is left whatever the dilation. At a fixed dilation the fix names the
+    cap, which scales with s."""
     from tests.test_verdict import _model
     from testbed.report.verdict import judge
 
@@ -189,10 +190,13 @@ def test_buckets_slower_than_the_links_they_shared_are_named_as_running_beside_t
     assert [f for f in v.fixes if "ran while the job went on" in f] == [v.fixes[0]], v.fixes
     assert "all_reduce 9 MiB (1.30x)" in v.fixes[0] and "1.5x margin" in v.fixes[0], v.fixes[0]
     assert not any("their own CPU work" in f for f in v.fixes), v.fixes
-    # a fixed dilation caps each worker at 1/s of a core: not auto's margin, the other fix
+    # a fixed dilation caps each worker's CPU by s too: not auto's margin; the cap is what to name
     fixed = judge(_ddp_run(tmp_path / "fixed", 1.3 * first, second, offset, setting="fixed"))
     assert fixed.status == "not faithful" and not any("ran while the job went on" in f for f in fixed.fixes), \
         fixed.fixes
+    assert any("at a fixed --time-dilation 4: each worker's CPU was capped at 1/4" in f and "whatever s is" in f
+               and "--time-dilation auto" in f for f in fixed.fixes), fixed.fixes
+    assert not any("their own CPU work" in f for f in fixed.fixes), fixed.fixes
 
 
 @pytest.mark.root
