@@ -1,5 +1,6 @@
 """The probe: injected via PYTHONPATH, lazy, chains to an existing sitecustomize, counts steps."""
 
+import contextlib
 import json
 import os
 import signal
@@ -45,6 +46,11 @@ def _two_ranks(script, env, timeout):
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
         pytest.fail(f"the two ranks did not end within {timeout} s (hung); they said:\n{err[-3000:]}")
+    except BaseException:   # a Ctrl-C, pytest-timeout: the ranks go too
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        raise
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
@@ -302,8 +308,8 @@ local = dist.new_group([0, 1], use_local_synchronization=True); dist.barrier(loc
 dist.destroy_process_group(local)
 try:
     dist.distributed_c10d._resolve_process_group(name); freed = False
-except Exception:   # (RuntimeError: not registered)
-    freed = True
+except RuntimeError as e:
+    freed = "Could not resolve" in str(e) or repr(e)
 with open(f"{os.environ['SAID']}-{r}.json", "w") as f:   # (not stdout: the two ranks' lines would mix)
     json.dump({"group": type(pg).__name__, "name": pg.name(), "backends": [dist.get_backend(), dist.get_backend(sub)],
                "sub": type(sub).__name__, "comm_hook": m._get_ddp_logging_data().get("comm_hook"),

@@ -133,15 +133,17 @@ def test_buckets_launched_together_finish_when_the_links_have_carried_them_all(a
 # -- the verdict on DDP's overlapping buckets ---------------------------------------------------------------
 
 
-def _ddp_run(d, first_s, second_s, offset_s, steps=8, s=4.0, setting=None):
+def _ddp_run(d, first_s, second_s, offset_s, steps=8, s=4.0, setting=None, cap=True, blocking=None):
     """Two ranks whose DDP launched two buckets per step, the second offset_s after the first (emulated),
-    taking first_s and second_s from launch to completion (setting: the dilation's, "auto" or "fixed")."""
+    taking first_s and second_s from launch to completion (setting: the dilation's, "auto" or "fixed";
+    cap: whether it capped the workers' CPUs; blocking: (bytes, seconds) of an all_reduce the job waited
+    for, 0.7 s after each step's buckets began)."""
     from tests.test_verdict import MACHINE, STAR2
     from testbed.topology.loader import load_topology_text
 
     (d / "probe").mkdir(parents=True)
     (d / "topology.json").write_text(json.dumps(load_topology_text(STAR2, "<t>").to_json()))
-    (d / "summary.json").write_text(json.dumps({"world_size": 2, "time_dilation": {"factor": s, "cap_cpu": True,
+    (d / "summary.json").write_text(json.dumps({"world_size": 2, "time_dilation": {"factor": s, "cap_cpu": cap,
                                                                                   **({"setting": setting} if setting else {})},
                                                 "machine": MACHINE.to_json(), "duration_s": 10}))
     (d / "monitor.json").write_text(json.dumps({"cores": 2, "cpu": [], "qdiscs": {}, "delay_lines": {}}))
@@ -152,6 +154,10 @@ def _ddp_run(d, first_s, second_s, offset_s, steps=8, s=4.0, setting=None):
             for seq, (nbytes, start, dur) in enumerate(((9 << 20, 0.0, first_s), (13 << 20, offset_s, second_s)), 1):
                 recs.append({"ev": "coll", "op": "all_reduce", "bytes": nbytes, "t": t + start * s, "dur": dur * s,
                              "async": True, "src": "ddp", "g": "0", "gn": 2, "seq": 2 * i + seq, "be": "gloo"})
+            if blocking is not None:
+                recs.append({"ev": "coll", "op": "all_reduce", "bytes": blocking[0], "t": t + 0.7,
+                             "dur": blocking[1] * s, "async": False, "src": "api", "g": "0", "gn": 2,
+                             "seq": 1000 + i, "be": "gloo"})
         (d / "probe" / f"rank-{rank}.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     return d
 
@@ -197,6 +203,18 @@ def test_buckets_slower_than_the_links_they_shared_are_named_as_running_beside_t
     assert any("at a fixed --time-dilation 4: each worker's CPU was capped at 1/4" in f and "whatever s is" in f
                and "--time-dilation auto" in f for f in fixed.fixes), fixed.fixes
     assert not any("their own CPU work" in f for f in fixed.fixes), fixed.fixes
+
+    # only the classes that shared the links: a slow all_reduce the job waited for gets the other fix
+    c = _model(4 << 20)
+    mixed = judge(_ddp_run(tmp_path / "mixed", 1.3 * first, second, offset, s=2.0, setting="auto",
+                           blocking=(4 << 20, 1.3 * c)))
+    assert mixed.status == "not faithful", mixed.lines()
+    beside = [f for f in mixed.fixes if "ran while the job went on" in f]
+    assert len(beside) == 1 and "all_reduce 9 MiB" in beside[0] and "4 MiB" not in beside[0], mixed.fixes
+    assert any("their own CPU work" in f for f in mixed.fixes), mixed.fixes
+    # auto that did not cap the workers' CPUs: no cap to share, so not this fix
+    uncapped = judge(_ddp_run(tmp_path / "uncapped", 1.3 * first, second, offset, setting="auto", cap=False))
+    assert not any("ran while the job went on" in f for f in uncapped.fixes), uncapped.fixes
 
 
 @pytest.mark.root

@@ -375,14 +375,15 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
     fast = [r for r in off_material if r.error < 0]
     shared_busy = shared is not None and shared.ok is None
     dil = summary.get("time_dilation") or {}
-    beside = [r for r in slow if r.model_s > r.alone_s * (1 + 1e-6)] if dil.get("setting") == "auto" else []
+    margin = _host_margin(run) if dil.get("setting") == "auto" and dil.get("cap_cpu") else None
+    beside = [r for r in slow if _shared(r)] if margin is not None else []
     if beside and cpu.ok is not False and not shared_busy:
-        fixes.append(_ran_beside_the_job(beside))
+        fixes.append(_ran_beside_the_job(beside, margin))
         slow = [r for r in slow if r not in beside]
     if slow and cpu.ok is not False and not shared_busy:
         worst = max(r.measured_s / r.model_s for r in slow)
         if dil.get("cap_cpu") and dil.get("setting") == "fixed":
-            fixes.append(_fixed_cap(summary, s, worst))
+            fixes.append(_fixed_cap(summary, machine, s, worst))
         elif dil.get("cap_cpu") or dil.get("setting") == "auto":
             # auto already hid the host's cost per byte; what is left is CPU work inside the collective
             # (reductions, gloo's copies), which runs at this machine's core speed at any dilation
@@ -459,39 +460,59 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
     return Verdict(status, reasons, fixes, checks, rows, constants, unjudged)
 
 
-def _fixed_cap(summary: dict[str, Any], s: float, worst: float) -> str:
+def _shared(r: ClassRow) -> bool:
+    """Whether the model gave the class more time than alone: collectives were in flight beside it."""
+    return r.alone_s > 0 and r.model_s > r.alone_s * 1.005
+
+
+def _host_margin(run: Path) -> float | None:
+    """auto's margin for the bytes' host work on the run's topology (dilation.HOST_MARGIN for declared
+    hosts); None where there is none (hosts "like this machine": the model charges their cost) or
+    the snapshot does not say (it comes from disk)."""
+    from testbed.topology.dilation import HOST_MARGIN
+    from testbed.topology.reference import host_beta
+
+    topo = rundir.read_json(run / "topology.json")
+    try:
+        declared = host_beta(topo.get("host_rate")) if isinstance(topo, dict) else None
+    except (TypeError, ValueError, ZeroDivisionError):
+        return None
+    return HOST_MARGIN if declared is not None else None
+
+
+def _fixed_cap(summary: dict[str, Any], machine: Any, s: float, worst: float) -> str:
     """The fix for slow classes at a fixed dilation that capped the workers' CPUs: the cap scales with
     s, so each rank's cores for its bytes (and its rate) stay what they are whatever s is (measured on
     the seed's DDP case at s = 9: 1.8-4.1x, docs/fidelity.md)."""
     cores = recorded_rank_cores(summary)
-    beta = (summary.get("machine") or {}).get("beta_s_per_byte")
+    recorded = summary.get("machine") if isinstance(summary.get("machine"), dict) else {}
+    beta = getattr(machine, "beta_s_per_byte", None) if machine is not None else recorded.get("beta_s_per_byte")
     ok = isinstance(beta, (int, float)) and not isinstance(beta, bool) and math.isfinite(beta) and beta > 0
     rate = f", about {cores * 8 / beta / 1e9:.2f} Gbit/s per rank" if ok else ""
     return (f"collectives ran up to {worst:.2f}x the model at a fixed --time-dilation {s:g}: each worker's CPU was "
-            f"capped at 1/{s:g} of its share so that compute slows by {s:g} too, which left each rank {cores:.3g} "
-            f"of this machine's cores in emulated time to move its bytes{rate}, whatever s is: the hosts the model "
-            "was given are not what ran. --time-dilation auto (the default) chooses s and the cap so that the "
-            "bytes have the cores the declared hosts need")
+            f"capped at 1/{s:g} of its cores so that compute slows by {s:g} too, which left each rank {cores:.3g} "
+            f"of this machine's cores in emulated time to move its bytes{rate}, whatever s is. "
+            "--time-dilation auto (the default) chooses s and the cap so that the bytes have the cores the "
+            "declared hosts need")
 
 
-def _ran_beside_the_job(rows: list[ClassRow]) -> str:
-    """The fix for slow classes that ran while the job went on (launched asynchronously: DDP's buckets
-    during backward). Their CPU cap is the worker's, shared with the job's compute; measured on the
-    seed's DDP case in docs/fidelity.md ("Buckets in flight together")."""
-    from testbed.topology.dilation import HOST_MARGIN
-
+def _ran_beside_the_job(rows: list[ClassRow], margin: float) -> str:
+    """The fix for slow classes that had collectives in flight beside them, which only what a job
+    launches asynchronously does (DDP's buckets during backward): if the job computed meanwhile, that
+    compute shared the worker's CPU cap with gloo's threads. Measured on the seed's DDP case in
+    docs/fidelity.md ("Buckets in flight together")."""
     names = ", ".join(f"{r.op} {format_size(r.nbytes)} ({r.measured_s / r.model_s:.2f}x)" for r in rows)
-    return (f"{names} ran while the job went on computing beside it (as DDP's buckets run during backward): "
-            f"here the job's compute and gloo's threads share the worker's CPU cap, which GPU servers do not, "
-            f"and auto left the bytes' host work only a {HOST_MARGIN:g}x margin on that whole cap; a fixed "
-            "--time-dilation slows compute by s as well and does not help. docs/fidelity.md (\"Buckets in flight "
-            "together\") has the measurements")
+    return (f"{names} ran while the job went on beside it (launched asynchronously, as DDP's buckets are during "
+            f"backward): where the job computes meanwhile, its compute and gloo's threads share the worker's CPU "
+            f"cap, which GPU servers do not, and auto left the bytes' host work only a {margin:g}x margin on that "
+            "whole cap; a fixed --time-dilation slows compute by s as well and does not help. docs/fidelity.md "
+            "(\"Buckets in flight together\") has the measurements")
 
 
 def _class_what(r: ClassRow) -> str:
     what = (f"{r.op} {format_size(r.nbytes)} (x{r.count}, {100 * r.share:.0f}% of the time): {r.measured_s * 1e3:.3g} ms, "
             f"{r.measured_s / r.model_s:.2f}x the model's {r.model_s * 1e3:.3g} ms")
-    if r.alone_s > 0 and r.model_s > r.alone_s * 1.005:
+    if _shared(r):
         what += f" ({r.alone_s * 1e3:.3g} ms alone; it shared the links with collectives in flight beside it)"
     if r.bounded:
         what += (f" (median ECMP placement; {'inside' if r.in_bounds else 'outside'} its bounds "

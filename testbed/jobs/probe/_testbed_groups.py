@@ -158,6 +158,8 @@ def _each(name, theirs):
     """A coalesced operation as gloo's one-tensor method, pair by pair in order (every rank issues
     them in the same order, as gloo's own coalesced form does), behind one Work."""
     def each(self, outputs, inputs, opts=None):
+        if len(outputs) != len(inputs):   # (as gloo's own refuses it, before anything is sent)
+            raise ValueError(f"{name}: {len(outputs)} outputs for {len(inputs)} inputs")
         one = getattr(self.inner, theirs)
         works = [one(o, i) if opts is None else one(o, i, opts) for o, i in zip(outputs, inputs)]
         return works[0] if len(works) == 1 else all_of(works, list(outputs))
@@ -167,8 +169,10 @@ def _each(name, theirs):
 
 
 def all_of(works, outputs):
-    """One Work that is complete when every one of `works` is (gloo's one-tensor Works have no
-    future, and neither has this one; its result is `outputs`)."""
+    """One Work that is complete when every one of `works` is; its result is `outputs`, and so is its
+    future's value where each of `works` has a future (gloo's one-tensor reduce_scatter has none,
+    as its own coalesced form has none)."""
+    import torch
     from torch._C import _distributed_c10d as C
 
     global _all_work
@@ -186,6 +190,10 @@ def all_of(works, outputs):
 
             def result(self):
                 return self.outputs
+
+            def get_future(self):
+                outputs = self.outputs
+                return torch.futures.collect_all([w.get_future() for w in self.works]).then(lambda _: outputs)
 
         _all_work = AllWork
 
