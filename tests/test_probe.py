@@ -32,10 +32,15 @@ def _records(tmp_path):
     return {f.name: [json.loads(l) for l in f.read_text().splitlines()] for f in files}
 
 
-def _two_ranks(script, env, timeout):
-    """Runs `script` as ranks 0 and 1 in a network namespace of their own (loopback only). On a
-    timeout both ranks are ended with their shell (a session of their own), not left hanging; the
-    test fails with what they said."""
+def _two_ranks(tmp_path, code, timeout, **extra):
+    """Runs `code` as ranks 0 and 1 under the probe (records in tmp_path/probe; `extra`: more of the
+    ranks' environment) in a network namespace of their own (loopback only). On a timeout both ranks
+    are ended with their shell (a session of their own), not left hanging; the test fails with what
+    they said."""
+    script = tmp_path / "job.py"
+    script.write_text(code)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESTBED_")}
+    env.update({"PYTHONPATH": PROBE_PATH, "TESTBED_PROBE_DIR": str(tmp_path / "probe"), **extra})
     both = (f"ip link set lo up && (RANK=0 {sys.executable} {script} & RANK=1 {sys.executable} {script} & "
             "wait %1 && wait %2)")
     p = subprocess.Popen(["unshare", "-n", "sh", "-c", both], env=env, stdout=subprocess.PIPE,
@@ -224,12 +229,7 @@ dist.destroy_process_group()
 @pytest.mark.parametrize("burst", [3, 0])
 def test_the_latency_burst_runs_on_every_rank_after_init_and_is_not_the_job_s(tmp_path, burst):
     # two gloo ranks in a network namespace of their own (loopback only)
-    script = tmp_path / "job.py"
-    script.write_text(BURST_CODE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TESTBED_")}
-    env.update({"PYTHONPATH": PROBE_PATH, "TESTBED_PROBE_DIR": str(tmp_path / "probe"),
-                "TESTBED_LATENCY_BURST": str(burst)})
-    r = _two_ranks(script, env, timeout=120)
+    r = _two_ranks(tmp_path, BURST_CODE, timeout=120, TESTBED_LATENCY_BURST=str(burst))
     assert r.returncode == 0, r.stderr[-2000:]
     recs = _records(tmp_path)
     assert sorted(recs) == ["rank-0.jsonl", "rank-1.jsonl"]
@@ -327,11 +327,7 @@ def test_every_operation_runs_on_the_wrapped_group_and_ddp_s_buckets_are_timed_w
     group's name and get_backend still say gloo, and DDP keeps its own path (no comm hook) while
     each bucket is recorded once, before its step's record; DDP's all_reduce of its map of used
     parameters (integers) and Join's shadow all_reduces outside backward are not buckets."""
-    script = tmp_path / "job.py"
-    script.write_text(OPS_CODE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TESTBED_")}
-    env.update({"PYTHONPATH": PROBE_PATH, "TESTBED_PROBE_DIR": str(tmp_path / "probe"), "SAID": str(tmp_path / "said")})
-    r = _two_ranks(script, env, timeout=180)
+    r = _two_ranks(tmp_path, OPS_CODE, timeout=180, SAID=str(tmp_path / "said"))
     assert r.returncode == 0, r.stderr[-3000:]
     said = [json.loads((tmp_path / f"said-{rank}.json").read_text()) for rank in (0, 1)]
     assert said == [{"group": "TimedGroup", "name": "gloo", "backends": ["gloo", "gloo"], "sub": "TimedGroup",
@@ -378,11 +374,7 @@ def test_functional_collectives_on_a_wrapped_group_do_not_deadlock(tmp_path):
     into gloo while a gloo thread, freeing the last one's tensors under gloo's lock, waited for the
     GIL: before the fix, 100 rounds hung in 4 of 4 runs (2026-12-07, the 2-core VM); gloo's own
     one-tensor methods release the GIL."""
-    script = tmp_path / "job.py"
-    script.write_text(FUNCOL_CODE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TESTBED_")}
-    env.update({"PYTHONPATH": PROBE_PATH, "TESTBED_PROBE_DIR": str(tmp_path / "probe"), "SAID": str(tmp_path / "said")})
-    r = _two_ranks(script, env, timeout=120)
+    r = _two_ranks(tmp_path, FUNCOL_CODE, timeout=120, SAID=str(tmp_path / "said"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert [json.loads((tmp_path / f"said-{rank}.json").read_text()) for rank in (0, 1)] == [{"group": "TimedGroup"}] * 2
 
