@@ -14,6 +14,23 @@ def test_dilate_scales_bandwidth_and_delay():
     assert (d.loss, d.queue, d.mtu) == (0.01, 100, 9000)
 
 
+@pytest.mark.parametrize("s", [1, 2, 4.8, 8, 34])
+def test_a_default_queue_is_the_declared_links_whatever_s_is(s):
+    """1.5 x the bandwidth-delay product of the link as declared (delay at least 1 ms): sized after
+    dilating, the 1 ms floor would shrink the queue by s, and auto's s would decide the queue."""
+    from testbed.net.shaping import make_plan
+    from types import SimpleNamespace
+
+    caps = SimpleNamespace(netem=False, htb=True, bpf=True, tun=True, latency_floor_s=20e-6)
+    for declared, packets in ((LinkProfile(bandwidth_bps=10**9, delay_s=2e-6), 125),
+                              (LinkProfile(bandwidth_bps=10**10, delay_s=2e-6), 1250),
+                              (LinkProfile(bandwidth_bps=10**9, delay_s=0.005), 625),
+                              (LinkProfile(bandwidth_bps=10**8), 100)):   # QUEUE_FLOOR
+        assert declared.queue_packets() == packets
+        assert dilate(declared, s).queue_packets() == packets
+        assert make_plan(dilate(declared, s), caps).fifo_bytes == packets * 1514
+
+
 def test_dilate_identity_and_unshaped():
     p = LinkProfile(bandwidth_bps=None, delay_s=0.001)
     assert dilate(p, 1) == p

@@ -176,6 +176,10 @@ def test_plan_queue_and_burst():
     assert p.burst == int(10 * 10**9 / 8 * 0.002) and p.fifo_bytes == 1250 * 1514 and p.netem is None
     q = shaping.make_plan(LinkProfile(bandwidth_bps=10**9, queue=50), c)
     assert q.fifo_bytes == 50 * 1514
+    # 1.5 x BDP over 1 ms at 1 Gbit/s: 125 packets, not Linux's 1000 (docs/fidelity.md)
+    assert shaping.make_plan(LinkProfile(bandwidth_bps=10**9), c).fifo_bytes == 125 * 1514
+    # a fifo smaller than one 64 KiB GSO frame would refuse every such frame: it holds one at least
+    assert shaping.make_plan(LinkProfile(bandwidth_bps=10**9, queue=20), c).fifo_bytes == shaping.GSO_MAX + 1514
     n = shaping.make_plan(LinkProfile(bandwidth_bps=10**9, delay_s=0.05, jitter_s=0.01), FakeCaps(netem=True))
     # 1.5 x BDP over 60 ms at 1 Gbit/s = 7500 packets queue, + 5000 in flight
     assert n.netem["limit"] == 7500 + 5000 and n.netem["rate"] == shaping.NETEM_MAX_RATE
@@ -374,7 +378,7 @@ def test_netem_bdp_queue_limit(pair):
     prof = LinkProfile(bandwidth_bps=10**9, delay_s=0.02)
     shaping.apply(pair.ipr_a, "eth0", prof, caps())
     leaf = [q for q in shaping.describe(pair.ipr_a, "eth0")["qdiscs"] if q["kind"] == "netem"]
-    assert leaf and leaf[0]["limit"] == shaping.queue_packets(prof) + shaping.in_flight_packets(prof)
+    assert leaf and leaf[0]["limit"] == prof.queue_packets() + shaping.in_flight_packets(prof)
     assert leaf[0]["limit"] >= 1.5 * 10**9 * 0.02 / (1500 * 8)
     shaping.apply(pair.ipr_a, "eth0", prof.with_changes(queue=100), caps())
     leaf = [q for q in shaping.describe(pair.ipr_a, "eth0")["qdiscs"] if q["kind"] == "netem"]

@@ -148,7 +148,11 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     shared = shared_dir(cluster, run_id)
     # Until the ranks start, whatever fails (or a Ctrl-C) undoes what the run made so far: the
     # exchange folder, the real ranks' CPU cap, the monitor, the logs (the `finally` below).
-    sup = mon = mirror = outbound = inbound = old_term = None
+    sup = mon = mirror = outbound = inbound = old_term = old_int = None
+    # A Ctrl-C (or SIGTERM) seen, kept even when the KeyboardInterrupt it raised is lost: a library
+    # on this thread can swallow it (pyroute2's reply parsing, in the monitor's start, has a bare
+    # `except: pass`), so the run checks this before its ranks start and every second after.
+    signalled = threading.Event()
     logs: dict[str, Any] = {}
     feeds: list[str] = []
     checks: list[str] = []
@@ -160,10 +164,12 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
     failed: BaseException | None = None   # what ended the launcher itself, if anything did
     try:
         if threading.current_thread() is threading.main_thread():   # SIGTERM undoes it all, as Ctrl-C does
-            def _term(signum, frame):
+            def _interrupt(signum, frame):
+                signalled.set()
                 raise KeyboardInterrupt
 
-            old_term = signal.signal(signal.SIGTERM, _term)
+            old_term = signal.signal(signal.SIGTERM, _interrupt)
+            old_int = signal.signal(signal.SIGINT, _interrupt)
         probe_dir = shared / "probe"
         probe_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(shared, 0o755)      # ranks run as root in both runtimes: nobody else needs to write here
@@ -298,7 +304,12 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                 if echo is not None:
                     echo(f"[testbed] monitor not started ({exc}); the verdict will lack CPU and link samples")
 
+        def if_signalled() -> None:
+            if signalled.is_set():
+                raise KeyboardInterrupt
+
         def every_second() -> None:
+            if_signalled()
             milestone[0] = _step_milestones(cluster.name, run_id, steps, milestone[0])
 
         def on_timeout() -> None:
@@ -312,6 +323,7 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                          every_second=every_second, on_timeout=on_timeout)
         mirror = groups_mod.ProbeMirror(probe_dir, [g.name for g in job.groups]).start() \
             if job is not None and probe else None
+        if_signalled()
         try:
             if real is not None and relay_send is not None and relay_listen is not None:
                 if leads_here:
@@ -357,6 +369,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             _ended_by(failed, cluster.name, run_id, rd, summary, not_kept)
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
+        if old_int is not None:
+            signal.signal(signal.SIGINT, old_int)
 
     rc, reason, first_fail = sup.rc, sup.reason, sup.first_fail
     after = counters.snapshot(cluster.name, nodes, cluster.netns_of)

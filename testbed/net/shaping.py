@@ -31,12 +31,15 @@ What gets installed on the egress of an interface for one LinkProfile:
                    (and like netem, which also drops silently).
                    Like netem, a drop drops a whole GSO frame.
     queue          the leaf of 1:1: without netem a bfifo of queue x (mtu+14)
-                   bytes (bytes, so GSO frames count by size); with netem
+                   bytes (bytes, so GSO frames count by size; at least one
+                   64 KiB GSO frame, which a smaller fifo would refuse
+                   every time, stalling its flow); with netem
                    netem's limit (packets) = queue + packets in flight over the
                    delay (netem holds both). queue None sizes it from the
-                   bandwidth-delay product: max(1000, ceil(1.5 x BDP / mtu)),
-                   BDP taken over delay+jitter (at least 1 ms) at the shaped
-                   rate (unshaped: 10 Gbit/s assumed).
+                   bandwidth-delay product (LinkProfile.queue_packets: 1.5 x
+                   BDP over delay+jitter of at least 1 ms, at least 100
+                   packets; unshaped: 10 Gbit/s assumed). A dilated link's
+                   profile comes with its declared link's queue.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from testbed.errors import CapabilityError
 # the latency floor and the delay threshold are the machine's (defined there, re-exported here)
 from testbed.net.capabilities import DEFAULT_FLOOR_S, DELAY_LINE_OVERHEAD_S, delay_threshold, floor_of  # noqa: F401
 from testbed.net.capabilities import turned_off
-from testbed.topology.model import LinkProfile
+from testbed.topology.model import UNSHAPED_RATE_BPS, LinkProfile
 
 # pyroute2 (and testbed.net.lossfilter, which needs it) are imported where a function is given an
 # IPRoute: importing pyroute2's package is ~0.15 s, a quarter of a k=4 `up`, which sends its
@@ -84,8 +87,6 @@ TC_H_ROOT = 0xFFFFFFFF
 ETH_HLEN = 14
 GSO_MAX = 65536
 NETEM_MAX_RATE = 0xFFFFFFFF       # bytes/s in netem's u32 rate field (~34.4 Gbit/s)
-UNSHAPED_RATE_BPS = 10_000_000_000  # queue sizing when a link has no bandwidth
-DEFAULT_QUEUE = 1000
 
 
 # -- what a profile needs ---------------------------------------------------------
@@ -169,16 +170,6 @@ class Plan:
         return (self.rate_Bps is not None, self.netem is not None, self.fifo_bytes is not None, self.bpf_loss > 0)
 
 
-def queue_packets(profile: LinkProfile) -> int:
-    """The bottleneck queue in packets: the profile's, or 1.5 x BDP (at least DEFAULT_QUEUE)."""
-    if profile.queue:
-        return int(profile.queue)
-    rate = profile.bandwidth_bps or UNSHAPED_RATE_BPS
-    rtt_part = max(profile.delay_s + profile.jitter_s, 0.001)
-    bdp_pkts = math.ceil(rate * rtt_part * 1.5 / (profile.mtu * 8) - 1e-6)
-    return max(DEFAULT_QUEUE, bdp_pkts)
-
-
 def in_flight_packets(profile: LinkProfile) -> int:
     """Packets netem holds while they wait out delay+jitter at the link's rate."""
     rate = profile.bandwidth_bps or UNSHAPED_RATE_BPS
@@ -199,13 +190,15 @@ def make_plan(profile: LinkProfile, caps: Any) -> Plan:
             "delay": int(round(profile.delay_s * 1e6)) if want_delay else 0,   # microseconds
             "jitter": int(round(profile.jitter_s * 1e6)) if want_delay else 0,
             "loss": profile.loss * 100.0,                                      # percent
-            "limit": queue_packets(profile) + in_flight_packets(profile),
+            "limit": profile.queue_packets() + in_flight_packets(profile),
         }
         if netem["jitter"]:
             netem["rate"] = NETEM_MAX_RATE  # keeps FIFO order (see the module docstring)
     fifo = None
     if profile.bandwidth_bps and netem is None:
-        fifo = queue_packets(profile) * frame
+        # never below one largest GSO frame: a frame the fifo cannot hold is refused every time it
+        # is sent, and the flow stalls (measured: queue 32 (48 KB) on a 10 Gbit/s link's sender)
+        fifo = max(profile.queue_packets() * frame, GSO_MAX + frame)
     bpf_loss = profile.loss if (profile.loss > 0 and not caps.netem) else 0.0
     return Plan(rate_Bps=rate_Bps or None, burst=burst, quantum=quantum, netem=netem,
                 fifo_bytes=fifo, bpf_loss=bpf_loss, mtu=profile.mtu)

@@ -23,7 +23,11 @@ def dilate(profile: LinkProfile, s: float) -> LinkProfile:
     """The profile a link runs at under dilation factor s (>= 1).
 
     Bandwidth is divided by s (unshaped links stay unshaped: there is no rate to
-    scale), delay and jitter are multiplied by s; loss, queue and MTU are kept.
+    scale), delay and jitter are multiplied by s; loss, queue and MTU are kept. A
+    default queue is sized here, on the link as declared: the same bytes take s
+    times longer to drain at bandwidth/s, the same time once undilated, so the
+    queue is the declared link's whatever s is (sized after dilating, its 1 ms
+    floor would shrink it by s).
     """
     s = float(s)
     if not math.isfinite(s) or s < 1:
@@ -33,7 +37,8 @@ def dilate(profile: LinkProfile, s: float) -> LinkProfile:
     bw = profile.bandwidth_bps
     if bw is not None:
         bw = max(1, int(round(bw / s)))
-    return profile.with_changes(bandwidth_bps=bw, delay_s=profile.delay_s * s, jitter_s=profile.jitter_s * s)
+    return profile.with_changes(bandwidth_bps=bw, delay_s=profile.delay_s * s, jitter_s=profile.jitter_s * s,
+                                queue=profile.queue_packets())
 
 
 # The share of the CPUs the emulated traffic may plan on. 1: beta already holds the kernel's forwarding

@@ -7,6 +7,7 @@ loader, by a generator or by the Mininet importer, and validated once by
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Literal
 
@@ -17,6 +18,13 @@ NODE_KINDS: tuple[str, ...] = ("worker", "switch")
 HOST_RATE_KINDS: tuple[str, ...] = ("network-bound", "this-machine")   # besides a rate in bit/s
 
 DEFAULT_MTU = 1500
+# A link whose profile names no queue gets 1.5 x its bandwidth-delay product, the delay taken as at
+# least 1 ms, and never fewer than QUEUE_FLOOR packets. Not Linux's 1000 packets: at 1 Gbit/s that
+# is 12 ms of queue, the ACKs of the flow one way wait behind the data the other way, and a ring
+# all_reduce across such a link ran 6-7% slow (docs/fidelity.md "A link's default queue").
+QUEUE_FLOOR = 100
+QUEUE_RTT_MIN_S = 0.001
+UNSHAPED_RATE_BPS = 10_000_000_000   # what an unshaped link's queue is sized for
 
 
 @dataclass(frozen=True)
@@ -24,7 +32,7 @@ class LinkProfile:
     """How one direction of a link behaves.
 
     bandwidth_bps None means unshaped (as fast as veth goes). queue None means
-    "size it from the bandwidth-delay product" (the data plane decides).
+    "size it from the bandwidth-delay product" (queue_packets).
     loss is a fraction in [0, 1].
     """
 
@@ -37,6 +45,14 @@ class LinkProfile:
 
     def with_changes(self, **changes: Any) -> "LinkProfile":
         return replace(self, **changes)
+
+    def queue_packets(self) -> int:
+        """The link's queue in packets: its own, or 1.5 x its bandwidth-delay product (QUEUE_FLOOR)."""
+        if self.queue:
+            return int(self.queue)
+        rate = self.bandwidth_bps or UNSHAPED_RATE_BPS
+        rtt_part = max(self.delay_s + self.jitter_s, QUEUE_RTT_MIN_S)
+        return max(QUEUE_FLOOR, math.ceil(rate * rtt_part * 1.5 / (self.mtu * 8) - 1e-6))
 
     def to_json(self) -> dict[str, Any]:
         return {
