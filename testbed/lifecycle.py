@@ -179,19 +179,24 @@ class _Terminated(KeyboardInterrupt):
     pass
 
 
-_signalled: list[int] = []   # TERM/HUP received during this `up`
+_signalled: list[int] = []   # INT/TERM/HUP received during this `up`
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
-    # Raised where the main thread is; where Python swallows it (a weakref callback, a __del__,
-    # an event loop's internals), the flag makes the next checkpoint raise it again.
+    # Raised where the main thread is; where it is swallowed (a weakref callback, a __del__, an
+    # event loop's internals, pyroute2's bare `except: pass` while it parses netlink replies), the
+    # flag makes the next checkpoint raise it again.
     _signalled.append(signum)
-    raise _Terminated(f"signal {signum}")
+    raise _as_raised(signum)
+
+
+def _as_raised(signum: int) -> KeyboardInterrupt:
+    return KeyboardInterrupt() if signum == signal.SIGINT else _Terminated(f"signal {signum}")
 
 
 def _raise_if_signalled() -> None:
     if _signalled:
-        raise _Terminated(f"signal {_signalled[0]}")
+        raise _as_raised(_signalled[0])
 
 
 def _raise_open_files_limit(nodes: int) -> None:
@@ -360,6 +365,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     _signalled.clear()
     old_term = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
     old_hup = signal.signal(signal.SIGHUP, _raise_terminated) if main else None
+    old_ctrl_c = signal.signal(signal.SIGINT, _raise_terminated) if main else None
     builder = Builder(name, topo, plan, caps, record=record, owner_label=owner_label(name), progress=progress,
                       part=part)
     pending = None
@@ -442,6 +448,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         if main:
             signal.signal(signal.SIGTERM, old_term)
             signal.signal(signal.SIGHUP, old_hup)
+            signal.signal(signal.SIGINT, old_ctrl_c)
         held.close()
 
 

@@ -16,16 +16,17 @@ def test_dilate_scales_bandwidth_and_delay():
 
 @pytest.mark.parametrize("s", [1, 2, 4.8, 8, 34])
 def test_a_default_queue_is_the_declared_links_whatever_s_is(s):
-    """1.5 x the bandwidth-delay product of the link as declared (delay at least 1 ms): sized after
-    dilating, the 1 ms floor would shrink the queue by s, and auto's s would decide the queue."""
+    """Sized on the link as declared: after dilating, the round trip's 1 ms floor and the 2.5 ms cap
+    would shrink the queue by s, and auto's s would decide the queue."""
     from testbed.net.shaping import make_plan
     from types import SimpleNamespace
 
     caps = SimpleNamespace(netem=False, htb=True, bpf=True, tun=True, latency_floor_s=20e-6)
-    for declared, packets in ((LinkProfile(bandwidth_bps=10**9, delay_s=2e-6), 125),
-                              (LinkProfile(bandwidth_bps=10**10, delay_s=2e-6), 1250),
-                              (LinkProfile(bandwidth_bps=10**9, delay_s=0.005), 625),
-                              (LinkProfile(bandwidth_bps=10**8), 100)):   # QUEUE_FLOOR
+    for declared, packets in ((LinkProfile(bandwidth_bps=10**9, delay_s=2e-6), 209),       # 2.5 ms of its rate
+                              (LinkProfile(bandwidth_bps=5 * 10**9, delay_s=2e-6), 1000),  # Linux's
+                              (LinkProfile(bandwidth_bps=10**10, delay_s=2e-6), 1250),     # 1.5 x BDP over 1 ms
+                              (LinkProfile(bandwidth_bps=10**9, delay_s=0.005), 1250),     # over the 10 ms round trip
+                              (LinkProfile(bandwidth_bps=10**8), 100)):                    # QUEUE_FLOOR
         assert declared.queue_packets() == packets
         assert dilate(declared, s).queue_packets() == packets
         assert make_plan(dilate(declared, s), caps).fifo_bytes == packets * 1514

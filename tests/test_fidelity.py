@@ -11,7 +11,7 @@ run), so the moment the boot's calibration was taken does not decide the outcome
   (the instances include the warm-up call). Measured here: all_reduce 16-64 MiB within 0.0-2.7%,
   all_gather within 9.6% at a 23% interval, 256 KiB within 11% at 35-44% (2026-12-02, 4 runs);
 - the dumbbell's all_reduce of 16 MiB (what DDP sends, bound by its 1 Gbit/s middle link, on
-  network-bound hosts: the default) is faithful: measured here at -0.5% to +1.4% of the model in
+  network-bound hosts: the default) is faithful: measured here at -0.3% to +1.1% of the model in
   five runs (2026-12-07, auto s=2). It was +5.3% to +6.2% while a link's default queue was 1000
   packets, and CI failed at +11% and +13% (docs/fidelity.md, "A link's default queue").
 The star's all_reduce of 16 MiB at 10 Gbit/s is not asserted faithful: measured -8%, -4% and

@@ -98,6 +98,33 @@ def test_ctrl_c_rolls_back(root, state_dir, tb_name):
     assert_nothing_left(tb_name, state_dir)
 
 
+def test_a_ctrl_c_whose_interrupt_a_library_swallowed_still_rolls_back(root, state_dir, tb_name, monkeypatch):
+    """A real SIGINT while `up` is in the builder, whose KeyboardInterrupt code on the main thread
+    catches and drops (pyroute2's netlink reply parsing has a bare `except: pass`): the next
+    checkpoint raises it again, and `up` rolls back instead of leaving a testbed up."""
+    from testbed.net.builder import Builder
+
+    real = Builder.set_worker_sysctls
+
+    def swallowing(self):
+        try:
+            signal.raise_signal(signal.SIGINT)   # up's handler raises at once, in this thread
+        except KeyboardInterrupt:
+            pass
+        else:
+            pytest.fail("SIGINT did not reach up's handler")
+        return real(self)
+
+    monkeypatch.setattr(Builder, "set_worker_sysctls", swallowing)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lifecycle.up(load_topology("fat-tree"), tb_name)
+    finally:
+        if paths.directory(tb_name).exists():   # (the old code: it came up; take it down)
+            lifecycle.down(tb_name)
+    assert_nothing_left(tb_name, state_dir)
+
+
 def test_sigterm_rolls_back(root, state_dir, tb_name):
     p = subprocess.Popen([sys.executable, "-c", "from testbed.cli import main; main()", "up", "fat-tree",
                           "--name", tb_name], env={**os.environ, "PYTHONPATH": str(REPO),

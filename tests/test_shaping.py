@@ -176,13 +176,13 @@ def test_plan_queue_and_burst():
     assert p.burst == int(10 * 10**9 / 8 * 0.002) and p.fifo_bytes == 1250 * 1514 and p.netem is None
     q = shaping.make_plan(LinkProfile(bandwidth_bps=10**9, queue=50), c)
     assert q.fifo_bytes == 50 * 1514
-    # 1.5 x BDP over 1 ms at 1 Gbit/s: 125 packets, not Linux's 1000 (docs/fidelity.md)
-    assert shaping.make_plan(LinkProfile(bandwidth_bps=10**9), c).fifo_bytes == 125 * 1514
+    # 2.5 ms at 1 Gbit/s: 209 packets, not Linux's 1000 (docs/fidelity.md)
+    assert shaping.make_plan(LinkProfile(bandwidth_bps=10**9), c).fifo_bytes == 209 * 1514
     # a fifo smaller than one 64 KiB GSO frame would refuse every such frame: it holds one at least
     assert shaping.make_plan(LinkProfile(bandwidth_bps=10**9, queue=20), c).fifo_bytes == shaping.GSO_MAX + 1514
     n = shaping.make_plan(LinkProfile(bandwidth_bps=10**9, delay_s=0.05, jitter_s=0.01), FakeCaps(netem=True))
-    # 1.5 x BDP over 60 ms at 1 Gbit/s = 7500 packets queue, + 5000 in flight
-    assert n.netem["limit"] == 7500 + 5000 and n.netem["rate"] == shaping.NETEM_MAX_RATE
+    # 1.5 x BDP over the 120 ms round trip at 1 Gbit/s = 15000 packets queue, + 5000 in flight
+    assert n.netem["limit"] == 15000 + 5000 and n.netem["rate"] == shaping.NETEM_MAX_RATE
     assert n.netem["delay"] == 50000 and n.netem["jitter"] == 10000 and n.fifo_bytes is None
 
 

@@ -36,10 +36,11 @@ What gets installed on the egress of an interface for one LinkProfile:
                    every time, stalling its flow); with netem
                    netem's limit (packets) = queue + packets in flight over the
                    delay (netem holds both). queue None sizes it from the
-                   bandwidth-delay product (LinkProfile.queue_packets: 1.5 x
-                   BDP over delay+jitter of at least 1 ms, at least 100
-                   packets; unshaped: 10 Gbit/s assumed). A dilated link's
-                   profile comes with its declared link's queue.
+                   link (LinkProfile.queue_packets: Linux's 1000 packets,
+                   at most 2.5 ms of the rate, at least 1.5 x the BDP over
+                   the round trip (>= 1 ms) and 100 packets; unshaped: 10
+                   Gbit/s assumed). A dilated link's profile comes with its
+                   declared link's queue.
 """
 
 from __future__ import annotations

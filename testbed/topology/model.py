@@ -18,10 +18,14 @@ NODE_KINDS: tuple[str, ...] = ("worker", "switch")
 HOST_RATE_KINDS: tuple[str, ...] = ("network-bound", "this-machine")   # besides a rate in bit/s
 
 DEFAULT_MTU = 1500
-# A link whose profile names no queue gets 1.5 x its bandwidth-delay product, the delay taken as at
-# least 1 ms, and never fewer than QUEUE_FLOOR packets. Not Linux's 1000 packets: at 1 Gbit/s that
-# is 12 ms of queue, the ACKs of the flow one way wait behind the data the other way, and a ring
-# all_reduce across such a link ran 6-7% slow (docs/fidelity.md "A link's default queue").
+# A link whose profile names no queue gets what a Linux interface queues, 1000 packets, but never
+# more than QUEUE_DRAIN_MAX_S of its rate: at 1 Gbit/s 1000 packets are 12 ms of queue, the ACKs of
+# the flow one way wait behind the data the other way, and a ring all_reduce across the link ran
+# 6-7% slow; 209 packets held it within 1-2% (docs/fidelity.md "A link's default queue"). Never
+# less than 1.5 x its bandwidth-delay product over the round trip across it (twice its delay and
+# jitter, at least 1 ms), nor QUEUE_FLOOR packets.
+LINUX_QUEUE = 1000
+QUEUE_DRAIN_MAX_S = 0.0025
 QUEUE_FLOOR = 100
 QUEUE_RTT_MIN_S = 0.001
 UNSHAPED_RATE_BPS = 10_000_000_000   # what an unshaped link's queue is sized for
@@ -47,12 +51,13 @@ class LinkProfile:
         return replace(self, **changes)
 
     def queue_packets(self) -> int:
-        """The link's queue in packets: its own, or 1.5 x its bandwidth-delay product (QUEUE_FLOOR)."""
+        """The link's queue in packets: its own, or the default (LINUX_QUEUE, at most QUEUE_DRAIN_MAX_S)."""
         if self.queue:
             return int(self.queue)
-        rate = self.bandwidth_bps or UNSHAPED_RATE_BPS
-        rtt_part = max(self.delay_s + self.jitter_s, QUEUE_RTT_MIN_S)
-        return max(QUEUE_FLOOR, math.ceil(rate * rtt_part * 1.5 / (self.mtu * 8) - 1e-6))
+        rate, frame_bits = self.bandwidth_bps or UNSHAPED_RATE_BPS, self.mtu * 8
+        rtt = max(2 * (self.delay_s + self.jitter_s), QUEUE_RTT_MIN_S)
+        bdp = math.ceil(rate * rtt * 1.5 / frame_bits - 1e-6)
+        return max(QUEUE_FLOOR, bdp, min(LINUX_QUEUE, math.ceil(rate * QUEUE_DRAIN_MAX_S / frame_bits - 1e-6)))
 
     def to_json(self) -> dict[str, Any]:
         return {
