@@ -365,7 +365,9 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
     _signalled.clear()
     old_term = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
     old_hup = signal.signal(signal.SIGHUP, _raise_terminated) if main else None
-    old_ctrl_c = signal.signal(signal.SIGINT, _raise_terminated) if main else None
+    # (a Ctrl-C this process was started to ignore stays ignored)
+    ctrl_c = main and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    old_ctrl_c = signal.signal(signal.SIGINT, _raise_terminated) if ctrl_c else None
     builder = Builder(name, topo, plan, caps, record=record, owner_label=owner_label(name), progress=progress,
                       part=part)
     pending = None
@@ -432,23 +434,22 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
                     links=len(topo.links))
         return st
     except BaseException:
-        if main:   # a second Ctrl-C or TERM must not stop the rollback
-            old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if main:   # a second Ctrl-C or TERM must not stop the rollback (restored in the `finally`)
+            old_ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        try:
-            if pending is not None:
-                with suppress(Exception):
-                    pending.abort()
-            remove_recorded(st)   # what it cannot remove stays recorded for `cleanup`
-        finally:
-            if main:
-                signal.signal(signal.SIGINT, old_int)
+            old_ctrl_c = old_ctrl_c if ctrl_c else old_ignored
+        if pending is not None:
+            with suppress(Exception):
+                pending.abort()
+        remove_recorded(st)   # what it cannot remove stays recorded for `cleanup`
         raise
     finally:
         if main:
             signal.signal(signal.SIGTERM, old_term)
             signal.signal(signal.SIGHUP, old_hup)
-            signal.signal(signal.SIGINT, old_ctrl_c)
+            if old_ctrl_c is not None:
+                signal.signal(signal.SIGINT, old_ctrl_c)
+        _signalled.clear()   # a later `up` in this process starts clean
         held.close()
 
 

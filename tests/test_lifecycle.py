@@ -123,6 +123,8 @@ def test_a_ctrl_c_whose_interrupt_a_library_swallowed_still_rolls_back(root, sta
         if paths.directory(tb_name).exists():   # (the old code: it came up; take it down)
             lifecycle.down(tb_name)
     assert_nothing_left(tb_name, state_dir)
+    assert not lifecycle._signalled, "a later up in this process would stop at its first checkpoint"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_sigterm_rolls_back(root, state_dir, tb_name):

@@ -115,7 +115,8 @@ def _apply_profiles(h: Handle, i: int, new_ab: LinkProfile, new_ba: LinkProfile)
         if under and p.delay_s > 0:
             from testbed.net.tunnels import netem_delay_for
 
-            p = p.with_changes(delay_s=netem_delay_for(p.delay_s, float(under)))
+            # (the queue is the whole link's, sized before the underlay's share of the delay is cut)
+            p = p.with_changes(queue=p.queue_packets(), delay_s=netem_delay_for(p.delay_s, float(under)))
         return p
 
     for node, ifname, old, new in ((link.a, rec["ifnames"][0], old_ab, new_ab),

@@ -169,7 +169,8 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
                 raise KeyboardInterrupt
 
             old_term = signal.signal(signal.SIGTERM, _interrupt)
-            old_int = signal.signal(signal.SIGINT, _interrupt)
+            if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:   # (one started to ignore it does)
+                old_int = signal.signal(signal.SIGINT, _interrupt)
         probe_dir = shared / "probe"
         probe_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(shared, 0o755)      # ranks run as root in both runtimes: nobody else needs to write here
@@ -343,6 +344,11 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         failed = exc
         raise
     finally:
+        # the handlers back first: a Ctrl-C during the cleanup below is the caller's, as it was
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+        if old_int is not None:
+            signal.signal(signal.SIGINT, old_int)
         if sup is not None:
             sup.reap()
         for f in logs.values() if sup is None else ():
@@ -367,10 +373,6 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
         _into_run_dir(not_kept, "the probe's records", lambda: collect_probe(rd, shared))
         if failed is not None and announced:
             _ended_by(failed, cluster.name, run_id, rd, summary, not_kept)
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
-        if old_int is not None:
-            signal.signal(signal.SIGINT, old_int)
 
     rc, reason, first_fail = sup.rc, sup.reason, sup.first_fail
     after = counters.snapshot(cluster.name, nodes, cluster.netns_of)

@@ -448,7 +448,8 @@ class Builder:
             return profile
         from testbed.net.tunnels import netem_delay_for
 
-        return profile.with_changes(delay_s=netem_delay_for(profile.delay_s, under))
+        # (the queue is the whole link's, sized before the underlay's share of the delay is cut)
+        return profile.with_changes(queue=profile.queue_packets(), delay_s=netem_delay_for(profile.delay_s, under))
 
     def _batch_in(self, home: Any, node: str) -> rtnl.Batch:
         """A request batch bound to `node`'s namespace (its socket made there, then back home)."""

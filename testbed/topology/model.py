@@ -36,7 +36,7 @@ class LinkProfile:
     """How one direction of a link behaves.
 
     bandwidth_bps None means unshaped (as fast as veth goes). queue None means
-    "size it from the bandwidth-delay product" (queue_packets).
+    "the default for this link" (queue_packets).
     loss is a fraction in [0, 1].
     """
 
@@ -51,7 +51,8 @@ class LinkProfile:
         return replace(self, **changes)
 
     def queue_packets(self) -> int:
-        """The link's queue in packets: its own, or the default (LINUX_QUEUE, at most QUEUE_DRAIN_MAX_S)."""
+        """The link's queue in packets: its own, or the default: LINUX_QUEUE, at most QUEUE_DRAIN_MAX_S
+        of the rate, at least 1.5 x the bandwidth-delay product over the round trip and QUEUE_FLOOR."""
         if self.queue:
             return int(self.queue)
         rate, frame_bits = self.bandwidth_bps or UNSHAPED_RATE_BPS, self.mtu * 8
