@@ -527,11 +527,12 @@ def test_cli_no_such_testbed(state_dir):
 STAR = ["params.n=3", "tiers.host.bandwidth=100mbit", "tiers.host.delay=0"]
 
 
-def _star(testbed, dilation="none"):
+def _star(testbed, dilation="none", queue=None):
     from testbed.topology.loader import load_topology
 
     name = f"tp{uuid.uuid4().hex[:6]}"
-    testbed(load_topology("star", STAR), name, time_dilation=dilation)
+    testbed(load_topology("star", STAR + ([f"tiers.host.queue={queue}"] if queue else [])), name,
+            time_dilation=dilation)
     return name
 
 
@@ -616,8 +617,11 @@ def _once(name: str, *extra: str, cwd: Path | None = None) -> dict:
 @pytest.mark.skipif(not IS_ROOT, reason="needs root (namespaces, tc)")
 def test_once_json_sees_the_flows(testbed):
     """Two flows into w1 through a 100 Mbit/s star: s0->w1 is the bottleneck (full, with a queue),
-    its rate is what the two receivers got (within 3%: see the measurements below)."""
-    name = _star(testbed)
+    its rate is what the two receivers got (within 3%: see the measurements below). The queue is
+    1000 packets (121 ms at 100 Mbit/s), so that nothing is dropped and what goes into s0 leaves it:
+    the default at 100 Mbit/s is 100 packets, which the two flows overflow (into over out 1.096 in
+    `make test`, 2026-12-07)."""
+    name = _star(testbed, queue=1000)
     flows = Flows(name, [("w0", "w1"), ("w2", "w1")], secs=5)
     try:
         flows.flowing()   # then top's own interval (1 s) samples flows already going (was: 1.5 s)
