@@ -504,9 +504,12 @@ def _cap_bound(r: ClassRow, world: int, beta: float, cores: float) -> bool:
     return host_s * HOST_MARGIN > r.links_s
 
 
+def _named(rows: list[ClassRow]) -> str:
+    return ", ".join(f"{r.op} {format_size(r.nbytes)} ({r.measured_s / r.model_s:.2f}x)" for r in rows)
+
+
 def _not_the_cap(rows: list[ClassRow], s: float) -> str:
-    names = ", ".join(f"{r.op} {format_size(r.nbytes)} ({r.measured_s / r.model_s:.2f}x)" for r in rows)
-    return (f"{names} ran slow at a fixed --time-dilation {s:g}, though the cores the CPU cap left each rank move "
+    return (f"{_named(rows)} ran slow at a fixed --time-dilation {s:g}, though the cores the CPU cap left each rank move "
             "its bytes well within the links' time: not the cap, and not this machine's cost per byte. "
             "docs/fidelity.md says what the emulation and the model do not capture")
 
@@ -529,8 +532,7 @@ def _ran_beside_the_job(rows: list[ClassRow], margin: float) -> str:
     launches asynchronously does (DDP's buckets during backward): if the job computed meanwhile, that
     compute shared the worker's CPU cap with gloo's threads. Measured on the seed's DDP case in
     docs/fidelity.md ("Buckets in flight together")."""
-    names = ", ".join(f"{r.op} {format_size(r.nbytes)} ({r.measured_s / r.model_s:.2f}x)" for r in rows)
-    return (f"{names} ran while the job went on beside it (launched asynchronously, as DDP's buckets are during "
+    return (f"{_named(rows)} ran while the job went on beside it (launched asynchronously, as DDP's buckets are during "
             f"backward): where the job computes meanwhile, its compute and gloo's threads share the worker's CPU "
             f"cap, which GPU servers do not, and auto left the bytes' host work only a {margin:g}x margin on that "
             "whole cap; a fixed --time-dilation slows compute by s as well and does not help. docs/fidelity.md "
