@@ -65,13 +65,13 @@ def on_host(emu, host: str, *argv: str, check: bool = True):
         ctl.close()
 
 
-def up_line(emu, prefix: str) -> Iterator[str]:
-    """The pinned two-sides testbed over both hosts, named PREFIX + 6 hex digits; down afterwards,
-    and no namespace of it left on either host."""
+def up_line(emu, prefix: str, topology: Path = TOPOLOGY) -> Iterator[str]:
+    """The pinned two-sides testbed (`topology`: TOPOLOGY or a variant of it with the same nodes) over
+    both hosts, named PREFIX + 6 hex digits; down afterwards, and no namespace of it left on either host."""
     from testbed.cluster import controller
 
     name = f"{prefix}{uuid.uuid4().hex[:6]}"
-    tb("up", str(TOPOLOGY), "--name", name, "--hosts", str(emu.hosts_file), "--known-hosts", str(emu.known_hosts),
+    tb("up", str(topology), "--name", name, "--hosts", str(emu.hosts_file), "--known-hosts", str(emu.known_hosts),
        "--time-dilation", "none", *PINS)
     try:
         yield name

@@ -258,9 +258,18 @@ def emu(tmp_path_factory, emulated_options) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def line(request, emu) -> Iterator[str]:
-    """The name of topologies/two-sides.yaml up over the module's two hosts, pinned so that s0-s1
-    crosses them (cluster_hosts.up_line), named after the module; down after its last test."""
+def line_topology() -> Path:
+    """The topology `line` brings up: topologies/two-sides.yaml; a module that needs a variant of it
+    (the same nodes and pins) overrides this fixture."""
+    from cluster_hosts import TOPOLOGY
+
+    return TOPOLOGY
+
+
+@pytest.fixture(scope="module")
+def line(request, emu, line_topology) -> Iterator[str]:
+    """The name of `line_topology` up over the module's two hosts, pinned so that s0-s1 crosses them
+    (cluster_hosts.up_line), named after the module; down after its last test."""
     from cluster_hosts import up_line
 
-    yield from up_line(emu, request.module.__name__.removeprefix("test_").removeprefix("cluster_")[:4])
+    yield from up_line(emu, request.module.__name__.removeprefix("test_").removeprefix("cluster_")[:4], line_topology)
