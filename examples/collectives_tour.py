@@ -10,6 +10,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 
 def main() -> int:
@@ -47,6 +48,18 @@ def main() -> int:
     a2a = torch.empty(world * 32)
     dist.all_to_all_single(a2a, torch.arange(world * 32, dtype=torch.float32))
     dist.barrier()
+    # functional collectives (DTensor, FSDP2, tensor parallelism): the group found by its name
+    pg = dist.group.WORLD
+    g = funcol.all_gather_tensor(torch.full((8,), float(rank)), 0, pg)
+    check("funcol all_gather_tensor", g.shape == (world * 8,) and g[0].item() == 0.0)
+    r = funcol.reduce_scatter_tensor(torch.ones(world * 8), "sum", 0, pg)
+    check("funcol reduce_scatter_tensor", r.shape == (8,))
+    s = funcol.all_reduce(torch.full((16,), 2.0), "max", pg)
+    check("funcol all_reduce", s.shape == (16,))
+    x = funcol.all_to_all_single(torch.arange(world * 4, dtype=torch.float32), None, None, pg)
+    check("funcol all_to_all_single", x.shape == (world * 4,))
+    y = funcol.broadcast(torch.full((32,), float(rank)), world - 1, pg)
+    check("funcol broadcast", y.shape == (32,))
     low = dist.new_group([0, 1])                            # with the real rank
     high = dist.new_group([r for r in range(1, world)])     # without it: phantoms among themselves
     if rank in (0, 1):

@@ -158,14 +158,20 @@ def _each(name, theirs):
     """A coalesced operation as gloo's one-tensor method, pair by pair in order (every rank issues
     them in the same order, as gloo's own coalesced form does), behind one Work."""
     def each(self, outputs, inputs, opts=None):
-        if len(outputs) != len(inputs):   # (as gloo's own refuses it, before anything is sent)
-            raise ValueError(f"{name}: {len(outputs)} outputs for {len(inputs)} inputs")
+        same_length(name, outputs, inputs)
         one = getattr(self.inner, theirs)
         works = [one(o, i) if opts is None else one(o, i, opts) for o, i in zip(outputs, inputs)]
         return works[0] if len(works) == 1 else all_of(works, list(outputs))
 
     each.__name__ = name
     return each
+
+
+def same_length(name: str, outputs, inputs) -> None:
+    """A coalesced operation's pairs: refused before anything is sent (or announced), as gloo's own
+    coalesced form refuses them."""
+    if len(outputs) != len(inputs):
+        raise ValueError(f"{name}: {len(outputs)} outputs for {len(inputs)} inputs")
 
 
 def all_of(works, outputs):

@@ -325,6 +325,20 @@ def _make_group_class(dist, WrappedGroup):
             self._say("reduce_scatter_single", dtype=_dtype([output]), n=[int(output.numel())], red=_red(opts))
             return self.inner._reduce_scatter_base(output, input, opts)
 
+        # functional collectives (DTensor, FSDP2, tensor parallelism) look these up first: each pair
+        # is announced and run as its one-tensor form, in order, as TimedGroup runs them (their
+        # coalesced forms, funcol's *_coalesced, reach no Python method and fail with torch's "No
+        # backend type associated with device type cpu")
+        def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+            groups.same_length("all_gather_single_coalesced", outputs, inputs)
+            works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
+            return works[0] if len(works) == 1 else groups.all_of(works, list(outputs))
+
+        def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+            groups.same_length("reduce_scatter_single_coalesced", outputs, inputs)
+            works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+            return works[0] if len(works) == 1 else groups.all_of(works, list(outputs))
+
         def reduce(self, tensors, opts=None):
             opts = opts or C.ReduceOptions()
             self._say("reduce", dtype=_dtype(tensors), n=_counts(tensors), root=opts.rootRank, data=_data(tensors),
