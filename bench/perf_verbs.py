@@ -224,9 +224,12 @@ class Sweep:
             self.kept_sizes = {k: {**{x: v for x, v in info.items() if x.startswith("mininet")},
                                    "mininet_timeout_s": (old.get("config") or {}).get("timeout_per_size_s")}
                                for k, info in (old.get("sizes") or {}).items()}
-            self.doc["config"]["mininet_from"] = old.get("started")
-            self.doc["notes"].append(f"Mininet rows kept from the sweep of {old.get('started')} "
-                                     f"({old.get('command')}); testbed measured again in this one")
+            # (kept rows may be kept ones already: they name the sweep that measured them)
+            cfg = old.get("config") or {}
+            self.doc["config"]["mininet_from"] = cfg.get("mininet_from") or old.get("started")
+            self.doc["config"]["mininet_command"] = cfg.get("mininet_command") or old.get("command")
+            self.doc["notes"].append(f"Mininet rows kept from the sweep of {self.doc['config']['mininet_from']} "
+                                     f"({self.doc['config']['mininet_command']}); testbed measured again in this one")
             self.mn_skip = "--keep-mininet"
 
     def save(self) -> None:
