@@ -46,6 +46,7 @@ def test_alpha_and_delay_make_the_latency_term():
     # 2(n-1) steps, each alpha + a round trip over two hops of 5 us (gloo: ready notice, then data)
     assert p.time_s == pytest.approx(6 * (100e-6 + 2 * 10e-6), rel=1e-3)
     assert p.latency_s == pytest.approx(6 * (100e-6 + 2 * 10e-6), abs=1e-7) and p.bandwidth_s < 1e-7
+    assert p.delay_s == pytest.approx(6 * 2 * 10e-6) and p.software_s == pytest.approx(6 * 100e-6, abs=1e-7)
     nccl = predict(t, plan, "all_reduce", 0, t.workers, c, backend="nccl")
     assert nccl.time_s == pytest.approx(6 * (100e-6 + 10e-6))   # NCCL's receivers post ahead: one way
     assert predict(t, plan, "all_reduce", 0, t.workers, c).time_s == 0   # gloo returns at once
@@ -64,6 +65,7 @@ def test_gloo_sends_no_message_for_an_empty_segment(n, nbytes, messages):
     p = predict(t, plan, "all_reduce", nbytes, t.workers, c)
     delays = 2 * (n - 1) * 2 * 10e-6          # the data still crosses every hop in turn
     assert p.latency_s == pytest.approx(messages * 100e-6 + delays)
+    assert p.delay_s == pytest.approx(delays) and p.software_s == pytest.approx(messages * 100e-6)
     assert cost_terms("all_reduce", nbytes, n)[0] == pytest.approx(messages)
 
 
@@ -131,6 +133,7 @@ def test_dumbbell_bottleneck():
     # one ring flow crosses the core in each direction: it runs at 1G
     assert p.bandwidth_s == pytest.approx(6 * (S / 4) / (1e9 / 8 * G))
     assert p.latency_s == pytest.approx(6 * 2 * 1e-3)   # a round trip across the core, each step
+    assert p.delay_s == pytest.approx(p.latency_s) and p.software_s == pytest.approx(0, abs=1e-12)   # (no alpha)
     assert "s0->s1" in p.bottleneck or "s1->s0" in p.bottleneck
     # two flows across the core in the same direction share it
     x = predict(t, plan, "send_recv", S, ["w0", "w2"], NETWORK_ONLY)

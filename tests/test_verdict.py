@@ -472,6 +472,24 @@ def test_a_class_faster_than_the_model_is_named_with_where_the_emulation_is_opti
     assert "all_reduce 16 MiB ran faster than the model" in text and "where the emulation is optimistic" in text, text
 
 
+def test_alphas_spread_does_not_make_a_links_declared_delay_uncertain(tmp_path):
+    """A small all_reduce across links of 5 ms, 3% over its model, alpha known to +-40%: the model is
+    nearly all the links' delay, which the topology declares exactly, so the class is judged (within),
+    not left too uncertain (it was: the spread moved the delays too, model +-40%)."""
+    wan = STAR2.replace("delay: 0s", "delay: 5ms")
+    topo = load_topology_text(wan, "<t>")
+    p = predict(topo, plan_network(topo), "all_reduce", 64, ["w0", "w1"], for_hosts(MACHINE, None))
+    assert p.delay_s > 0.9 * p.latency_s > 0
+    run = _write_run(tmp_path, [p.time_s * f for f in (1.02, 1.04, 1.03, 1.03, 1.02, 1.04)], s=4, nbytes=64,
+                     monitor=QUIET, topo_text=wan)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["machine"]["spread"] = 0.40
+    (run / "summary.json").write_text(json.dumps(summary))
+    c = judge(run).classes[0]
+    assert c.model_noise == pytest.approx(0.40 * p.software_s / p.time_s) and c.model_noise < 0.05, c
+    assert c.status == "within" and c.error == pytest.approx(0.03, abs=0.005), c
+
+
 def test_a_class_far_off_is_off_however_uncertain_the_model(tmp_path):
     """3x the model with alpha known to +-40%: off (NOT FAITHFUL), not too uncertain to judge."""
     m = _model(64)

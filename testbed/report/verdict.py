@@ -243,8 +243,9 @@ def model_classes(run: Path, probe: dict[str, list[dict[str, Any]]], summary: di
         grown = model_s / p.time_s if p.time_s > 0 else 1.0   # sharing the links with others in flight
         mean = statistics.fmean(times)   # what a loop of them takes per call, stalls included
         noise = relative_ci95(times)
-        # alpha's uncertainty (the burst's, or the calibration's spread) moves the model's latency part
-        model_noise = calibrated.spread * (p.latency_s / model_s) if model_s > 0 else 0.0
+        # alpha's uncertainty (the burst's, or the calibration's spread) moves alpha's part of the model,
+        # not the links' declared delays (a WAN's 5 ms is what the topology says, exactly)
+        model_noise = calibrated.spread * (p.software_s / model_s) if model_s > 0 else 0.0
         uncertain = math.hypot(noise, model_noise)
         tol = max(TOLERANCE, uncertain)
         err = mean / model_s - 1 if model_s > 0 else math.inf

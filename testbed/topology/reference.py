@@ -216,6 +216,12 @@ class Prediction:
     bottleneck: str          # what limits the slowest flow of the heaviest phase
     placements: str          # "single path", "all N placements", "N sampled of M"
     constants: MachineConstants
+    delay_s: float = 0.0     # the path delays in latency_s: the links' declared delays, exact (the rest is alpha's)
+
+    @property
+    def software_s(self) -> float:
+        """alpha's part of latency_s: what the constants' uncertainty moves."""
+        return max(0.0, self.latency_s - self.delay_s)
 
     @property
     def bounded(self) -> bool:
@@ -423,9 +429,10 @@ def _link_name(link: tuple[str, str]) -> str:
 
 
 def _phase_time(phase: Phase, routes: Sequence[tuple[tuple[str, str], ...]], net: _Net, alpha: float, beta: float,
-                trips: int) -> tuple[float, float, float, str]:
-    """(time, latency part, bandwidth part, bottleneck) of one repetition of a phase; a message
-    crosses its path `trips` times before its data is in (gloo: 2, see PATH_TRIPS)."""
+                trips: int) -> tuple[float, float, float, float, str]:
+    """(time, latency part, bandwidth part, the path delays in the latency part, bottleneck) of one
+    repetition of a phase; a message crosses its path `trips` times before its data is in (gloo: 2,
+    see PATH_TRIPS)."""
     flows = phase.flows
     net_rates = max_min_rates(routes, net.capacity)
     sending: dict[int, int] = {}
@@ -460,8 +467,8 @@ def _phase_time(phase: Phase, routes: Sequence[tuple[tuple[str, str], ...]], net
         # segment's transfer (docs/fidelity.md, "gloo's two segments in flight")
         k, a = phase.segments, alpha / 2
         step = max(bw_of + a, k * a + bw_of / k)
-        return lat_of + step, lat_of + step - bw_of, bw_of, why
-    return software + slowest, software + lat_of, bw_of, why
+        return lat_of + step, lat_of + step - bw_of, bw_of, lat_of, why
+    return software + slowest, software + lat_of, bw_of, lat_of, why
 
 
 def predict(topo: Topology, plan: NetworkPlan, op: str, nbytes: int, rank_workers: Sequence[str],
@@ -484,23 +491,24 @@ def predict(topo: Topology, plan: NetworkPlan, op: str, nbytes: int, rank_worker
     free = [pair for pair in pairs if len(options[pair]) > 1]
     total = math.prod(len(options[p]) for p in free) if free else 1
 
-    cache: dict[tuple, tuple[float, float, float, str]] = {}
+    cache: dict[tuple, tuple[float, float, float, str, float]] = {}
 
-    def evaluate(choice: dict[tuple[str, str], int]) -> tuple[float, float, float, str]:
+    def evaluate(choice: dict[tuple[str, str], int]) -> tuple[float, float, float, str, float]:
         key = tuple(choice.get(p, 0) for p in free)
         if key not in cache:
-            t_all = lat = bw = 0.0
+            t_all = lat = bw = delays = 0.0
             worst_phase = (-1.0, "nothing")
             for p in ph:
                 routes = [options[(rank_workers[f.src], rank_workers[f.dst])]
                           [choice.get((rank_workers[f.src], rank_workers[f.dst]), 0)] for f in p.flows]
-                t, l_, b, why = _phase_time(p, routes, net, alpha, beta, PATH_TRIPS[backend])
+                t, l_, b, d, why = _phase_time(p, routes, net, alpha, beta, PATH_TRIPS[backend])
                 t_all += t * p.count
                 lat += l_ * p.count
                 bw += b * p.count
+                delays += d * p.count
                 if b * p.count > worst_phase[0]:
                     worst_phase = (b * p.count, why)
-            cache[key] = (t_all, lat, bw, worst_phase[1])
+            cache[key] = (t_all, lat, bw, worst_phase[1], delays)
         return cache[key]
 
     if placements is not None and total > placements:
@@ -520,7 +528,7 @@ def predict(topo: Topology, plan: NetworkPlan, op: str, nbytes: int, rank_worker
     mid = results[(len(results) - 1) // 2]
     return Prediction(op=op, nbytes=int(nbytes), ranks=n, backend=backend, time_s=mid[0], lo_s=results[0][0],
                       hi_s=results[-1][0], latency_s=mid[1], bandwidth_s=mid[2], bottleneck=mid[3], placements=how,
-                      constants=constants)
+                      constants=constants, delay_s=mid[4])
 
 
 def _greedy(free: list, options: dict, evaluate) -> list[dict]:
