@@ -74,6 +74,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 TESTBED = REPO / ".venv" / "bin" / "testbed"
 MN_PYTHON = "/usr/bin/python3"            # Debian's, which has Debian's Mininet
+MININET_PACKAGES = ("mininet", "openvswitch-switch", "bridge-utils", "mininet_python")   # versions() of the anchor
 MN_SCRIPT = REPO / "bench" / "mininet_fattree.py"
 RESULTS = REPO / "bench" / "results" / "performance.json"
 DOC = REPO / "docs" / "performance.md"
@@ -221,11 +222,14 @@ class Sweep:
             old = json.loads(out.read_text())
             kept = [r for r in old.get("rows", []) if r.get("tool") == "mininet"]
             self.doc["rows"] += kept
-            self.kept_sizes = {k: {**{x: v for x, v in info.items() if x.startswith("mininet")},
-                                   "mininet_timeout_s": (old.get("config") or {}).get("timeout_per_size_s")}
-                               for k, info in (old.get("sizes") or {}).items()}
-            # (kept rows may be kept ones already: they name the sweep that measured them)
+            # (kept rows may be kept ones already: they name the sweep that measured them, its
+            # timeout and the Mininet that ran)
             cfg = old.get("config") or {}
+            self.kept_sizes = {k: {"mininet_timeout_s": cfg.get("timeout_per_size_s"),
+                                   **{x: v for x, v in info.items() if x.startswith("mininet")}}
+                               for k, info in (old.get("sizes") or {}).items()}
+            self.doc["versions"].update({x: v for x, v in (old.get("versions") or {}).items()
+                                         if x in MININET_PACKAGES})
             self.doc["config"]["mininet_from"] = cfg.get("mininet_from") or old.get("started")
             self.doc["config"]["mininet_command"] = cfg.get("mininet_command") or old.get("command")
             self.doc["notes"].append(f"Mininet rows kept from the sweep of {self.doc['config']['mininet_from']} "
@@ -430,7 +434,7 @@ class Sweep:
     # the sweep --------------------------------------------------------------------------------------------
     def run(self) -> None:
         a = self.args
-        why = mininet_missing() if not a.no_mininet else None
+        why = mininet_missing() if not (a.no_mininet or a.keep_mininet) else None
         if why:
             self.mn_skip = "not installed"
             self.note(f"Mininet not run: {why}")

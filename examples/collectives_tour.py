@@ -48,18 +48,26 @@ def main() -> int:
     a2a = torch.empty(world * 32)
     dist.all_to_all_single(a2a, torch.arange(world * 32, dtype=torch.float32))
     dist.barrier()
-    # functional collectives (DTensor, FSDP2, tensor parallelism): the group found by its name
+    # functional collectives (DTensor, FSDP2, tensor parallelism): the group found by its name. Each
+    # result is read (an AsyncCollectiveTensor waits there) and held to what it is with phantoms too
+    # (their data is the real rank's or zeros): rank 0's own part, or a reduction's bounds
     pg = dist.group.WORLD
     g = funcol.all_gather_tensor(torch.full((8,), float(rank)), 0, pg)
-    check("funcol all_gather_tensor", g.shape == (world * 8,) and g[0].item() == 0.0)
+    check("funcol all_gather_tensor", g.shape == (world * 8,) and g[:8].eq(float(rank)).all().item())
     r = funcol.reduce_scatter_tensor(torch.ones(world * 8), "sum", 0, pg)
-    check("funcol reduce_scatter_tensor", r.shape == (8,))
-    s = funcol.all_reduce(torch.full((16,), 2.0), "max", pg)
-    check("funcol all_reduce", s.shape == (16,))
-    x = funcol.all_to_all_single(torch.arange(world * 4, dtype=torch.float32), None, None, pg)
-    check("funcol all_to_all_single", x.shape == (world * 4,))
+    check("funcol reduce_scatter_tensor", r.shape == (8,) and 1.0 <= r.min().item() <= r.max().item() <= world)
+    m = funcol.all_reduce(torch.full((16,), float(rank + 1)), "max", pg)
+    check("funcol all_reduce", 1.0 <= m.min().item() <= m.max().item() <= world)
+    x = funcol.all_to_all_single(torch.full((world * 4,), float(rank)), None, None, pg)
+    check("funcol all_to_all_single", x.shape == (world * 4,) and x[:4].eq(float(rank)).all().item())
     y = funcol.broadcast(torch.full((32,), float(rank)), world - 1, pg)
-    check("funcol broadcast", y.shape == (32,))
+    check("funcol broadcast", y.eq(y[0]).all().item() and y[0].item() in (0.0, float(world - 1)))
+    a, c = funcol.all_gather_into_tensor_coalesced([torch.full((4,), float(rank)), torch.ones(6)], pg)
+    check("funcol all_gather_into_tensor_coalesced", a.shape == (world * 4,) and a[:4].eq(float(rank)).all().item()
+          and c.shape == (world * 6,) and c[:6].eq(1.0).all().item())
+    d, e = funcol.reduce_scatter_tensor_coalesced([torch.ones(world * 4), torch.ones(world * 2)], "sum", [0, 0], pg)
+    check("funcol reduce_scatter_tensor_coalesced", d.shape == (4,) and e.shape == (2,)
+          and 1.0 <= min(d.min().item(), e.min().item()) <= max(d.max().item(), e.max().item()) <= world)
     low = dist.new_group([0, 1])                            # with the real rank
     high = dist.new_group([r for r in range(1, world)])     # without it: phantoms among themselves
     if rank in (0, 1):

@@ -60,12 +60,20 @@ def _helpers_of(name: str) -> list[int]:
 
 
 def _whole_run() -> float:
-    """The script run to its end, uninterrupted: how long it took."""
+    """The script run to its end, uninterrupted: how long it took (a run that fails is brought down
+    before the test fails on it)."""
+    name = f"ch{uuid.uuid4().hex[:5]}"
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", SCRIPT, f"ch{uuid.uuid4().hex[:5]}"], cwd=REPO,
-                       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    try:
+        r = subprocess.run([sys.executable, "-c", SCRIPT, name], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        took = time.monotonic() - t0
+        if store.exists(name):
+            lifecycle.down(name)
+        cleanup()
     assert r.returncode == 0, r.stderr[-2000:]
-    return time.monotonic() - t0
+    return took
 
 
 @pytest.mark.slow

@@ -73,8 +73,11 @@ def _links(summary: dict) -> dict:
 
 
 def _drops(summary: dict) -> dict:
-    """The packets each port's queue dropped in a run (monitor.json), where any did."""
+    """The packets each port's queue dropped in a run (monitor.json, merged from both hosts: both are
+    checked to be in it), where any did. Any drop counts: its retransmission is in the bytes."""
     monitor = json.loads((Path(summary["run_dir"]) / "monitor.json").read_text())
+    assert monitor.get("hosts") == ["h1", "h2"] and {"s0", "s1"} <= set(monitor["qdiscs"]), \
+        (monitor.get("hosts"), sorted(monitor["qdiscs"]))
     return {f"{node}.{port}": q["drops"] for node, ports in monitor["qdiscs"].items() for port, q in ports.items()
             if q.get("drops")}
 

@@ -123,7 +123,10 @@ FORWARDED = {"broadcast": "broadcast", "allgather": "allgather", "allreduce_coal
              "reduce_scatter": "reduce_scatter", "all_to_all_single": "alltoall_base", "barrier": "barrier",
              "send": "send", "recv": "recv", "shutdown": "shutdown", "abort": "abort"}
 ONE_AT_A_TIME = {"all_gather_single_coalesced": "_allgather_base",
-                 "reduce_scatter_single_coalesced": "_reduce_scatter_base"}
+                 "reduce_scatter_single_coalesced": "_reduce_scatter_base",
+                 # (torch before 2.13's renames looks these names up instead)
+                 "allgather_into_tensor_coalesced": "_allgather_base",
+                 "reduce_scatter_tensor_coalesced": "_reduce_scatter_base"}
 
 
 def _timed_class(torch, dist):

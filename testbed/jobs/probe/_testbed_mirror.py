@@ -325,10 +325,9 @@ def _make_group_class(dist, WrappedGroup):
             self._say("reduce_scatter_single", dtype=_dtype([output]), n=[int(output.numel())], red=_red(opts))
             return self.inner._reduce_scatter_base(output, input, opts)
 
-        # functional collectives (DTensor, FSDP2, tensor parallelism) look these up first: each pair
-        # is announced and run as its one-tensor form, in order, as TimedGroup runs them (their
-        # coalesced forms, funcol's *_coalesced, reach no Python method and fail with torch's "No
-        # backend type associated with device type cpu")
+        # functional collectives (DTensor, FSDP2, tensor parallelism), one tensor or coalesced, reach
+        # these: each pair is announced and run as its one-tensor form, in order, as TimedGroup runs
+        # them
         def all_gather_single_coalesced(self, outputs, inputs, opts=None):
             groups.same_length("all_gather_single_coalesced", outputs, inputs)
             works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
@@ -338,6 +337,10 @@ def _make_group_class(dist, WrappedGroup):
             groups.same_length("reduce_scatter_single_coalesced", outputs, inputs)
             works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
             return works[0] if len(works) == 1 else groups.all_of(works, list(outputs))
+
+        # (torch before 2.13's renames looks these names up instead)
+        allgather_into_tensor_coalesced = all_gather_single_coalesced
+        reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
         def reduce(self, tensors, opts=None):
             opts = opts or C.ReduceOptions()
