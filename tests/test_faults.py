@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import time
 import uuid
@@ -266,20 +267,47 @@ def test_unknown_names_refused(star):
     assert all(l["state"] == "up" and not l["changed"] for l in links_state(name).values())
 
 
+class Goodput(float):
+    """A flow's goodput in bit/s: the median of its 0.25 s intervals as the receiver counted them,
+    with the whole-run mean, the intervals and the sender's retransmissions kept for the message.
+
+    The median is the shaper's rate: a rate set wrong moves every interval, while a stall of the
+    machine (CI's VM once delivered 0.93 of the rate over a 2 s run, the queue drop-free) moves one
+    or two of the eight; the mean is in the message, next to each interval."""
+
+    def __new__(cls, intervals, mean, retransmits):
+        out = super().__new__(cls, statistics.median(intervals))
+        out.intervals, out.mean, out.retransmits = intervals, mean, retransmits
+        return out
+
+    def __repr__(self):
+        return (f"{float(self) / 1e6:.2f} Mbit/s (median of 0.25 s intervals "
+                f"{[round(i / 1e6, 1) for i in self.intervals]}; mean {self.mean / 1e6:.2f}; "
+                f"{self.retransmits} retransmissions)")
+
+
 def _iperf(name, topo, client, server, reverse=False, secs=2):
+    """Goodput client -> server (server -> client with reverse), counted where it arrives: the
+    iperf3 server runs at the sender and the client receives (-R), since a sender's intervals count
+    what entered its socket buffer, not what crossed the link."""
+    sender, receiver = (server, client) if reverse else (client, server)
     port = str(5201 + (uuid.uuid4().int % 500))
-    srv = subprocess.Popen(["ip", "netns", "exec", f"tb-{name}-{server}", "iperf3", "-s", "-1", "-p", port],
+    srv = subprocess.Popen(["ip", "netns", "exec", f"tb-{name}-{sender}", "iperf3", "-s", "-1", "-p", port],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: srv.poll() is not None or tcp_sockets(srv.pid, int(port), "LISTEN",
-                                                               netns=f"tb-{name}-{server}"), timeout=30,
-                 what=f"iperf3's server on {server} to listen")
-        argv = ["ip", "netns", "exec", f"tb-{name}-{client}", "iperf3", "-c", addr(topo, server), "-p", port,
-                "-t", str(secs), "-O", "0.5", "-J"] + (["-R"] if reverse else [])
+                                                               netns=f"tb-{name}-{sender}"), timeout=30,
+                 what=f"iperf3's server on {sender} to listen")
+        argv = ["ip", "netns", "exec", f"tb-{name}-{receiver}", "iperf3", "-c", addr(topo, sender), "-p", port,
+                "-t", str(secs), "-O", "0.5", "-i", "0.25", "-R", "-J"]
         r = subprocess.run(argv, capture_output=True, text=True, timeout=secs + 20)
-        assert r.returncode == 0, f"iperf3 {client} -> {server} failed: {r.stderr.strip()} {r.stdout[-400:]}"
+        assert r.returncode == 0, f"iperf3 {sender} -> {receiver} failed: {r.stderr.strip()} {r.stdout[-400:]}"
         data = json.loads(r.stdout)
-        return data["end"]["sum_received"]["bits_per_second"]
+        intervals = [i["sum"]["bits_per_second"] for i in data["intervals"]
+                     if not i["sum"].get("omitted") and i["sum"]["seconds"] > 0.2]
+        assert len(intervals) >= 6, f"iperf3 {sender} -> {receiver}: {len(intervals)} whole intervals in {secs} s"
+        return Goodput(intervals, data["end"]["sum_received"]["bits_per_second"],
+                       data["end"]["sum_sent"].get("retransmits"))
     finally:
         if srv.poll() is None:
             srv.kill()
@@ -297,7 +325,8 @@ def test_link_set_bandwidth_iperf(star):
 
     name, topo = star
     up0, down0 = _iperf(name, topo, "w0", "w1"), _iperf(name, topo, "w0", "w1", reverse=True)
-    assert up0 == pytest.approx(200e6 * GOODPUT_RATIO, rel=0.03) and down0 == pytest.approx(200e6 * GOODPUT_RATIO, rel=0.03)
+    assert up0 == pytest.approx(200e6 * GOODPUT_RATIO, rel=0.03)
+    assert down0 == pytest.approx(200e6 * GOODPUT_RATIO, rel=0.03)
     # one direction only: traffic from w0 to s0 (A->B with A = w0). The bound is on the change itself:
     # a first call in a process also pays one-time costs (a netlink socket per namespace, lazy
     # imports; 0.12-0.18 s on this machine on a slow day), so the code path is warmed first on
@@ -309,27 +338,27 @@ def test_link_set_bandwidth_iperf(star):
     assert took < CONTROL_WITHIN_S["set"], f"link set took {took * 1e3:.0f} ms"
     assert link["ab"]["bandwidth_bps"] == 100_000_000 and link["ba"]["bandwidth_bps"] == 200_000_000
 
-    def against(expected: float, reverse: bool = False) -> float:
-        """Goodput now over what the baseline scaled to the new rate predicts (printed: pytest -s)."""
+    def against(expected: float, reverse: bool = False) -> None:
+        """Goodput now within 2% of what the baseline scaled to the new rate predicts (printed: pytest -s)."""
         got = _iperf(name, topo, "w0", "w1", reverse=reverse)
         print(f"goodput {got / 1e6:.2f} Mbit/s, expected {expected / 1e6:.2f}: ratio {got / expected:.4f}")
-        return got / expected
+        assert got / expected == pytest.approx(1, rel=0.02), f"{got!r}, expected {expected / 1e6:.2f} Mbit/s"
 
-    # Within 2%: the six ratios below came out 0.9950-1.0084 in 5 runs (30 measurements, 2026-12-02,
-    # the 2-core machine with other sessions' tests beside; `pytest -s -k link_set_bandwidth_iperf`
-    # prints them), so 2% is 2.4x the widest seen; a rate left unchanged, or halved instead of
-    # quartered, is off by 50-100%. (Was 5%.)
-    assert against(up0 / 2) == pytest.approx(1, rel=0.02)
-    assert against(down0, reverse=True) == pytest.approx(1, rel=0.02)
+    # Within 2%: the six ratios below came out 0.9943-1.0053 in 5 runs (30 measurements, medians of
+    # intervals, 2026-12-07, the 2-core machine idle; 0.9950-1.0084 with whole-run means on 2026-12-02
+    # with other sessions' tests beside; `pytest -s -k link_set_bandwidth_iperf` prints them), so 2% is
+    # 2.4x the widest seen; a rate left unchanged, or halved instead of quartered, is off by 50-100%.
+    against(up0 / 2)
+    against(down0, reverse=True)
     # both directions, named from the other end
     control.link_set(name, "s0", "w0", {"bandwidth_bps": 50_000_000})
-    assert against(up0 / 4) == pytest.approx(1, rel=0.02)
-    assert against(down0 / 4, reverse=True) == pytest.approx(1, rel=0.02)
+    against(up0 / 4)
+    against(down0 / 4, reverse=True)
     assert links_state(name)[("w0", "s0")]["changed"]
     control.link_reset(name, "w0", "s0")
     assert not links_state(name)[("w0", "s0")]["changed"]
-    assert against(up0) == pytest.approx(1, rel=0.02)
-    assert against(down0, reverse=True) == pytest.approx(1, rel=0.02)
+    against(up0)
+    against(down0, reverse=True)
 
 
 @pytest.mark.timing
