@@ -537,3 +537,17 @@ def test_a_minor_undecided_class_is_named_and_does_not_decide(tmp_path):
     assert [r.status for r in v.classes] == ["within", "undecided"], v.lines()
     assert v.status == "faithful", v.lines()
     assert any("undecided" in r and "barrier" in r for r in v.reasons), v.reasons
+
+
+def test_a_rank_that_could_not_put_gloos_threads_first_is_named_and_does_not_decide(tmp_path):
+    m = _model()
+    run = _write_run(tmp_path, [m * 1.02] * 5, s=4, monitor=QUIET)
+    said = judge(run)
+    assert said.status == "faithful" and not any(c.name == "threads" for c in said.checks)
+    f = run / "probe" / "rank-1.jsonl"
+    f.write_text(f.read_text() + json.dumps({"ev": "comm_threads", "t": 1.0, "set": {},
+                                             "refused": "gloo_tcp_loop to nice -5 from 0: may only raise"}) + "\n")
+    v = judge(run)
+    th = [c for c in v.checks if c.name == "threads"]
+    assert v.status == "faithful" and len(th) == 1 and th[0].ok is None, v.lines()
+    assert "rank(s) 1: gloo_tcp_loop to nice -5 from 0" in th[0].detail, th[0].detail

@@ -54,7 +54,7 @@ from typing import Any
 from testbed.jobs import rundir
 from testbed.report.analyze import LATENCY_OP
 from testbed.report.checks import (OTHERS_MAX, TOLERANCE, Check, cpu_check, delay_line_checks, machine_check,
-                                   queue_check)
+                                   queue_check, threads_check)
 from testbed.report.instances import (active_window, instances, launches_only, rank_workers, recording_ranks,
                                       relative_ci95)
 from testbed.report.run_constants import run_alpha
@@ -365,6 +365,9 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
     q = queue_check(monitor)
     if q is not None:
         checks.append(q)
+    th = threads_check(probe)
+    if th is not None:
+        checks.append(th)
 
     failed = [c for c in checks if c.ok is False]
     for c in failed:
