@@ -38,7 +38,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from testbed.topology.units import format_size, parse_size  # noqa: E402
-from testbed.jobs.probe._testbed_threads import ENV as COMM_THREADS  # noqa: E402
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 SIZES = ("1K", "64K", "1M", "16M", "64M")
@@ -113,7 +112,7 @@ def chosen_workers(topo, ranks: int) -> list[str]:
 
 
 def run_cell_group(kind: str, ranks: int, dilation: str, ops, sizes, runs_dir: Path,
-                   echo=None, min_iters: int = 3, recheck=None, env=None) -> list[Cell]:
+                   echo=None, min_iters: int = 3, recheck=None) -> list[Cell]:
     """One testbed, one job: every (op, size) of it as cells."""
     from testbed import lifecycle
     from testbed.jobs import calibration
@@ -132,7 +131,7 @@ def run_cell_group(kind: str, ranks: int, dilation: str, ops, sizes, runs_dir: P
                "--sizes", ",".join(sizes), "--budget", "0.1", "--min-iters", str(min_iters), "--max-iters", "30",
                "--json", str(out)]
         res = run(cluster, cmd, workers=workers, echo=None, probe=True, machine=machine, base_dir=str(runs_dir),
-                  workdir=str(REPO), timeout=1800, env=env)
+                  workdir=str(REPO), timeout=1800)
         data = json.loads(out.read_text()) if res.rc == 0 and out.exists() else None
         factor = cluster.time_dilation
     if data is None:
@@ -573,15 +572,11 @@ def main() -> int:
     ap.add_argument("--render", action="store_true", help="only render the doc from the results file")
     ap.add_argument("--rejudge", action="store_true", help="with --render: judge the stored runs again "
                                                            "(after a change to the model or the verdict)")
-    ap.add_argument("--comm-threads", choices=("on", "off"), default="on",
-                    help="off: the ranks' threads as they start, gloo's not put first (the baseline of "
-                         "testbed/jobs/probe/_testbed_threads.py); results in their own file, no doc")
     args = ap.parse_args()
-    off = args.comm_threads == "off"
     if os.geteuid() != 0 and not (args.render and not args.rejudge):
         print("fidelity needs root (namespaces, tc)", file=sys.stderr)
         return 2
-    tag = ("fidelity-quick" if args.quick else "fidelity") + ("-comm-threads-off" if off else "")
+    tag = "fidelity-quick" if args.quick else "fidelity"
     results = REPO / "bench" / "results" / f"{tag}.json"
     results.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -626,8 +621,7 @@ def main() -> int:
         runs_dir = Path("/var/tmp/testbed-fidelity")
         meta = {"command": "sudo .venv/bin/python bench/fidelity.py" + (" --quick" if args.quick else "")
                 + (f" --dilations {args.dilations}" if args.dilations else "")
-                + (f" --max-ranks {args.max_ranks}" if args.max_ranks else "")
-                + (" --comm-threads off" if off else ""),
+                + (f" --max-ranks {args.max_ranks}" if args.max_ranks else ""),
                 "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores, kernel {os.uname().release}",
                 "constants": cal.constants().describe(), "seconds": 0.0}
         earlier = 0.0
@@ -639,8 +633,7 @@ def main() -> int:
             meta["slices"] = old["meta"].get("slices", []) + [f"--only {args.only} on {meta['date']}"]
         for i, (kind, ranks, dilation, ops, sizes) in enumerate(matrix, 1):
             t1 = time.time()
-            got = run_cell_group(kind, ranks, dilation, ops, sizes, runs_dir, echo=print,
-                                 env={COMM_THREADS: "0"} if off else None)
+            got = run_cell_group(kind, ranks, dilation, ops, sizes, runs_dir, echo=print)
             cells += got
             meta["seconds"] = earlier + time.time() - t0
             results.write_text(json.dumps({"meta": meta, "cells": [asdict(c) for c in cells]}, indent=1))
@@ -655,7 +648,7 @@ def main() -> int:
               f"{c.measured_s * 1e3:>12.3f} {c.model_s * 1e3:>10.3f} {c.measured_s / c.model_s:>6.2f} {c.verdict}")
     s = summarize(cells)
     print(json.dumps(s, indent=1))
-    if not off and ((not args.quick and not args.only) or args.doc or args.render or args.dilations):
+    if (not args.quick and not args.only) or args.doc or args.render or args.dilations:
         made = plots(cells, REPO / "docs" / "fidelity")
         page = REPO / "docs" / "fidelity.md"
         page.write_text(render_doc(cells, meta, made, kept_findings(page)))

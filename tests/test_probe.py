@@ -32,18 +32,17 @@ def _records(tmp_path):
     return {f.name: [json.loads(l) for l in f.read_text().splitlines()] for f in files}
 
 
-def _two_ranks(tmp_path, code, timeout, launcher="", **extra):
+def _two_ranks(tmp_path, code, timeout, **extra):
     """Runs `code` as ranks 0 and 1 under the probe (records in tmp_path/probe; `extra`: more of the
-    ranks' environment; `launcher`: a command each rank is started under) in a network namespace of
-    their own (loopback only). On a timeout both ranks
+    ranks' environment) in a network namespace of their own (loopback only). On a timeout both ranks
     are ended with their shell (a session of their own), not left hanging; the test fails with what
     they said."""
     script = tmp_path / "job.py"
     script.write_text(code)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TESTBED_")}
     env.update({"PYTHONPATH": PROBE_PATH, "TESTBED_PROBE_DIR": str(tmp_path / "probe"), **extra})
-    both = (f"ip link set lo up && (RANK=0 {launcher} {sys.executable} {script} & "
-            f"RANK=1 {launcher} {sys.executable} {script} & wait %1 && wait %2)")
+    both = (f"ip link set lo up && (RANK=0 {sys.executable} {script} & RANK=1 {sys.executable} {script} & "
+            "wait %1 && wait %2)")
     p = subprocess.Popen(["unshare", "-n", "sh", "-c", both], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -433,80 +432,3 @@ def test_a_job_s_own_hook_is_timed_once_and_the_opt_out_leaves_gloo_plain(tmp_pa
     else:
         assert said == {"group": "ProcessGroup", "comm_hook": None}
         assert ddp == []
-
-
-THREADS_CODE = """
-import ctypes, json, os, threading, torch, torch.distributed as dist
-def nices():
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        name = open(f"/proc/self/task/{tid}/comm").read().strip()
-        out.setdefault(name, []).append(os.getpriority(os.PRIO_PROCESS, int(tid)))
-    return {k: sorted(v) for k, v in out.items()}
-stop, named = threading.Event(), threading.Event()
-def own():   # the job's own thread, made before init
-    ctypes.CDLL(None).prctl(15, b"mine", 0, 0, 0)   # PR_SET_NAME
-    named.set()
-    stop.wait()
-threading.Thread(target=own).start()
-named.wait()
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29733", rank=int(os.environ["RANK"]), world_size=2)
-t = torch.ones(8)
-dist.all_reduce(t)   # (by now torch's threads have named themselves)
-after_init = nices()
-g = dist.new_group([0, 1])
-dist.all_reduce(t, group=g)
-with open(os.path.join(os.environ["OUT_DIR"], "threads-" + os.environ["RANK"] + ".json"), "w") as f:
-    json.dump({"init": after_init, "group": nices()}, f)
-stop.set()
-dist.destroy_process_group()
-"""
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a network namespace of its own, nice below 0)")
-@pytest.mark.parametrize("on", [True, False])
-def test_gloos_threads_come_before_the_jobs_own(tmp_path, on):
-    """Started at START_NICE as the launcher starts a rank: after init_process_group gloo's worker
-    threads are at theirs (-20), its device loop at its own (-1), the job's threads (main, one it
-    made before) at 0.
-    A later group's threads come from the job's thread at 0 and cannot be lowered: the record says
-    so. Off (TESTBED_COMM_THREADS=0), the ranks' threads keep what they started with."""
-    from testbed.jobs.probe import _testbed_threads as th
-
-    # as in a worker: no CAP_SYS_NICE (testbed.runtime.worker_init.WORKER_CAPS)
-    worker = "setpriv --inh-caps=-all --bounding-set=-sys_nice --"
-    r = _two_ranks(tmp_path, THREADS_CODE, timeout=120,
-                   launcher=f"nice -n {th.START_NICE} {worker}" if on else worker,
-                   TESTBED_COMM_THREADS="1" if on else "0", TESTBED_LATENCY_BURST="0", OUT_DIR=str(tmp_path))
-    assert r.returncode == 0, r.stderr[-2000:]
-    outs = [json.loads((tmp_path / f"threads-{rank}.json").read_text()) for rank in (0, 1)]
-    recs = _records(tmp_path)
-    for out, rr in zip(outs, recs.values()):
-        if not on:
-            assert set(out["init"]["pt_gloo_runloop"]) == set(out["init"]["python"]) == {0}, out
-            assert [x["refused"] for x in rr if x["ev"] == "comm_threads"] == [f"{th.ENV} is not 1"] * 2
-            continue
-        init, later = out["init"], out["group"]
-        runloop, loop = th.NICE["pt_gloo_runloop"], th.NICE["gloo_tcp_loop"]
-        assert runloop == th.START_NICE < loop < th.JOB_NICE == 0
-        assert init["pt_gloo_runloop"] == [runloop] * 2 and init["gloo_tcp_loop"] == [loop], init
-        assert set(init["python"]) == {0} and init["mine"] == [0], init   # main, and torch's unnamed threads
-        # the new group's worker threads: at the job's 0, not lowered
-        assert sorted(later["pt_gloo_runloop"]) == [runloop, runloop, 0, 0], later
-        first, second = [x for x in rr if x["ev"] == "comm_threads"]
-        assert first["set"]["mine"] == first["set"]["gloo_tcp_loop"] == 1 and first["set"]["python"] >= 1, first
-        assert "refused" not in first, first
-        assert "may only raise its nice" in second["refused"], second
-
-
-def test_the_thread_plan():
-    from testbed.jobs.probe._testbed_threads import NICE, START_NICE, plan
-
-    runloop, loop = NICE["pt_gloo_runloop"], NICE["gloo_tcp_loop"]
-    low = START_NICE
-    found = {1: ("python", low), 2: ("pt_gloo_runloop", low), 3: ("gloo_tcp_loop", low), 4: ("python", low),
-             5: ("worker", 5), 6: ("pt_gloo_runloop", 0), 7: ("helper", low)}
-    # 4 was made by the call and has not named itself: the backend's, it keeps its nice; 5 was raised
-    # by the job: kept; 6, a later group's, is asked for its nice (the rank may be refused)
-    assert plan(found, made={2, 3, 4}) == {1: 0, 3: loop, 6: runloop, 7: 0}
-    assert plan({1: ("python", 0), 2: ("pt_gloo_runloop", runloop), 3: ("gloo_tcp_loop", loop)}, made=set()) == {}

@@ -64,11 +64,6 @@ def test_ddp_four_workers_identical_params_and_probe(leaf_spine, tmp_path):
         recs = [json.loads(l) for l in (res.run_dir / "probe" / f"rank-{rank}.jsonl").read_text().splitlines()]
         assert sum(r["ev"] == "step" for r in recs) == steps
         assert sum(r["ev"] == "coll" and r["src"] == "ddp" for r in recs) >= steps
-        # the launcher started the rank below the job's nice: after init gloo's device loop went to
-        # its own, the job's main thread up to 0, nothing refused (probe/_testbed_threads.py)
-        ordered = [r for r in recs if r["ev"] == "comm_threads"]
-        assert len(ordered) == 1 and "refused" not in ordered[0], ordered
-        assert ordered[0]["set"].get("gloo_tcp_loop") == 1 and ordered[0]["set"].get("python", 0) >= 1, ordered
     s = json.loads((res.run_dir / "summary.json").read_text())
     assert s["rc"] == 0 and s["world_size"] == 4 and [r["rc"] for r in s["ranks"]] == [0] * 4
     assert s["time_dilation"]["factor"] == 1.0

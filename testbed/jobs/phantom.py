@@ -40,8 +40,6 @@ import sys
 import time
 from typing import Any
 
-from testbed.jobs.probe import _testbed_threads
-
 READ_TIMEOUT_S = 600.0     # no announcement for this long: the real rank is gone
 POOL_PER_SIZE = 8          # free buffers kept per (size, dtype, device)
 NCCL_GATE = "TESTBED_PHANTOM_NCCL"   # "1": NCCL jobs are mirrored too (experimental; _testbed_mirror.py)
@@ -299,16 +297,12 @@ def main() -> int:
                 backend, device = join_backend(msg, torch, os.environ)
                 if isinstance(msg.get("rank"), int) and msg["rank"] >= 0:   # under torchrun only it knows
                     os.environ.setdefault("TESTBED_PHANTOM_LEADER", str(msg["rank"]))
-                before = _testbed_threads.threads()
                 dist.init_process_group(backend)
-                _testbed_threads.order(set(before))   # as the real ranks' probe does: gloo's threads first
                 mirror = Mirror(torch, dist, device)
             elif mirror is None:
                 raise PhantomError(f"{ev!r} before the real rank's init_process_group")
             elif ev == "new_group":
-                before = _testbed_threads.threads()
                 mirror.new_group(msg)
-                _testbed_threads.order(set(before))
             elif ev == "op":
                 mirror.op(msg)
             elif ev == "end":

@@ -71,7 +71,6 @@ from testbed.jobs import groups as groups_mod
 from testbed.jobs.phantom_ranks import (cap_real_workers, check_real, feed_trace, load_trace, make_phantoms,
                                         read_phantom_stats, real_and_phantom_ranks, uncap)
 from testbed.jobs.probe import PROBE_PATH
-from testbed.jobs.probe._testbed_threads import ENV as COMM_THREADS
 from testbed.jobs.probe_files import collect_probe, shared_dir
 from testbed.jobs.ranks import Rank, exit_status
 from testbed.jobs.run_groups import group_ranks
@@ -230,7 +229,6 @@ def run(cluster: Cluster, cmd: Sequence[str], *, workers: str | Sequence[str] | 
             }
             if probe:
                 wenv["TESTBED_PROBE_DIR"] = str(probe_dir)
-                wenv[COMM_THREADS] = "1"   # gloo's threads ahead of the job's (probe/_testbed_threads.py)
                 wenv["PYTHONPATH"] = probe_path + (os.pathsep + pythonpath if pythonpath else "")
                 # every rank runs it, or none: phantoms mirror the real ranks' (the leader announces it);
                 # not into a recorded trace, which a replay would play back as the job's own

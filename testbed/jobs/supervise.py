@@ -13,7 +13,6 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from testbed import events, procs, safeio, terminal
-from testbed.jobs.probe import _testbed_threads
 from testbed.jobs.ranks import Rank, exit_status, signal_all, signal_group, tagged_pids
 from testbed.jobs.run_groups import RESTART_DELAY_S, GroupState, fresh_records, workers_down
 from testbed.jobs.target import Cluster
@@ -69,10 +68,6 @@ class Supervisor:
     def _spawn(self, r: Rank) -> None:
         full_env = {**self.common_env, **r.env}
         argv = self.cluster.executor.argv(r.worker, r.argv, r.env, self.workdir)
-        if full_env.get(_testbed_threads.ENV) == "1":
-            # started below the job's nice, so that the rank can put gloo's threads ahead of its own
-            # work (a worker's process can only raise a nice): testbed/jobs/probe/_testbed_threads.py
-            argv = ["nice", "-n", str(_testbed_threads.START_NICE), *argv]
         r.started, r.rc, r.ended = time.time(), None, None
         r.proc = subprocess.Popen(argv, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, start_new_session=True)

@@ -125,21 +125,3 @@ def queue_check(monitor: dict[str, Any]) -> Check | None:
     top = ", ".join(f"{n}:{i} {d}" for n, i, d in drops[:3])
     return Check("queues", None, f"{sum(d for *_, d in drops)} packet(s) dropped at full queues ({top}): "
                                  "congestion, as a real switch would drop")
-
-
-def threads_check(probe: dict[str, list[dict[str, Any]]]) -> Check | None:
-    """Whether each rank put gloo's threads ahead of its own (the probe's "comm_threads" records,
-    testbed/jobs/probe/_testbed_threads.py): named when a rank could not (small messages then may wait
-    a scheduler tick behind gloo's device loop); None when every rank did, or none said."""
-    refused = {}
-    for rank, recs in probe.items():
-        for r in recs:
-            if r.get("ev") == "comm_threads" and r.get("refused"):
-                refused.setdefault(str(r["refused"])[:200], []).append(str(rank))
-                break
-    if not refused:
-        return None
-    said = "; ".join(f"rank(s) {', '.join(sorted(set(rs)))}: {why}" for why, rs in refused.items())
-    return Check("threads", None, f"gloo's threads were not all put ahead of the job's ({said}): a small "
-                                  "message may then wait a scheduler tick behind gloo's device loop "
-                                  "(docs/fidelity.md, \"Small messages under time-sharing\")")

@@ -7,7 +7,6 @@ Writes one JSON object per line to $TESTBED_PROBE_DIR/rank-<RANK>.jsonl:
    "w": work at its start, "w_done": work at a DDP bucket's completion,
    "g": process group name, "gn": its size, "seq": this rank's count of collectives on that group,
    "be": its backend, "peer": the other rank of a send or recv}
-  {"ev": "comm_threads", "t": wall, "set": {thread name: count}, "refused": why (when it was)}
   {"ev": "end", "t": wall}
 Times are real (undilated) whatever the emulated clock does; the report divides by the run's factor.
 "w", the work the process did so far, [cpu, sys, faults, gc]: CPU seconds of all its threads (which
@@ -41,7 +40,6 @@ import threading
 import time
 
 import _testbed_clock
-import _testbed_threads
 
 # The real clocks, whatever the emulated clock later does to the time module.
 _real_time = time.time
@@ -320,10 +318,8 @@ def _patch_init(c10d, dist) -> None:
     @functools.wraps(fn)
     def init_process_group(*args, **kwargs):
         global _distributed
-        before = _testbed_threads.threads()
         out = fn(*args, **kwargs)
         _distributed = True
-        _order_threads(before)   # before the burst: it measures what the job's collectives will pay
         _latency_burst()
         return out
 
@@ -331,30 +327,6 @@ def _patch_init(c10d, dist) -> None:
     c10d.init_process_group = init_process_group
     if getattr(dist, "init_process_group", None) is fn:
         dist.init_process_group = init_process_group
-    made = getattr(c10d, "new_group", None)
-    if made is None or getattr(made, "__testbed_probe__", False):
-        return
-
-    @functools.wraps(made)
-    def new_group(*args, **kwargs):
-        before = _testbed_threads.threads()
-        out = made(*args, **kwargs)
-        _order_threads(before)   # a gloo group has threads of its own
-        return out
-
-    new_group.__testbed_probe__ = True
-    c10d.new_group = new_group
-    if getattr(dist, "new_group", None) is made:
-        dist.new_group = new_group
-
-
-def _order_threads(before) -> None:
-    """The communication threads ahead of the job's own (_testbed_threads), said in the record."""
-    try:
-        done = _testbed_threads.order(set(before))
-    except Exception as exc:   # never the job's failure
-        done = {"set": {}, "refused": repr(exc)}
-    _emit({"ev": "comm_threads", "t": _real_time(), **done})
 
 
 def _patch_collectives(torch) -> None:
