@@ -280,23 +280,23 @@ LATENCY_BOUND_S = 0.001   # real time: a class whose median instance is shorter 
 
 
 def tick_wait_check(rows: list[ClassRow]) -> Check | None:
-    """Latency-bound classes (a median instance under LATENCY_BOUND_S, real time, and at least
+    """gloo's latency-bound classes (a median instance under LATENCY_BOUND_S, real time, and at least
     TICK_WAIT_COUNT instances) of which at least TICK_WAIT_MIN took TICK_WAIT_S or more: named in
-    the verdict's lines, not deciding. On this kind of
-    machine that is the signature of gloo's device loop spinning on a message whose operation the
-    rank's worker thread has not posted, while that thread waits for the CPU until the scheduler's
-    tick (docs/fidelity.md, "Small messages under time-sharing"); a GPU server does not pay it."""
-    hit = [r for r in rows if r.median_real_s < LATENCY_BOUND_S and r.ticked >= TICK_WAIT_MIN
-           and r.count >= TICK_WAIT_COUNT]
+    the verdict's lines, not deciding. On this kind of machine that is the signature of gloo's
+    device loop spinning on a message whose operation the rank's worker thread has not posted,
+    while that thread waits for the CPU until the scheduler's tick (docs/fidelity.md, "Small
+    messages under time-sharing"); a GPU server does not pay it."""
+    hit = [r for r in rows if r.backend == "gloo" and r.median_real_s < LATENCY_BOUND_S
+           and r.ticked >= TICK_WAIT_MIN and r.count >= TICK_WAIT_COUNT]
     if not hit:
         return None
     said = "; ".join(f"{r.op} {format_size(r.nbytes)} {100 * r.ticked:.0f}% of {r.count} (median "
                      f"{r.median_real_s * 1e3:.2f} ms)" for r in sorted(hit, key=lambda r: -r.ticked))
     return Check("tick waits", None, f"small collectives whose instances took a scheduler tick or more "
                                      f"({TICK_WAIT_S * 1e3:.0f} ms real) now and then: {said}. Their time "
-                                     "includes waits a GPU server does not pay: gloo's device loop spins while "
-                                     "the rank's thread it waits for is off the CPU (docs/fidelity.md, "
-                                     "\"Small messages under time-sharing\")")
+                                     "includes waits a GPU server does not pay; here that is the signature of "
+                                     "gloo's device loop spinning while the rank's thread it waits for is off "
+                                     "the CPU (docs/fidelity.md, \"Small messages under time-sharing\")")
 
 
 def _in_flight_together(inst: dict[tuple, list[dict[str, Any]]], alone: dict[tuple, tuple[Any, Any]], s: float,
