@@ -22,7 +22,7 @@ import pytest
 import requires
 
 from cluster_hosts import REPO, iperf3_connections, iperf3_server, remote_tops, tb
-from waiting import wait_for
+from waiting import WaitTimeout, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.requires("sshd")]
 
@@ -33,6 +33,18 @@ LINKS = [("w0", "s0"), ("w1", "s0"), ("w2", "s1"), ("w3", "s1"), ("s0", "s1")]  
 def top_once(name: str, *extra: str, check: bool = True) -> tuple[dict, subprocess.CompletedProcess]:
     r = tb("top", "--name", name, "--once", "--json", *extra, timeout=120, check=check)
     return json.loads(r.stdout), r
+
+
+def agents_left(line: str, timeout: float = 10.0) -> list[str]:
+    """The hosts' agents of testbed `line` still running once they had `timeout` s to end (empty: all
+    ended). A host's agent can outlive the SSH session that started it by a moment: one was seen
+    orphaned and still running 0.11 s after the verb returned (2026-12-07, 1 of 3 runs of the iperf3
+    test below); a leaked one runs on and is reported."""
+    try:
+        wait_for(lambda: not remote_tops(line), timeout=timeout, interval=0.1, what="the hosts' agents to end")
+    except WaitTimeout:
+        pass
+    return remote_tops(line)
 
 
 def test_once_json_merges_every_link_direction_from_its_sending_host(emu, line):
@@ -98,7 +110,7 @@ def test_traffic_over_the_tunnel_shows_as_a_rate_on_the_cut_links_direction(emu,
     # the same flow on the links inside each host: into s0 on h1, out of s1 to w2 on h2
     assert l["w0->s0"]["rate_bps"] > 100e6 and l["s1->w2"]["rate_bps"] > 100e6
     assert l["w1->s0"]["rate_bps"] < 10e6 and l["s1->w3"]["rate_bps"] < 10e6
-    assert not remote_tops(line)
+    assert not agents_left(line)
 
 
 def test_live_view_shows_both_hosts_and_ctrl_c_stops_every_hosts_top(emu, line):
@@ -118,7 +130,7 @@ def test_live_view_shows_both_hosts_and_ctrl_c_stops_every_hosts_top(emu, line):
         child.close(force=True)
     assert child.exitstatus == 0, (child.exitstatus, child.signalstatus, child.before)
     assert "Traceback" not in (child.before or "")
-    assert not remote_tops(line)                # the hosts' tops stopped with it
+    assert not agents_left(line)                # the hosts' tops stopped with it
 
 
 def test_an_unreachable_host_is_shown_failed_with_the_others_numbers(emu, line):
@@ -137,4 +149,4 @@ def test_an_unreachable_host_is_shown_failed_with_the_others_numbers(emu, line):
     assert l["s1->s0"]["rate_bps"] is not None and l["s1->s0"]["backlog_bytes"] is None   # s0's rx, on h1
     assert l["w2->s1"]["rate_bps"] is None                                                # inside h2: unknown
     assert {w["name"]: w["cpu"] for w in doc["workers"]}["w2"] is None
-    assert not remote_tops(line)
+    assert not agents_left(line)
