@@ -273,7 +273,7 @@ class Goodput(float):
 
     The median is the shaper's rate: a rate set wrong moves every interval, while a stall of the
     machine moves one or two of the eight. CI's VM once delivered 0.93 of the rate as a whole-run
-    mean (stop 39); 40 runs here, idle or beside busy loops, never came near (188.5 of 191.3 Mbit/s
+    mean (stop 39); 24 runs here, idle or beside busy loops, never came near (188.5 of 191.3 Mbit/s
     at worst). The message shows each interval, so a next one tells a stall from a slow rate."""
 
     def __new__(cls, intervals, mean, retransmits):
