@@ -82,11 +82,15 @@ def test_a_stalled_job_shows_who_waits_where(testbed, tmp_path):
 
     def look(_rd, _probe) -> None:
         def later() -> None:
-            # until the three ranks wait in all_reduce: their start (torch, the rendezvous) took 5-15 s
-            # here, longer beside other tests; `testbed stacks` is what is tested, each look included
+            # until the three ranks wait in all_reduce and rank 1 in its stall: their start (torch, the
+            # rendezvous) took 5-15 s here, longer beside other tests, and the three wait in the probe's
+            # first all_reduce while rank 1 is still in init_process_group (make test saw that once);
+            # `testbed stacks` is what is tested, each look included
+            def both(d: dict[str, str]) -> dict[str, str] | None:
+                return d if "3 ranks (0, 2-3) in all_reduce:" in d["out"] and "load_batch" in d["out"] else None
             try:
-                live.update(wait_for(lambda: (lambda d: d if "3 ranks (0, 2-3) in all_reduce:" in d["out"] else None)(stacks()),
-                                     timeout=40, interval=1.0, what="three ranks in all_reduce in `testbed stacks`"))
+                live.update(wait_for(lambda: both(stacks()), timeout=40, interval=1.0,
+                                     what="three ranks in all_reduce and rank 1 in load_batch in `testbed stacks`"))
             except AssertionError as exc:
                 live["err"] = str(exc)
         threading.Thread(target=later, daemon=True).start()
