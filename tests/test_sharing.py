@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from testbed.report.sharing import Launch, shared_times
+from testbed.topology.dilation import HOST_MARGIN
 
 MS = 1e-3
 REPO = Path(__file__).resolve().parents[1]
@@ -197,10 +198,10 @@ def test_buckets_slower_than_the_links_they_shared_are_named_as_running_beside_t
     v = judge(_ddp_run(tmp_path / "auto", 1.3 * first, second, offset, setting="auto"))
     assert v.status == "not faithful", v.lines()
     assert [f for f in v.fixes if "ran while the job went on" in f] == [v.fixes[0]], v.fixes
-    assert "all_reduce 9 MiB (1.30x)" in v.fixes[0] and "1.5x margin" in v.fixes[0], v.fixes[0]
+    assert "all_reduce 9 MiB (1.30x)" in v.fixes[0] and f"{HOST_MARGIN:g}x margin" in v.fixes[0], v.fixes[0]
     assert not any("their own CPU work" in f for f in v.fixes), v.fixes
     # a fixed dilation caps each worker's CPU by s too: not auto's margin; the cap is what to name
-    # where a rank's bytes on the cap's one core take more than 1/1.5 of the links' time (a machine
+    # where a rank's bytes on the cap's one core take more than 1/HOST_MARGIN of the links' time (a machine
     # of 0.1 Gbit/s per core against 1 Gbit/s links)
     fixed = judge(_ddp_run(tmp_path / "fixed", 1.3 * first, second, offset, setting="fixed", beta=80e-9))
     assert fixed.status == "not faithful" and not any("ran while the job went on" in f for f in fixed.fixes), \
