@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from testbed.topology.loader import load_topology_text
 from testbed.topology.plan import plan_network
 from testbed.topology.reference import (
-    COLLECTIVES, NETWORK_ONLY, MachineConstants, ModelError, bus_factor, cost_terms, goodput, max_min_rates, phases,
-    predict, ring_time,
+    COLLECTIVES, GLOO_TURNS_BYTES, NETWORK_ONLY, MachineConstants, ModelError, bus_factor, cost_terms, goodput,
+    max_min_rates, phases, predict, ring_time,
 )
 
 G = goodput(1500)   # 1448 / 1514
@@ -115,7 +115,7 @@ def test_leaf_spine_four_to_one_oversubscribed():
     # the ring crosses each leaf's uplinks once per direction: one flow on a 5G uplink
     assert ring.time_s == pytest.approx(ring_time(16, S, 5e9 * G), rel=1e-9)
     assert "leaf" in ring.bottleneck and "spine" in ring.bottleneck
-    a2a = predict(t, plan, "all_to_all", S, t.workers, NETWORK_ONLY)
+    a2a = predict(t, plan, "all_to_all", S, t.workers, NETWORK_ONLY, backend="nccl")   # every send at once
     # each leaf sends 4 hosts x 12 remote peers = 48 flows of S/16 over two 5G uplinks
     balanced = (S / 16) / (2 * 5e9 / 8 * G / 48)
     assert a2a.lo_s >= balanced * (1 - 1e-9)
@@ -123,6 +123,39 @@ def test_leaf_spine_four_to_one_oversubscribed():
     assert a2a.hi_s > a2a.lo_s            # ECMP hashing matters here: both bounds are given
     assert a2a.hi_s <= 2 * balanced * (1 + 1e-9)   # at worst everything on one uplink
     assert "sampled" in a2a.placements
+
+
+def test_gloo_all_to_all_takes_a_pairs_two_directions_in_turn():
+    """gloo's all_to_all: a pair's "ready to receive" notice queues behind the data already on its
+    connection, so its two directions take turns (measured on a 2-worker star: they alternate at the
+    link's full rate). Two ranks: each half of the buffer in turn, twice NCCL's time. Four on a star:
+    each phase puts two flows of S/4 on the busiest host link, where NCCL's one phase puts three."""
+    S = 64 << 20
+    for n, ratio in ((2, 2.0), (4, 4 / 3)):
+        t, plan = topo(f"name: s\ngenerator: star\nparams: {{n: {n}}}\ntiers:\n  host: {{bandwidth: 10gbit, delay: 0s}}\n")
+        gloo = predict(t, plan, "all_to_all", S, t.workers, NETWORK_ONLY)
+        nccl = predict(t, plan, "all_to_all", S, t.workers, NETWORK_ONLY, backend="nccl")
+        assert nccl.time_s == pytest.approx((n - 1) * S / n / (10e9 / 8 * G), rel=1e-9)
+        assert gloo.time_s == pytest.approx(ratio * nccl.time_s, rel=1e-9), n
+    ph = phases("all_to_all", S, 5, "gloo")
+    flows = [(f.src, f.dst) for p in ph for f in p.flows]
+    assert len(ph) == 2 and sorted(flows) == sorted((a, b) for a in range(5) for b in range(5) if a != b)
+    assert all((f.dst, f.src) not in {(g.src, g.dst) for g in p.flows} for p in ph for f in p.flows)
+    assert cost_terms("all_to_all", S, 5, "gloo")[0] == 4   # n-1 messages, half in each phase
+    # 512 KiB each way went together on the same star (measured): the turns start from GLOO_TURNS_BYTES
+    t, plan = topo("name: s\ngenerator: star\nparams: {n: 2}\ntiers:\n  host: {bandwidth: 10gbit, delay: 2us}\n")
+    for size, turns in ((1 << 20, 1), (2 * GLOO_TURNS_BYTES, 2)):
+        gloo = predict(t, plan, "all_to_all", size, t.workers, NETWORK_ONLY)
+        alone = predict(t, plan, "send_recv", size // 2, t.workers, NETWORK_ONLY)   # one direction's bytes
+        assert gloo.time_s == pytest.approx(turns * alone.time_s, rel=1e-9), size
+    # across two 5 ms hops the ranks arrive within the path's delay while a message's transfer is
+    # shorter: every notice leaves before any data, and the directions go together (the WAN cells)
+    t, plan = topo("name: w\ngenerator: star\nparams: {n: 2}\ntiers:\n  host: {bandwidth: 1gbit, delay: 5ms}\n")
+    for size, turns in ((1 << 10, 1), (1 << 20, 1), (64 << 20, 2)):
+        gloo = predict(t, plan, "all_to_all", size, t.workers, NETWORK_ONLY)
+        nccl = predict(t, plan, "all_to_all", size, t.workers, NETWORK_ONLY, backend="nccl")
+        # gloo's message crosses the path (10 ms) twice, its notice and then its data; NCCL's once
+        assert gloo.time_s == pytest.approx(turns * (nccl.time_s + 10e-3), rel=1e-9), size
 
 
 def test_dumbbell_bottleneck():

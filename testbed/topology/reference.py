@@ -45,12 +45,15 @@ Algorithms (what the backends do, from their sources):
         all_gather: ring to r+1, n-1 steps of S/n (S is
         the gathered size). reduce_scatter: gloo runs a full all_reduce of the
         input S. broadcast: binomial tree, ceil(log2 n) rounds of the whole S.
-        all_to_all: every rank posts its n-1 sends of S/n at once. barrier:
+        all_to_all: every rank posts its n-1 sends of S/n at once; a pair's two
+        directions take turns (two phases, _gloo_all_to_all) where one
+        direction's transfer outlasts the one-way path delay. barrier:
         dissemination, ceil(log2 n) rounds of empty messages. send_recv: one
         flow of S.
   nccl  ring for all_reduce (2(n-1) steps of S/n, to r+1), all_gather and
-        reduce_scatter (n-1 steps of S/n); broadcast a pipelined ring; the rest
-        as gloo. NCCL's tree, NVLS and CollNet algorithms are not modelled.
+        reduce_scatter (n-1 steps of S/n); broadcast a pipelined ring;
+        all_to_all every send at once, both directions together; the rest as
+        gloo. NCCL's tree, NVLS and CollNet algorithms are not modelled.
 Message sizes follow nccl-tests: all_gather's S is the output, reduce_scatter's
 the input, all_to_all's one rank's whole buffer.
 """
@@ -284,8 +287,7 @@ def phases(op: str, nbytes: float, n: int, backend: str = "gloo", root: int = 0)
         rounds = math.ceil(math.log2(n))
         return [Phase(tuple(Flow(r, (r + (1 << i)) % n, 0.0) for r in range(n))) for i in range(rounds)]
     if op == "all_to_all":
-        flows = tuple(Flow(r, (r + i) % n, S / n) for r in range(n) for i in range(1, n))
-        return [Phase(flows, messages=n - 1)]
+        return _gloo_all_to_all(S, n) if backend == "gloo" else [_all_at_once(S, n)]
     if backend == "gloo":
         if op in ("all_reduce", "reduce_scatter"):
             if S <= 0:
@@ -306,6 +308,38 @@ def phases(op: str, nbytes: float, n: int, backend: str = "gloo", root: int = 0)
             return [Phase(chain), Phase(tuple(Flow(f.src, f.dst, 0.0) for f in chain[:1]), count=n - 2)] \
                 if n > 2 else [Phase(chain)]
     raise ModelError(f"{op} is not modelled for {backend}")
+
+
+# From what a pair sends each way in one gloo all_to_all, its two directions take turns. Measured on a
+# 2-worker 10 Gbit/s star at s = 6.2 (real time, whole calls): 512 KiB each way took one direction's
+# time, 2 MiB 1.69x it, 8 MiB 2x; the boundary follows the kernel's socket buffers, not the network.
+GLOO_TURNS_BYTES = 2 << 20
+
+
+def _all_at_once(S: float, n: int) -> Phase:
+    """all_to_all with every send in flight together: n-1 flows of S/n from each rank."""
+    return Phase(tuple(Flow(r, (r + i) % n, S / n) for r in range(n) for i in range(1, n)), messages=n - 1)
+
+
+def _gloo_all_to_all(S: float, n: int) -> list[Phase]:
+    """gloo's all_to_all: a pair's two directions take turns. Rank r posts, for i = 1..n-1, its send
+    to r+i and then its receive from r-i. A send goes out once the peer's "ready to receive" notice
+    has come, and that notice travels on the pair's one connection behind whatever data is already
+    queued there. So for a pair a, b = a+i with i < n-i, a's data to b goes first (b announced its
+    receive in round i, before its own send in round n-i), and b's data to a waits until a's notice,
+    posted in round n-i behind a's data, arrives: two phases, each direction in one. Where i = n-i
+    the pair races; the lower rank is taken to go first. Measured here on a 2-worker star: the two
+    directions alternate at the link's full rate, never both at once (docs/fidelity.md). Where the
+    ranks arrive together, within the path's one-way delay, every notice leaves before any data and
+    the directions go together: predict() decides which."""
+    forward, backward = [], []
+    for a in range(n):
+        for i in range(1, n):
+            b = (a + i) % n
+            first = i < n - i or (2 * i == n and a < b)
+            (forward if first else backward).append(Flow(a, b, S / n))
+    half = (n - 1) / 2   # each phase pays half of a rank's n-1 messages
+    return [Phase(tuple(forward), messages=half), Phase(tuple(backward), messages=half)]
 
 
 GLOO_ELEMENT_BYTES = 4   # float32, what DDP and the benchmarks reduce (the model sees bytes, not dtypes)
@@ -483,7 +517,22 @@ def predict(topo: Topology, plan: NetworkPlan, op: str, nbytes: int, rank_worker
     for w in rank_workers:
         if w not in topo.nodes or not topo.nodes[w].is_worker:
             raise ModelError(f"rank on {w!r}, which is not a worker of {topo.name}")
-    ph = phases(op, nbytes, n, backend, root)
+    args = (topo, plan, op, nbytes, rank_workers, constants, backend, seed, placements)
+    if op == "all_to_all" and backend == "gloo" and n > 1:
+        # a pair's directions take turns (_gloo_all_to_all) only where a rank arrives after its
+        # peer's "ready to receive" notice, which a loop of them does where one direction's
+        # transfer outlasts the one-way path delay (it staggers the ranks by that transfer), and
+        # only for large messages: measured, 512 KiB each way went together (docs/fidelity.md)
+        together = _predict(*args, [_all_at_once(float(nbytes), n)])
+        if nbytes / n < GLOO_TURNS_BYTES or together.bandwidth_s <= together.delay_s / PATH_TRIPS[backend]:
+            return together
+    return _predict(*args, phases(op, nbytes, n, backend, root))
+
+
+def _predict(topo: Topology, plan: NetworkPlan, op: str, nbytes: int, rank_workers: Sequence[str],
+             constants: MachineConstants, backend: str, seed: int, placements: int | None,
+             ph: list[Phase]) -> Prediction:
+    n = len(rank_workers)
     alpha, beta = constants.for_op(op)
     net = _net(topo)
     pairs = sorted({(rank_workers[f.src], rank_workers[f.dst]) for p in ph for f in p.flows})
