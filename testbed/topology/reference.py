@@ -46,8 +46,9 @@ Algorithms (what the backends do, from their sources):
         the gathered size). reduce_scatter: gloo runs a full all_reduce of the
         input S. broadcast: binomial tree, ceil(log2 n) rounds of the whole S.
         all_to_all: every rank posts its n-1 sends of S/n at once; a pair's two
-        directions take turns (two phases, _gloo_all_to_all) where one
-        direction's transfer outlasts the one-way path delay. barrier:
+        directions take turns (two phases, _gloo_all_to_all) where it sends
+        GLOO_TURNS_BYTES or more each way and one direction's transfer outlasts
+        the one-way path delay. barrier:
         dissemination, ceil(log2 n) rounds of empty messages. send_recv: one
         flow of S.
   nccl  ring for all_reduce (2(n-1) steps of S/n, to r+1), all_gather and
