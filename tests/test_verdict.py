@@ -180,7 +180,7 @@ def test_an_asynchronous_collective_timed_to_its_completion_is_judged(tmp_path):
 
 def test_an_ecmp_class_is_judged_at_its_median_placement(tmp_path):
     # gloo's all_to_all over two pods of a k=4 fat-tree: the hash may put two flows of a phase on
-    # one uplink (1.47x)
+    # one uplink (1.49x)
     ft = "name: ft\ngenerator: fat-tree\nparams: {k: 4}\n"
     topo = load_topology_text(ft, "<t>")
     workers = ["w0", "w1", "w8", "w9"]

@@ -47,8 +47,7 @@ Algorithms (what the backends do, from their sources):
         input S. broadcast: binomial tree, ceil(log2 n) rounds of the whole S.
         all_to_all: every rank posts its n-1 sends of S/n at once; a pair's two
         directions take turns (two phases, _gloo_all_to_all) where it sends
-        GLOO_TURNS_BYTES or more each way and one direction's transfer outlasts
-        the one-way path delay. barrier:
+        GLOO_TURNS_BYTES or more each way. barrier:
         dissemination, ceil(log2 n) rounds of empty messages. send_recv: one
         flow of S.
   nccl  ring for all_reduce (2(n-1) steps of S/n, to r+1), all_gather and
@@ -288,7 +287,7 @@ def phases(op: str, nbytes: float, n: int, backend: str = "gloo", root: int = 0)
         rounds = math.ceil(math.log2(n))
         return [Phase(tuple(Flow(r, (r + (1 << i)) % n, 0.0) for r in range(n))) for i in range(rounds)]
     if op == "all_to_all":
-        return _gloo_all_to_all(S, n) if backend == "gloo" else [_all_at_once(S, n)]
+        return _gloo_all_to_all(S, n) if backend == "gloo" and S / n >= GLOO_TURNS_BYTES else [_all_at_once(S, n)]
     if backend == "gloo":
         if op in ("all_reduce", "reduce_scatter"):
             if S <= 0:
@@ -313,7 +312,9 @@ def phases(op: str, nbytes: float, n: int, backend: str = "gloo", root: int = 0)
 
 # From what a pair sends each way in one gloo all_to_all, its two directions take turns. Measured on a
 # 2-worker 10 Gbit/s star at s = 6.2 (real time, whole calls): 512 KiB each way took one direction's
-# time, 2 MiB 1.69x it, 8 MiB 2x; the boundary follows the kernel's socket buffers, not the network.
+# time, 2 MiB 1.69x it, 8 MiB 2x. Where the boundary comes from (the kernel's socket buffers, the
+# ranks' stagger) is not pinned down, and across a 5 ms WAN link 8 MiB each way went together once
+# (docs/fidelity.md).
 GLOO_TURNS_BYTES = 2 << 20
 
 
@@ -330,9 +331,9 @@ def _gloo_all_to_all(S: float, n: int) -> list[Phase]:
     receive in round i, before its own send in round n-i), and b's data to a waits until a's notice,
     posted in round n-i behind a's data, arrives: two phases, each direction in one. Where i = n-i
     the pair races; the lower rank is taken to go first. Measured here on a 2-worker star: the two
-    directions alternate at the link's full rate, never both at once (docs/fidelity.md). Where the
-    ranks arrive together, within the path's one-way delay, every notice leaves before any data and
-    the directions go together: predict() decides which."""
+    directions alternate at the link's full rate, never both at once (docs/fidelity.md). Ranks that
+    arrive together send every notice before any data, and the directions go together; that is what
+    was measured below GLOO_TURNS_BYTES each way (phases() decides by it)."""
     forward, backward = [], []
     for a in range(n):
         for i in range(1, n):
@@ -518,22 +519,7 @@ def predict(topo: Topology, plan: NetworkPlan, op: str, nbytes: int, rank_worker
     for w in rank_workers:
         if w not in topo.nodes or not topo.nodes[w].is_worker:
             raise ModelError(f"rank on {w!r}, which is not a worker of {topo.name}")
-    args = (topo, plan, op, nbytes, rank_workers, constants, backend, seed, placements)
-    if op == "all_to_all" and backend == "gloo" and n > 1:
-        # a pair's directions take turns (_gloo_all_to_all) only where a rank arrives after its
-        # peer's "ready to receive" notice, which a loop of them does where one direction's
-        # transfer outlasts the one-way path delay (it staggers the ranks by that transfer), and
-        # only for large messages: measured, 512 KiB each way went together (docs/fidelity.md)
-        together = _predict(*args, [_all_at_once(float(nbytes), n)])
-        if nbytes / n < GLOO_TURNS_BYTES or together.bandwidth_s <= together.delay_s / PATH_TRIPS[backend]:
-            return together
-    return _predict(*args, phases(op, nbytes, n, backend, root))
-
-
-def _predict(topo: Topology, plan: NetworkPlan, op: str, nbytes: int, rank_workers: Sequence[str],
-             constants: MachineConstants, backend: str, seed: int, placements: int | None,
-             ph: list[Phase]) -> Prediction:
-    n = len(rank_workers)
+    ph = phases(op, nbytes, n, backend, root)
     alpha, beta = constants.for_op(op)
     net = _net(topo)
     pairs = sorted({(rank_workers[f.src], rank_workers[f.dst]) for p in ph for f in p.flows})
