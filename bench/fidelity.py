@@ -419,9 +419,10 @@ WHAT_IT_MISSES = """## What the emulation and the model do not capture (why cell
   1.6-2.5x that at 16-64 MiB whatever the dilation (4.7 to 12 on a 4-rank star), so the cost is
   not this machine's CPU running short but gloo's all_gather doing more than the ring (copies of
   the whole output per step). Not modelled yet: the verdict calls these cells not faithful.
-- Large messages (64 MiB) on few ranks: 15-25% over the links at auto dilation on a 4-rank star,
-  4-6% at s = 8-9. auto dilates until this machine's host work per byte stays 1.5x below the
-  links' time (topology.dilation.HOST_MARGIN); at 64 MiB that is not yet enough.
+- Large messages (64 MiB) on few ranks: auto dilates until this machine's host work per byte
+  stays HOST_MARGIN times below the links' time (topology.dilation). At a margin of 1.5 a 4-rank
+  star's 64 MiB cells were 15-25% over the links, and 4-6% at s = 8-9; at 3 (since 2026-12-07) its
+  reduce_scatter came within 9%, its all_gather and broadcast stayed 17-21% over.
 - Below what compute needs (dilation none, or 4 for 16 ranks) the verdict's CPU check fails
   the run: ranks wait for cores, not for the network.
 - Two timings of one thing. A cell's time is the benchmark's own (a loop of back-to-back calls,
