@@ -87,9 +87,26 @@ def test_gloo_overlaps_a_segments_cost_with_the_other_segments_transfer(n, nbyte
     assert p.time_s == pytest.approx(2 * (n - 1) * (step + 2 * 10e-6), rel=1e-9)
     assert p.bandwidth_s == pytest.approx(2 * (n - 1) * wire, rel=1e-9)
     serial = predict(t, plan, "all_reduce", nbytes, t.workers, MachineConstants(alpha_s=alpha, beta_s_per_byte=0.0),
-                     backend="nccl")   # NCCL's ring has no such segments: alpha then the transfer
+                     backend="nccl")   # NCCL's ring has no such segments: alpha under each step's transfer
     assert serial.bandwidth_s == pytest.approx(p.bandwidth_s, rel=1e-9)
     assert p.time_s < 2 * (n - 1) * (alpha + wire + 2 * 10e-6)
+
+
+@pytest.mark.parametrize("op", ["send_recv", "all_gather", "broadcast"])
+@pytest.mark.parametrize("nbytes", [1 << 10, 64 << 10, 1 << 20, 16 << 20])
+def test_a_messages_cost_runs_while_its_bytes_move(op, nbytes):
+    """One message a step (everything but gloo's segmented ring): a step takes its path delays and
+    the longer of alpha and its transfer, not their sum. Measured: 1 MiB steps took the links'
+    time with a burst alpha of 140 us beside a 450 us transfer (docs/fidelity.md)."""
+    t, plan = star(2, "10gbit", "5us")
+    alpha = 300e-6
+    p = predict(t, plan, op, nbytes, t.workers, MachineConstants(alpha_s=alpha, beta_s_per_byte=0.0))
+    links = predict(t, plan, op, nbytes, t.workers, NETWORK_ONLY)
+    wire = links.bandwidth_s
+    assert wire == pytest.approx((nbytes / 2 if op == "all_gather" else nbytes) / (10e9 / 8 * G), rel=1e-9)
+    assert p.time_s == pytest.approx(links.delay_s + max(alpha, wire), rel=1e-9)
+    assert p.software_s == pytest.approx(max(0.0, alpha - wire), abs=1e-12)   # what alpha's spread moves
+    assert p.time_s < links.time_s + alpha   # the sum the model took before
 
 
 def test_host_cost_limits_a_fast_link_smoothly():

@@ -8,9 +8,13 @@ size and the backend, it predicts the time the emulated cluster needs.
 An algorithm is a list of phases; a phase is a set of concurrent flows
 (rank -> rank, bytes), repeated `count` times. One phase takes
 
-    alpha x messages + the slowest flow's (trips x path delay + time to move its bytes)
+    the slowest flow's trips x path delay + max(alpha x messages, time to move its bytes)
 
-(gloo's ring all_reduce overlaps the two: see its algorithm below).
+A message's software cost is paid while its bytes are on the wire: alpha is
+measured on small messages, where it is mostly the ranks' wake-ups, and a step
+whose transfer outlasts it does not pay it again (measured: 1 MiB steps took
+the links' time, docs/fidelity.md). gloo's ring all_reduce pays a segment's
+cost after the wire as well (see its algorithm below).
 
 - alpha: the software cost of one message (a send and the matching receive,
   wake-ups included), calibrated on this machine with two ranks on their own
@@ -504,7 +508,9 @@ def _phase_time(phase: Phase, routes: Sequence[tuple[tuple[str, str], ...]], net
         k, a = phase.segments, alpha / 2
         step = max(bw_of + a, k * a + bw_of / k)
         return lat_of + step, lat_of + step - bw_of, bw_of, lat_of, why
-    return software + slowest, software + lat_of, bw_of, lat_of, why
+    # one message a step: its software cost runs while its bytes move (the module text)
+    step = max(software, bw_of)
+    return lat_of + step, lat_of + step - bw_of, bw_of, lat_of, why
 
 
 def predict(topo: Topology, plan: NetworkPlan, op: str, nbytes: int, rank_workers: Sequence[str],
