@@ -34,14 +34,13 @@ side never touch each other); `cleanup` removes only what it can prove.
 from __future__ import annotations
 
 import os
-import signal
 import time
-import threading
 from contextlib import ExitStack, contextmanager, suppress
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 
-from testbed import events, paths, procs, store
+from testbed import events, interrupts, paths, procs, store
+from testbed.interrupts import checkpoint
 from testbed.errors import CapabilityError, StateError, TestbedError
 from testbed.net import limits, names, netns
 from testbed.topology.model import LinkProfile, Topology
@@ -76,22 +75,6 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def _checkpoint(phase: str) -> None:
-    """Between the phases of `up`: a TERM/HUP whose exception was swallowed where it landed is
-    raised again here. Test hooks: TESTBED_FAIL_AT=PHASE raises there; TESTBED_PAUSE_AT=
-    PHASE:SECONDS sleeps there."""
-    _raise_if_signalled()
-    fail = os.environ.get("TESTBED_FAIL_AT")
-    if fail and fail == phase:
-        raise TestbedError(f"injected failure at {phase} (TESTBED_FAIL_AT)")
-    pause = os.environ.get("TESTBED_PAUSE_AT")
-    if pause:
-        p, _, secs = pause.partition(":")
-        if p == phase:
-            time.sleep(float(secs or 5))
-            _raise_if_signalled()
 
 
 def _runtime_kind(topo: Topology, requested: str | None) -> str:
@@ -174,30 +157,6 @@ def check_capabilities(topo: Topology, caps: Any = None) -> Any:
 
 
 # -- up ------------------------------------------------------------------------------------------------
-
-class _Terminated(KeyboardInterrupt):
-    pass
-
-
-_signalled: list[int] = []   # INT/TERM/HUP received during this `up`
-
-
-def _raise_terminated(signum: int, frame: Any) -> None:
-    # Raised where the main thread is; where it is swallowed (a weakref callback, a __del__, an
-    # event loop's internals, pyroute2's bare `except: pass` while it parses netlink replies), the
-    # flag makes the next checkpoint raise it again.
-    _signalled.append(signum)
-    raise _as_raised(signum)
-
-
-def _as_raised(signum: int) -> KeyboardInterrupt:
-    return KeyboardInterrupt() if signum == signal.SIGINT else _Terminated(f"signal {signum}")
-
-
-def _raise_if_signalled() -> None:
-    if _signalled:
-        raise _as_raised(_signalled[0])
-
 
 def _raise_open_files_limit(nodes: int) -> None:
     """The build holds a descriptor per namespace at once (linking them): a shell's usual soft limit
@@ -301,7 +260,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         raise CapabilityError(f"this machine cannot hold testbed {name!r}: " + "; ".join(short))
     kind = _runtime_kind(topo, runtime)
     rt = make_runtime(kind, name, net_admin=net_admin)
-    _checkpoint("checked")
+    checkpoint("checked")
 
     # Hold the testbed's lock for the whole build (`down`, faults and `cleanup` wait, or say who
     # holds it), and under it claim the name (a second `up` of the same name fails here): a claim
@@ -359,15 +318,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
                 store.save(name, st)
                 saved[0] = time.monotonic()
 
-    # SIGTERM and SIGHUP roll back like Ctrl-C; signals can only be handled in the main thread,
-    # so a caller in another thread keeps its own handling.
-    main = threading.current_thread() is threading.main_thread()
-    _signalled.clear()
-    old_term = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
-    old_hup = signal.signal(signal.SIGHUP, _raise_terminated) if main else None
-    # (a Ctrl-C this process was started to ignore stays ignored)
-    ctrl_c = main and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
-    old_ctrl_c = signal.signal(signal.SIGINT, _raise_terminated) if ctrl_c else None
+    signals = interrupts.Handlers()   # SIGTERM and SIGHUP roll back like Ctrl-C
     builder = Builder(name, topo, plan, caps, record=record, owner_label=owner_label(name), progress=progress,
                       part=part)
     pending = None
@@ -381,7 +332,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         if progress:
             progress("worker namespaces", len(workers), len(workers))
         timings["worker namespaces"] = time.perf_counter() - t0
-        _checkpoint("workers")
+        checkpoint("workers")
         # The workers' inits start now and come up while the fabric is built (they need only
         # their namespace); their records are saved at once so cleanup finds them after kill -9.
         t0 = time.perf_counter()
@@ -405,14 +356,14 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
         store.save(name, st)
         t_launch = time.perf_counter() - t0
         builder.create_switch_namespaces()
-        _checkpoint("switches")
+        checkpoint("switches")
         builder.set_worker_sysctls()
         builder.create_links()
         store.save(name, st)   # every delay line recorded (record() writes at most once a second)
-        _checkpoint("links")
+        checkpoint("links")
         builder.configure()
         builder.wait_ready()
-        _checkpoint("configured")
+        checkpoint("configured")
         t0 = time.perf_counter()
         recs, pending = pending.finish(), None
         for (node, ns, _env, _hosts), rec in zip(batch, recs):
@@ -422,7 +373,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
             progress("workers", len(workers), len(workers))
         t0 -= t_launch  # launching + waiting; the inits' own start-up overlapped the fabric
         timings["start workers"] = time.perf_counter() - t0
-        _checkpoint("started")   # (also: the last chance for a swallowed TERM to roll back)
+        checkpoint("started")   # (also: the last chance for a swallowed TERM to roll back)
         timings.update(builder.timings)
         timings["total"] = time.perf_counter() - t_start
         st["status"] = UP
@@ -434,22 +385,14 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
                     links=len(topo.links))
         return st
     except BaseException:
-        if main:   # a second Ctrl-C or TERM must not stop the rollback (restored in the `finally`)
-            old_ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            old_ctrl_c = old_ctrl_c if ctrl_c else old_ignored
+        signals.ignore_during_rollback()
         if pending is not None:
             with suppress(Exception):
                 pending.abort()
         remove_recorded(st)   # what it cannot remove stays recorded for `cleanup`
         raise
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, old_term)
-            signal.signal(signal.SIGHUP, old_hup)
-            if old_ctrl_c is not None:
-                signal.signal(signal.SIGINT, old_ctrl_c)
-        _signalled.clear()   # a later `up` in this process starts clean
+        signals.finish()
         held.close()
 
 

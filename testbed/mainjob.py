@@ -141,9 +141,9 @@ def step_compute(run_dir: Path, s: float) -> dict[str, float] | None:
 
 
 def run_cores(run_dir: Path) -> float:
-    """The cores of this machine each rank of the run had in emulated time (verdict.recorded_rank_cores)."""
+    """The cores of this machine each rank of the run had in emulated time (run_constants.recorded_rank_cores)."""
     from testbed.jobs import rundir
-    from testbed.report.verdict import recorded_rank_cores
+    from testbed.report.run_constants import recorded_rank_cores
 
     summary = rundir.read_json(Path(run_dir) / "summary.json")
     return recorded_rank_cores(summary if isinstance(summary, dict) else {})

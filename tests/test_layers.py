@@ -30,7 +30,8 @@ LAYERS: list[list[tuple[str, tuple[str, ...]]]] = [
     # leaves: no testbed import but one another (and testbed's own __init__, the version)
     [("leaves", ("testbed", "testbed.errors", "testbed.paths", "testbed.procs", "testbed.terminal",
                  "testbed.safeio", "testbed.tarstream", "testbed.events", "testbed.names",
-                 "testbed.cgroupfs", "testbed.cpustat", "testbed.lifeline", "testbed.nodeside"))],
+                 "testbed.cgroupfs", "testbed.cpustat", "testbed.lifeline", "testbed.nodeside",
+                 "testbed.interrupts"))],
     [("topology", ("testbed.topology",))],
     [("state", ("testbed.store", "testbed.state_schema", "testbed.state_values"))],
     [("net", ("testbed.net",))],

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed import lifecycle, node_exec
+from testbed import interrupts, lifecycle, node_exec
 from testbed.cleanup import cleanup
 from testbed.errors import StateError
 from testbed.errors import TestbedError as TBError
@@ -123,7 +123,7 @@ def test_a_ctrl_c_whose_interrupt_a_library_swallowed_still_rolls_back(root, sta
         if paths.directory(tb_name).exists():   # (the old code: it came up; take it down)
             lifecycle.down(tb_name)
     assert_nothing_left(tb_name, state_dir)
-    assert not lifecycle._signalled, "a later up in this process would stop at its first checkpoint"
+    assert not interrupts._signalled, "a later up in this process would stop at its first checkpoint"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 

@@ -163,13 +163,13 @@ def python_frames(pid: int) -> list[tuple[str, str, int]]:
 
 def paused_at(pid: int, phase: str) -> bool:
     """`testbed up` (process `pid`, started with TESTBED_PAUSE_AT=PHASE:SECONDS) has reached its
-    pause at `phase`: its main thread is in lifecycle._checkpoint, called from the line of up that
-    says `_checkpoint("PHASE")` (so everything up does before that phase's end is done)."""
+    pause at `phase`: its main thread is in interrupts.checkpoint, called from the line of up that
+    says `checkpoint("PHASE")` (so everything up does before that phase's end is done)."""
     from testbed import lifecycle
 
     source = Path(lifecycle.__file__).read_text().splitlines()
-    lines = {i + 1 for i, text in enumerate(source) if f'_checkpoint("{phase}")' in text}
+    lines = {i + 1 for i, text in enumerate(source) if f'checkpoint("{phase}")' in text}
     if not lines:
-        raise ValueError(f"no _checkpoint({phase!r}) in {lifecycle.__file__}")
+        raise ValueError(f"no checkpoint({phase!r}) in {lifecycle.__file__}")
     frames = python_frames(pid)
-    return len(frames) >= 2 and frames[0][0] == "_checkpoint" and frames[1][0] == "up" and frames[1][2] in lines
+    return len(frames) >= 2 and frames[0][0] == "checkpoint" and frames[1][0] == "up" and frames[1][2] in lines

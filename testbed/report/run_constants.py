@@ -72,3 +72,16 @@ def run_constants(run: str | Path, machine: Any, topo: Any, ranks: list[str]) ->
     measured = run_alpha(topo, plan_network(topo), ranks, burst, constants, s,
                          "nccl" if backends == {"nccl"} else "gloo")
     return with_alpha(constants, *measured) if measured is not None else constants
+
+
+RANK_CORES_MAX = 1000.0
+
+
+def recorded_rank_cores(summary: dict[str, Any]) -> float:
+    """The cores of this machine each rank had in emulated time (dilation.Choice.rank_cores), as the
+    run's summary recorded it: 1 when it did not, or when the record is not a sane number (it comes
+    from disk)."""
+    dil = summary.get("time_dilation")
+    v = dil.get("rank_cores") if isinstance(dil, dict) else None
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 1 <= v <= RANK_CORES_MAX
+    return float(v) if ok else 1.0

@@ -57,8 +57,9 @@ from testbed.report.checks import (OTHERS_MAX, TOLERANCE, Check, cpu_check, dela
                                    queue_check)
 from testbed.report.instances import (active_window, instances, launches_only, rank_workers, recording_ranks,
                                       relative_ci95)
-from testbed.report.run_constants import run_alpha
+from testbed.report.run_constants import recorded_rank_cores, run_alpha
 from testbed.report.sharing import LANES, Launch, shared_times
+from testbed.report.slow_fixes import slow_fixes
 from testbed.topology.units import format_size
 
 MAX_NOISE = 0.25   # a class whose mean is less certain than this (95% interval, relative) is not judged
@@ -96,6 +97,11 @@ class ClassRow:
     @property
     def in_bounds(self) -> bool:
         return self.lo_s <= self.measured_s <= self.hi_s
+
+    @property
+    def shared(self) -> bool:
+        """Whether the model gave the class more time than alone: collectives were in flight beside it."""
+        return self.alone_s > 0 and self.model_s > self.alone_s * 1.005
 
 
 @dataclass
@@ -410,34 +416,8 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
     slow = [r for r in off_material if r.error > 0]
     fast = [r for r in off_material if r.error < 0]
     shared_busy = shared is not None and shared.ok is None
-    dil = summary.get("time_dilation") or {}
-    margin = _host_margin(run) if dil.get("setting") == "auto" and dil.get("cap_cpu") else None
-    beside = [r for r in slow if _shared(r)] if margin is not None else []
-    if beside and cpu.ok is not False and not shared_busy:
-        fixes.append(_ran_beside_the_job(beside, margin))
-        slow = [r for r in slow if r not in beside]
     if slow and cpu.ok is not False and not shared_busy:
-        worst = max(r.measured_s / r.model_s for r in slow)
-        if dil.get("cap_cpu") and dil.get("setting") == "fixed":
-            beta = _beta(summary, machine)
-            world = int(summary.get("world_size") or 1)
-            by_cap = [r for r in slow if beta is None or _cap_bound(r, world, beta, recorded_rank_cores(summary))]
-            if by_cap:
-                fixes.append(_fixed_cap(summary, beta, s, max(r.measured_s / r.model_s for r in by_cap)))
-            if len(by_cap) < len(slow):
-                fixes.append(_not_the_cap([r for r in slow if r not in by_cap], s))
-        elif dil.get("cap_cpu") or dil.get("setting") == "auto":
-            # auto already hid the host's cost per byte; what is left is CPU work inside the collective
-            # (reductions, gloo's copies), which runs at this machine's core speed at any dilation
-            # (docs/fidelity.md: all_gather 64 MiB at 1.66x with s=12, 1.83x with s=30)
-            fixes.append(f"collectives ran up to {worst:.2f}x the model with the CPUs not oversubscribed: what is "
-                         "left is their own CPU work (reductions, gloo's copies of its output), which the emulation "
-                         "runs at this machine's core speed whatever the dilation, so a higher --time-dilation does "
-                         "not remove it; docs/fidelity.md says which collectives and sizes it touches")
-        else:
-            fixes.append(f"the CPUs were not oversubscribed, yet collectives ran up to {worst:.2f}x the model: "
-                         "--time-dilation auto chooses a dilation that hides this machine's cost per byte; "
-                         "docs/fidelity.md says what the model does not capture")
+        fixes += slow_fixes(run, summary, machine, slow, s)
     if fast:
         fixes.append(", ".join(f"{r.op} {format_size(r.nbytes)}" for r in fast)
                      + " ran faster than the model: docs/fidelity.md says where the emulation is "
@@ -502,83 +482,10 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
     return Verdict(status, reasons, fixes, checks, rows, constants, unjudged)
 
 
-def _shared(r: ClassRow) -> bool:
-    """Whether the model gave the class more time than alone: collectives were in flight beside it."""
-    return r.alone_s > 0 and r.model_s > r.alone_s * 1.005
-
-
-def _host_margin(run: Path) -> float | None:
-    """auto's margin for the bytes' host work on the run's topology (dilation.HOST_MARGIN for declared
-    hosts); None where there is none (hosts "like this machine": the model charges their cost) or
-    the snapshot does not say (it comes from disk)."""
-    from testbed.topology.dilation import HOST_MARGIN
-    from testbed.topology.reference import host_beta
-
-    topo = rundir.read_json(run / "topology.json")
-    try:
-        declared = host_beta(topo.get("host_rate")) if isinstance(topo, dict) else None
-    except (TypeError, ValueError, ZeroDivisionError):
-        return None
-    return HOST_MARGIN if declared is not None else None
-
-
-def _beta(summary: dict[str, Any], machine: Any) -> float | None:
-    """This machine's cost per byte the verdict judged with (the summary's record comes from disk)."""
-    recorded = summary.get("machine") if isinstance(summary.get("machine"), dict) else {}
-    beta = getattr(machine, "beta_s_per_byte", None) if machine is not None else recorded.get("beta_s_per_byte")
-    ok = isinstance(beta, (int, float)) and not isinstance(beta, bool) and math.isfinite(beta) and beta > 0
-    return float(beta) if ok else None
-
-
-def _cap_bound(r: ClassRow, world: int, beta: float, cores: float) -> bool:
-    """Whether the cap's cores could have slowed this class: moving a rank's bytes on them takes more
-    than 1/HOST_MARGIN of the links' time, the margin auto keeps for declared hosts."""
-    from testbed.topology.dilation import HOST_MARGIN
-    from testbed.topology.reference import cost_terms
-
-    host_s = cost_terms(r.op, r.nbytes, max(2, world), r.backend)[1] * beta / cores
-    return host_s * HOST_MARGIN > r.links_s
-
-
-def _named(rows: list[ClassRow]) -> str:
-    return ", ".join(f"{r.op} {format_size(r.nbytes)} ({r.measured_s / r.model_s:.2f}x)" for r in rows)
-
-
-def _not_the_cap(rows: list[ClassRow], s: float) -> str:
-    return (f"{_named(rows)} ran slow at a fixed --time-dilation {s:g}, though the cores the CPU cap left each rank move "
-            "its bytes well within the links' time: not the cap, and not this machine's cost per byte. "
-            "docs/fidelity.md says what the emulation and the model do not capture")
-
-
-def _fixed_cap(summary: dict[str, Any], beta: float | None, s: float, worst: float) -> str:
-    """The fix for slow classes at a fixed dilation that capped the workers' CPUs: the cap scales with
-    s, so each rank's cores for its bytes (and its rate) stay what they are whatever s is (measured on
-    the seed's DDP case at s = 9: 1.8-4.1x, docs/fidelity.md)."""
-    cores = recorded_rank_cores(summary)
-    rate = f", about {cores * 8 / beta / 1e9:.2f} Gbit/s per rank" if beta is not None else ""
-    return (f"collectives ran up to {worst:.2f}x the model at a fixed --time-dilation {s:g}: each worker's CPU was "
-            f"capped at 1/{s:g} of its cores so that compute slows by {s:g} too, which left each rank {cores:.3g} "
-            f"of this machine's cores in emulated time to move its bytes{rate}, whatever s is. "
-            "--time-dilation auto (the default) chooses s and the cap so that the bytes have the cores the "
-            "declared hosts need")
-
-
-def _ran_beside_the_job(rows: list[ClassRow], margin: float) -> str:
-    """The fix for slow classes that had collectives in flight beside them, which only what a job
-    launches asynchronously does (DDP's buckets during backward): if the job computed meanwhile, that
-    compute shared the worker's CPU cap with gloo's threads. Measured on the seed's DDP case in
-    docs/fidelity.md ("Buckets in flight together")."""
-    return (f"{_named(rows)} ran while the job went on beside it (launched asynchronously, as DDP's buckets are during "
-            f"backward): where the job computes meanwhile, its compute and gloo's threads share the worker's CPU "
-            f"cap, which GPU servers do not, and auto left the bytes' host work only a {margin:g}x margin on that "
-            "whole cap; a fixed --time-dilation slows compute by s as well and does not help. docs/fidelity.md "
-            "(\"Buckets in flight together\") has the measurements")
-
-
 def _class_what(r: ClassRow) -> str:
     what = (f"{r.op} {format_size(r.nbytes)} (x{r.count}, {100 * r.share:.0f}% of the time): {r.measured_s * 1e3:.3g} ms, "
             f"{r.measured_s / r.model_s:.2f}x the model's {r.model_s * 1e3:.3g} ms")
-    if _shared(r):
+    if r.shared:
         what += f" ({r.alone_s * 1e3:.3g} ms alone; it shared the links with collectives in flight beside it)"
     if r.bounded:
         what += (f" (median ECMP placement; {'inside' if r.in_bounds else 'outside'} its bounds "
@@ -602,19 +509,6 @@ def _class_check(r: ClassRow) -> Check:
     if r.status == "off":
         return Check("model", False if r.share >= MATERIAL else None, what)
     return Check("model", True, what)
-
-
-RANK_CORES_MAX = 1000.0
-
-
-def recorded_rank_cores(summary: dict[str, Any]) -> float:
-    """The cores of this machine each rank had in emulated time (dilation.Choice.rank_cores), as the
-    run's summary recorded it: 1 when it did not, or when the record is not a sane number (it comes
-    from disk)."""
-    dil = summary.get("time_dilation")
-    v = dil.get("rank_cores") if isinstance(dil, dict) else None
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 1 <= v <= RANK_CORES_MAX
-    return float(v) if ok else 1.0
 
 
 def _devices(summary: dict[str, Any], monitor: dict[str, Any]) -> int | None:
