@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 from waiting import wait_for
 
 from testbed.jobs import monitor
@@ -69,3 +71,53 @@ def test_the_delay_line_engines_cpu_is_counted_with_ours(tmp_path):
     finally:
         burner.stdin.close()
         burner.wait(10)
+
+
+def test_a_caps_counters_are_read_from_cpu_stat_in_either_hierarchy(tmp_path):
+    """cgroup v1 says throttled_time in ns, v2 throttled_usec; a group without the counters (no cap
+    controller there) and a value that is not a number give nothing, not a guess."""
+    from testbed.runtime import cgroups
+
+    v1, v2, none, bad = (tmp_path / d for d in ("v1", "v2", "none", "bad"))
+    for d in (v1, v2, none, bad):
+        d.mkdir()
+    (v1 / "cpu.stat").write_text("nr_periods 200\nnr_throttled 30\nthrottled_time 450000000\n")
+    (v2 / "cpu.stat").write_text("usage_usec 9\nnr_periods 10\nnr_throttled 4\nthrottled_usec 25000\n")
+    (none / "cpu.stat").write_text("usage_usec 9\n")
+    (bad / "cpu.stat").write_text("nr_periods many\nnr_throttled 4\n")
+    assert cgroups.cpu_throttling([v1]) == (200, 30, 0.45)
+    assert cgroups.cpu_throttling([none, v2]) == (10, 4, 0.025)   # the first group that has them
+    assert cgroups.cpu_throttling([none]) is None and cgroups.cpu_throttling([bad]) is None
+    assert monitor.cap_throttling([[v1], [v2], [none]]) == {"periods": 210, "throttled": 34,
+                                                            "throttled_s": pytest.approx(0.475), "workers": 2}
+    assert monitor.cap_throttling([[none]]) is None
+
+
+def test_a_busy_worker_under_its_cap_is_counted_held_back(root, tmp_path):
+    """A real group capped at 0.1 core with a process that spins in it: the kernel throttles it in
+    most periods, and the monitor's counters say so."""
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    from testbed.runtime import cgroups
+
+    name = f"tmon-{uuid.uuid4().hex[:6]}"
+    paths = cgroups.create(name, "w0", cpus=0.1)
+    assert paths, "no cgroup hierarchy with a cpu controller"
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        before = monitor.cap_throttling([paths])
+        cgroups.add(paths, spinner.pid)
+        time.sleep(1.0)
+        after = monitor.cap_throttling([paths])
+    finally:
+        spinner.kill()
+        spinner.wait(10)
+        cgroups.remove(paths)   # (and the testbed's directory above it, empty now)
+    periods, throttled = after["periods"] - before["periods"], after["throttled"] - before["throttled"]
+    print(f"1 s at 0.1 core: {throttled} of {periods} periods throttled, {after['throttled_s']:.2f} s")
+    # 10 ms periods for 1 s: about 100, each with the spinner over its 1 ms (at least 60, for a busy machine)
+    assert periods >= 60 and throttled >= 0.6 * periods
+    assert after["throttled_s"] >= 0.5   # held back most of each period

@@ -557,3 +557,24 @@ def test_small_collectives_that_wait_a_tick_now_and_then_are_named_not_deciding(
     assert not any(c.name == "tick waits" for c in short.checks), short.lines()
     big = judge(_write_run(tmp_path / "big", [0.010] * 14 + [0.030] * 6, monitor=QUIET))
     assert not any(c.name == "tick waits" for c in big.checks), big.lines()
+
+
+@pytest.mark.parametrize("cap,said", [
+    ({"periods": 24819, "throttled": 5547, "throttled_s": 10.74, "workers": 8},
+     "the CPU cap held workers back in 5547 of its 24819 periods (22%), 1.3 s real each on average (3.2% of the run)"),
+    ({"periods": 0, "throttled": 0, "throttled_s": 0.0, "workers": 8}, None),          # uncapped
+    ({"periods": "24819", "throttled": 5547, "throttled_s": 10.74, "workers": 8}, None),   # from disk: not a number
+    ({"periods": 100, "throttled": 5, "throttled_s": float("nan"), "workers": 8}, None),
+    ({"periods": 100, "throttled": 5, "throttled_s": 1.0, "workers": True}, None),
+    (None, None),
+])
+def test_the_cpu_check_says_how_often_the_cap_held_workers_back(cap, said):
+    from testbed.report.checks import cpu_check
+
+    mon = {"t0": 100.0, "t1": 142.6, "cores": 2, "cpu": [], "cpu_cap": cap}
+    c = cpu_check(mon, 24.6, None, 8, 2, capped=True)
+    assert c.ok is True
+    if said is None:
+        assert "cap held" not in c.detail
+    else:
+        assert c.detail.endswith("; " + said)

@@ -13,7 +13,9 @@ Started by `testbed run` around the ranks' lifetime, `Monitor` samples:
   socket per namespace opened once, not a process per node): backlog, and
   drops and overlimits between the first and the last sample;
 - every delay line (first and last sample, from its engine): frames sent, dropped, and
-  how late held frames left against their schedule.
+  how late held frames left against their schedule;
+- the workers' CPU cap (first and last sample, their cgroups' cpu.stat): periods, and the
+  periods and seconds the cap held a worker back (throttled).
 
 `stop()` returns a JSON-able document (the run writes it to monitor.json).
 Sampling costs a few netlink dumps a second; nothing here changes the testbed.
@@ -48,6 +50,18 @@ def ours_cpu_s(groups: list[list[Any]], engines: Iterable[ProcRef] = ()) -> floa
 
     return (sum(cgroups.cpu_usage_s(g) or 0.0 for g in groups) + time.process_time() + processes_cpu_s(engines)
             + kernel_threads_cpu_s())
+
+
+def cap_throttling(groups: list[list[Any]]) -> dict[str, float] | None:
+    """The workers' CPU caps so far, summed over the workers: {periods, throttled, throttled_s,
+    workers}; None where no group has a cap's counters."""
+    from testbed.runtime import cgroups
+
+    got = [t for t in (cgroups.cpu_throttling(g) for g in groups) if t is not None]
+    if not got:
+        return None
+    return {"periods": sum(t[0] for t in got), "throttled": sum(t[1] for t in got),
+            "throttled_s": sum(t[2] for t in got), "workers": len(got)}
 
 
 def engines_of(delay_lines: Iterable[Mapping[str, Any]]) -> list[ProcRef]:
@@ -226,7 +240,7 @@ class Monitor:
             return {}
         try:
             return {"busy_s": busy_cpu_s(), "ours_s": ours_cpu_s(self.groups, self.engines),
-                    "engines_s": processes_cpu_s(self.engines)}
+                    "engines_s": processes_cpu_s(self.engines), "cap": cap_throttling(self.groups)}
         except (OSError, ValueError):
             return {}
 
@@ -266,8 +280,12 @@ class Monitor:
             spent = (l_["busy_s"] - f["busy_s"]) - (l_["ours_s"] - f["ours_s"])
             others = max(0.0, spent / cpu_s)
             engines = max(0.0, (l_["engines_s"] - f["engines_s"]) / cpu_s)
+        cap = None
+        if isinstance(f.get("cap"), dict) and isinstance(l_.get("cap"), dict):
+            cap = {k: l_["cap"][k] - f["cap"][k] for k in ("periods", "throttled", "throttled_s")}
+            cap["workers"] = l_["cap"]["workers"]
         return {"t0": t0, "t1": t1, "cores": self.cores, "sample_s": SAMPLE_S, "others_cpu_share": others,
-                "engines_cpu_share": engines,
+                "engines_cpu_share": engines, "cpu_cap": cap,
                 "cpu": [{"t": t, "busy": b, "runnable": r} for t, b, r in self.cpu],
                 "psi_cpu_some_share": psi, "qdiscs": qd,
                 "delay_lines": {"first": self.first.get("delay_lines"), "last": self.last.get("delay_lines")}}

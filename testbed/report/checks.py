@@ -52,6 +52,7 @@ def cpu_check(monitor: dict[str, Any], s: float, window: tuple[float, float] | N
         psi = monitor.get("psi_cpu_some_share")
         detail += (f" ({runnable:.1f} runnable tasks per core, CPUs {100 * busy:.0f}% busy"
                    + (f", some task waiting for a CPU {100 * psi:.0f}% of the time" if psi is not None else "") + ")")
+    detail += _cap_held_back(monitor)
     if s * (1 + TOLERANCE) < need:
         return Check("cpu", False, f"CPU oversubscribed: {detail}: ranks compute {need / s:.1f}x slower than on "
                                    "the emulated cluster", f"--time-dilation {math.ceil(need * 10) / 10:g} "
@@ -63,6 +64,26 @@ def cpu_check(monitor: dict[str, Any], s: float, window: tuple[float, float] | N
                                   f"run's CPU work looks {s / need:.1f}x faster than on the emulated cluster "
                                   f"(testbed up --ranks {ranks} makes auto count the ranks you run)")
     return Check("cpu", True, detail)
+
+
+def _cap_held_back(monitor: dict[str, Any]) -> str:
+    """How often the workers' CPU cap held them back during the run (monitor.json's cpu_cap, from
+    their cgroups' counters; it comes from disk: numbers or nothing). Said, not judged: a throttled
+    worker waits for its next period, and what that costs a collective shows in its own check."""
+    cap = monitor.get("cpu_cap")
+    t0, t1 = monitor.get("t0"), monitor.get("t1")
+    if not isinstance(cap, dict) or not all(_number(x) for x in (t0, t1)) or t1 <= t0:
+        return ""
+    periods, throttled, secs, workers = (cap.get(k) for k in ("periods", "throttled", "throttled_s", "workers"))
+    if not all(_number(x) for x in (periods, throttled, secs, workers)) or periods <= 0 or workers < 1:
+        return ""
+    return (f"; the CPU cap held workers back in {throttled:.0f} of its {periods:.0f} periods "
+            f"({100 * throttled / periods:.0f}%), {secs / workers:.2g} s real each on average "
+            f"({100 * secs / workers / (t1 - t0):.1f}% of the run)")
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
 
 def delay_line_checks(monitor: dict[str, Any], s: float) -> list[Check]:

@@ -237,6 +237,26 @@ def cpu_usage_s(paths: Iterable[str | Path]) -> float | None:
     return None
 
 
+def cpu_throttling(paths: Iterable[str | Path]) -> tuple[int, int, float] | None:
+    """(periods, periods throttled, seconds throttled) of the group's CPU cap so far, from the cpu
+    controller's cpu.stat (v1: throttled_time in ns; v2: throttled_usec); None where the group has
+    no cap's counters. Values come from the kernel, read as numbers or not at all."""
+    for p in map(Path, paths):
+        f = p / "cpu.stat"
+        if not f.exists():
+            continue
+        fields = {}
+        for line in _read(f).splitlines():
+            k, _, v = line.partition(" ")
+            if v.strip().isdigit():
+                fields[k] = int(v)
+        if "nr_periods" in fields and "nr_throttled" in fields:
+            secs = fields["throttled_usec"] / 1e6 if "throttled_usec" in fields else \
+                fields.get("throttled_time", 0) / 1e9
+            return fields["nr_periods"], fields["nr_throttled"], secs
+    return None
+
+
 def memory_usage_bytes(paths: Iterable[str | Path]) -> int | None:
     for p in map(Path, paths):
         for f in ("memory.usage_in_bytes", "memory.current"):
