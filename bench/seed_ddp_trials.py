@@ -3,7 +3,8 @@
 dilation, `testbed run -- python examples/train_ddp.py --model mlp --steps 30` (DDP's default
 buckets: two per step, in flight together), its verdict, and each DDP bucket's class against the
 model with the links shared (what the verdict judges), the model alone (what it judged before
-testbed.report.sharing) and the links alone.
+testbed.report.sharing) and the links alone; and the iteration against the same steps with each
+collective at the model's time (testbed.report.iteration: the issue's "iteration within 3%").
 
     sudo .venv/bin/python bench/seed_ddp_trials.py --trials 5 --fresh
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -63,6 +65,11 @@ def trial(fresh: bool) -> dict:
                        "error_alone": round(c["measured_s"] / c["alone_s"] - 1, 4) if c.get("alone_s") else None,
                        "status": c["status"]}
                       for c in v.get("classes") or [] if c["op"] == "all_reduce"]
+    it = next((c for c in v.get("checks") or [] if c.get("name") == "iteration"), None)
+    m = re.search(r"iteration p50 ([\d.]+) ms, ([+-][\d.]+)% against the expected ([\d.]+) ms", (it or {}).get("detail", ""))
+    if m:   # the steps against the same steps with the model's communication (testbed/report/iteration.py)
+        out["iteration"] = {"measured_ms": float(m[1]), "expected_ms": float(m[3]), "error": float(m[2]) / 100,
+                            "ok": it.get("ok")}
     return out
 
 
@@ -83,15 +90,22 @@ def main() -> int:
         buckets = ", ".join(f"{c['mib']} MiB {c['measured_ms']} ms against {c['model_ms']} ({100 * c['error']:+.1f}%; "
                             f"alone {c['alone_ms']}: {100 * (c['error_alone'] or 0):+.1f}%)"
                             for c in t.get("classes") or [] if c["count"] > 3)
+        it = t.get("iteration")
         print(f"trial {i + 1}/{a.trials}: {t.get('status')} s={t.get('dilation')} rc={t.get('rc')} "
-              f"{buckets}{'; ' + t['error'][-300:] if t.get('error') else ''}; load {t.get('load1_after', 0):.1f}",
-              flush=True)
+              f"{buckets}{'; ' + t['error'][-300:] if t.get('error') else ''}"
+              + (f"; iteration {it['measured_ms']} ms against {it['expected_ms']} ({100 * it['error']:+.1f}%)" if it else "")
+              + f"; load {t.get('load1_after', 0):.1f}", flush=True)
     statuses = [t.get("status") for t in series["trials"]]
     series["faithful"] = statuses.count("faithful")
     errs = [c["error"] for t in series["trials"] for c in t.get("classes") or [] if c["count"] > 3]
     print(f"faithful {series['faithful']}/{len(statuses)}" + (
         f"; the buckets' error median {100 * statistics.median(errs):+.1f}%, range {100 * min(errs):+.1f}.."
         f"{100 * max(errs):+.1f}%" if errs else ""))
+    its = [t["iteration"]["error"] for t in series["trials"] if t.get("iteration")]
+    if its:
+        series["iteration_within_3pct"] = sum(abs(e) <= 0.03 for e in its)
+        print(f"iteration within 3% of the expected in {series['iteration_within_3pct']}/{len(its)} "
+              f"({', '.join(f'{100 * e:+.1f}%' for e in its)})")
     append_series(OUT, series)
     return 0
 
