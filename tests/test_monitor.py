@@ -88,9 +88,20 @@ def test_a_caps_counters_are_read_from_cpu_stat_in_either_hierarchy(tmp_path):
     assert cgroups.cpu_throttling([v1]) == (200, 30, 0.45)
     assert cgroups.cpu_throttling([none, v2]) == (10, 4, 0.025)   # the first group that has them
     assert cgroups.cpu_throttling([none]) is None and cgroups.cpu_throttling([bad]) is None
-    assert monitor.cap_throttling([[v1], [v2], [none]]) == {"periods": 210, "throttled": 34,
-                                                            "throttled_s": pytest.approx(0.475), "workers": 2}
-    assert monitor.cap_throttling([[none]]) is None
+    assert cgroups.cpu_throttling([tmp_path / "gone"]) is None
+    first = monitor.cap_throttling([[v1], [v2], [none]])
+    assert first == {str(v1): [200, 30, 0.45], str(v2): [10, 4, 0.025]}
+    # a `node slow` group is the fault's throttling, not the dilation's: left out
+    slow = tmp_path / "tb.faults" / "w0"
+    slow.mkdir(parents=True)
+    (slow / "cpu.stat").write_text("nr_periods 10\nnr_throttled 10\nthrottled_usec 9\n")
+    assert monitor.cap_throttling([[slow]]) == {}
+    # between two samples, the workers present in both; one that appeared later counts nothing
+    (v1 / "cpu.stat").write_text("nr_periods 300\nnr_throttled 50\nthrottled_time 650000000\n")
+    later = {**monitor.cap_throttling([[v1], [v2]]), "/new": [5, 5, 5.0]}
+    assert monitor.cap_delta(first, later) == {"periods": 100, "throttled": 20,
+                                               "throttled_s": pytest.approx(0.2), "workers": 2}
+    assert monitor.cap_delta({}, later) is None and monitor.cap_delta(None, None) is None
 
 
 def test_a_busy_worker_under_its_cap_is_counted_held_back(root, tmp_path):
@@ -111,13 +122,12 @@ def test_a_busy_worker_under_its_cap_is_counted_held_back(root, tmp_path):
         before = monitor.cap_throttling([paths])
         cgroups.add(paths, spinner.pid)
         time.sleep(1.0)
-        after = monitor.cap_throttling([paths])
+        held = monitor.cap_delta(before, monitor.cap_throttling([paths]))
     finally:
         spinner.kill()
         spinner.wait(10)
         cgroups.remove(paths)   # (and the testbed's directory above it, empty now)
-    periods, throttled = after["periods"] - before["periods"], after["throttled"] - before["throttled"]
-    print(f"1 s at 0.1 core: {throttled} of {periods} periods throttled, {after['throttled_s']:.2f} s")
+    print(f"1 s at 0.1 core: {held['throttled']} of {held['periods']} periods throttled, {held['throttled_s']:.2f} s")
     # 10 ms periods for 1 s: about 100, each with the spinner over its 1 ms (at least 60, for a busy machine)
-    assert periods >= 60 and throttled >= 0.6 * periods
-    assert after["throttled_s"] >= 0.5   # held back most of each period
+    assert held["workers"] == 1 and held["periods"] >= 60 and held["throttled"] >= 0.6 * held["periods"]
+    assert held["throttled_s"] >= 0.5   # held back most of each period

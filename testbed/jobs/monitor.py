@@ -52,16 +52,34 @@ def ours_cpu_s(groups: list[list[Any]], engines: Iterable[ProcRef] = ()) -> floa
             + kernel_threads_cpu_s())
 
 
-def cap_throttling(groups: list[list[Any]]) -> dict[str, float] | None:
-    """The workers' CPU caps so far, summed over the workers: {periods, throttled, throttled_s,
-    workers}; None where no group has a cap's counters."""
+def cap_throttling(groups: list[list[Any]]) -> dict[str, list[float]]:
+    """Each worker's CPU cap so far, by its group's first directory: [periods, periods throttled,
+    seconds throttled]. A `node slow` group (TESTBED.faults) is left out: its throttling is the
+    fault's, not the dilation's; so is a group whose counters cannot be read."""
     from testbed.runtime import cgroups
 
-    got = [t for t in (cgroups.cpu_throttling(g) for g in groups) if t is not None]
-    if not got:
+    out = {}
+    for g in groups:
+        if not g or Path(g[0]).parent.name.endswith(".faults"):
+            continue
+        try:
+            t = cgroups.cpu_throttling(g)
+        except (OSError, ValueError):   # the group went away between listing and reading
+            continue
+        if t is not None:
+            out[str(g[0])] = list(t)
+    return out
+
+
+def cap_delta(first: dict[str, list[float]] | None, last: dict[str, list[float]] | None) -> dict[str, float] | None:
+    """The caps' counters between two samples, summed over the workers present in both: {periods,
+    throttled, throttled_s, workers}; None where none was."""
+    both = [k for k in (last or {}) if k in (first or {})]
+    if not both:
         return None
-    return {"periods": sum(t[0] for t in got), "throttled": sum(t[1] for t in got),
-            "throttled_s": sum(t[2] for t in got), "workers": len(got)}
+    d = [[b - a for a, b in zip(first[k], last[k])] for k in both]
+    return {"periods": sum(x[0] for x in d), "throttled": sum(x[1] for x in d), "throttled_s": sum(x[2] for x in d),
+            "workers": len(both)}
 
 
 def engines_of(delay_lines: Iterable[Mapping[str, Any]]) -> list[ProcRef]:
@@ -280,10 +298,7 @@ class Monitor:
             spent = (l_["busy_s"] - f["busy_s"]) - (l_["ours_s"] - f["ours_s"])
             others = max(0.0, spent / cpu_s)
             engines = max(0.0, (l_["engines_s"] - f["engines_s"]) / cpu_s)
-        cap = None
-        if isinstance(f.get("cap"), dict) and isinstance(l_.get("cap"), dict):
-            cap = {k: l_["cap"][k] - f["cap"][k] for k in ("periods", "throttled", "throttled_s")}
-            cap["workers"] = l_["cap"]["workers"]
+        cap = cap_delta(f.get("cap"), l_.get("cap"))
         return {"t0": t0, "t1": t1, "cores": self.cores, "sample_s": SAMPLE_S, "others_cpu_share": others,
                 "engines_cpu_share": engines, "cpu_cap": cap,
                 "cpu": [{"t": t, "busy": b, "runnable": r} for t, b, r in self.cpu],

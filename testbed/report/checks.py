@@ -75,7 +75,8 @@ def _cap_held_back(monitor: dict[str, Any]) -> str:
     if not isinstance(cap, dict) or not all(_number(x) for x in (t0, t1)) or t1 <= t0:
         return ""
     periods, throttled, secs, workers = (cap.get(k) for k in ("periods", "throttled", "throttled_s", "workers"))
-    if not all(_number(x) for x in (periods, throttled, secs, workers)) or periods <= 0 or workers < 1:
+    if (not all(_number(x) for x in (periods, throttled, secs, workers)) or periods <= 0 or throttled > periods
+            or workers < 1 or workers != int(workers) or secs / workers > (t1 - t0) * 1.01):
         return ""
     return (f"; the CPU cap held workers back in {throttled:.0f} of its {periods:.0f} periods "
             f"({100 * throttled / periods:.0f}%), {secs / workers:.2g} s real each on average "

@@ -18,9 +18,10 @@ MODEL_OP = {"all_reduce": "all_reduce", "all_gather": "all_gather", "all_gather_
 
 def instances(probe: dict[str, list[dict[str, Any]]], world: int, recording: int | None = None
               ) -> dict[tuple[str, int, tuple[int, ...]], list[dict[str, Any]]]:
-    """(op, bytes, ranks) -> complete instances: {"start", "end", "skew", "group", "async"} (real
-    seconds; skew: from the first rank's arrival to the last's, the wait that is in the ranks' steps
-    but not in `end - start`; group: its process group; async: launched without waiting for it).
+    """(op, bytes, ranks) -> complete instances: {"start", "end", "skew", "group", "async", "ddp"}
+    (real seconds; skew: from the first rank's arrival to the last's, the wait that is in the ranks'
+    steps but not in `end - start`; group: its process group; async: launched without waiting for
+    it; ddp: one of DDP's buckets).
 
     Collectives on the whole world (ranks = ()), matched by process group and sequence number;
     blocking sends and receives, the k-th send from a to b with the k-th receive at b from a
@@ -68,7 +69,7 @@ def instances(probe: dict[str, list[dict[str, Any]]], world: int, recording: int
             continue
         out.setdefault((op, nbytes, ranks), []).append({
             "start": start, "end": end, "skew": start - first, "group": "p2p" if key[0] == "p2p" else key[0],
-            "async": any(r.get("async") is True for r in recs)})
+            "async": any(r.get("async") is True for r in recs), "ddp": any(r.get("src") == "ddp" for r in recs)})
     return out
 
 

@@ -57,7 +57,7 @@ from testbed.report.checks import (OTHERS_MAX, TOLERANCE, Check, cpu_check, dela
                                    queue_check)
 from testbed.report.instances import (active_window, instances, launches_only, rank_workers, recording_ranks,
                                       relative_ci95)
-from testbed.report.iteration import expected_iteration, step_ends
+from testbed.report.iteration import Span, expected_iteration, step_ends
 from testbed.report.run_constants import recorded_rank_cores, run_alpha
 from testbed.report.sharing import LANES, Launch, shared_times
 from testbed.report.slow_fixes import slow_fixes
@@ -189,13 +189,12 @@ def phantom_check(summary: dict[str, Any], rows: list["ClassRow"], s: float) -> 
 
 
 def model_classes(run: Path, probe: dict[str, list[dict[str, Any]]], summary: dict[str, Any],
-                  machine: Any = None, spans: list[tuple[float, float, float, bool]] | None = None
+                  machine: Any = None, spans: list[Span] | None = None
                   ) -> tuple[list[ClassRow], list[Unjudged], str | None, str | None]:
     """(rows, classes left unjudged, constants description, why there are no rows).
 
     machine: the MachineConstants to judge with (default: the ones the run recorded). spans: where
-    given, each modelled instance is appended to it as (start, end, the model's end, launched
-    asynchronously), real time (testbed.report.iteration)."""
+    given, each modelled instance is appended to it, with the model's end (testbed.report.iteration)."""
     from testbed.topology.model import Topology
     from testbed.topology.plan import plan_network
     from testbed.topology.reference import NETWORK_ONLY, MachineConstants, ModelError, for_hosts, predict, with_alpha
@@ -255,9 +254,11 @@ def model_classes(run: Path, probe: dict[str, list[dict[str, Any]]], summary: di
         grown = model_s / p.time_s if p.time_s > 0 else 1.0   # sharing the links with others in flight
         mean = statistics.fmean(times)   # what a loop of them takes per call, stalls included
         noise = relative_ci95(times)
-        # alpha's uncertainty (the burst's, or the calibration's spread) moves alpha's part of the model,
+        # alpha's uncertainty (the burst's, or the calibration's spread) moves the model where alpha binds,
         # not the links' declared delays (a WAN's 5 ms is what the topology says, exactly)
-        model_noise = calibrated.spread * (p.software_s / model_s) if model_s > 0 else 0.0
+        moved = _alpha_moves(topo, plan, op, nbytes, [ranks[r] for r in who] if who else ranks, constants,
+                             backend, calibrated.spread)
+        model_noise = moved / model_s if model_s > 0 else 0.0
         uncertain = math.hypot(noise, model_noise)
         tol = max(TOLERANCE, uncertain)
         err = mean / model_s - 1 if model_s > 0 else math.inf
@@ -272,7 +273,7 @@ def model_classes(run: Path, probe: dict[str, list[dict[str, Any]]], summary: di
             status = "undecided" if abs(err) > TOLERANCE else "within"
         real = [t * s for t in times]
         if spans is not None:
-            spans += [(i["start"], i["end"], i["start"] + m * s, bool(i.get("async")))
+            spans += [Span(i["start"], i["end"], i["start"] + m * s, bool(i.get("ddp")), who)
                       for i, (m, _) in zip(xs, shared[(op, nbytes, who)])]
         rows.append(ClassRow(op, nbytes, len(xs), mean, model_s, p.lo_s * grown, p.hi_s * grown, err,
                              sum(times) / total if total > 0 else 0.0, p.bottleneck,
@@ -284,6 +285,36 @@ def model_classes(run: Path, probe: dict[str, list[dict[str, Any]]], summary: di
     for (op, nbytes), count in sorted(launches_only(probe).items()):
         unjudged.append(Unjudged(op, nbytes, count, "asynchronous: only its launch was recorded, not its completion"))
     return rows, unjudged, constants.describe(), None if rows else "no recorded collective is modelled"
+
+
+def _steps_check(probe: dict[str, list[dict[str, Any]]], spans: list[Span], s: float) -> Check | None:
+    """The job's steps against the same steps with each of its collectives at the model's time
+    (testbed.report.iteration), for a job that gave no expected iteration: informational, since it
+    follows from the classes' own checks; it says what their misses cost the steps."""
+    mine = step_ends(probe)
+    both = expected_iteration(mine[1], spans, s, mine[0]) if mine else None
+    if both is None:
+        return None
+    it, expected = both
+    return Check("steps", None, f"iteration p50 {it * 1e3:.4g} ms (rank {mine[0]}), {100 * (it / expected - 1):+.1f}% "
+                                f"against {expected * 1e3:.4g} ms for the same steps with each of its collectives at "
+                                "the model's time (its compute as measured): what the communication's misses cost "
+                                "the steps")
+
+
+def _alpha_moves(topo: Any, plan: Any, op: str, nbytes: int, workers: list[str], constants: Any, backend: str,
+                 spread: float) -> float:
+    """How far (seconds) the model moves with alpha at either end of its spread: all of alpha's part
+    where it binds, less where the transfer hides it (a step takes the longer of the two). The first
+    ECMP placement: where alpha binds does not depend on which path a connection hashed to."""
+    from testbed.topology.reference import predict, with_alpha
+
+    if not spread > 0 or constants.alpha_s <= 0:
+        return 0.0
+    base = predict(topo, plan, op, nbytes, workers, constants, backend=backend, placements=1).time_s
+    return max(abs(predict(topo, plan, op, nbytes, workers,
+                           with_alpha(constants, constants.alpha_s * max(0.0, 1 + d), constants.spread, ""),
+                           backend=backend, placements=1).time_s - base) for d in (spread, -spread))
 
 
 TICK_WAIT_S = 0.002   # real time: a latency-bound instance this long waited a scheduler tick (4 ms at HZ=250)
@@ -355,12 +386,8 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
     reasons: list[str] = []
     fixes: list[str] = []
 
-    spans: list[tuple[float, float, float, bool]] = []
+    spans: list[Span] = []
     rows, unjudged, constants, why_none = model_classes(run, probe, summary, machine, spans)
-    with_model = ""
-    if not expected_iteration_s:   # the job's own steps, with each collective at the model's time
-        expected_iteration_s = expected_iteration(step_ends(probe), spans, s)
-        with_model = " (its steps as measured, each collective at the model's time)"
     iteration_undecided = False
     judged = [r for r in rows if r.status in ("within", "off")]
     total = sum(r.measured_s * r.count for r in judged)
@@ -392,10 +419,14 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
             iteration_undecided = TOLERANCE < abs(err) <= tol
             checks.append(Check("iteration", None if iteration_undecided else abs(err) <= tol,
                                 f"iteration p50 {it * 1e3:.4g} ms, {100 * err:+.1f}% against the expected "
-                                f"{expected_iteration_s * 1e3:.4g} ms{with_model}, tolerance +-{100 * tol:.0f}%"
+                                f"{expected_iteration_s * 1e3:.4g} ms, tolerance +-{100 * tol:.0f}%"
                                 + (f" (undecided: more than {TOLERANCE:.0%} off, within the steps' own noise)"
                                    if iteration_undecided else "")
                                 + _arrival_spread(probe, summary, s)))
+    steps = None if expected_iteration_s else _steps_check(probe, spans, s)
+    if steps is not None:   # (said whatever the verdict: it decides nothing)
+        checks.append(steps)
+        reasons.append(steps.detail)
 
     cpu = cpu_check(monitor, s, active_window(probe), recording_ranks(summary, int(summary.get("world_size") or 1)),
                     _devices(summary, monitor),

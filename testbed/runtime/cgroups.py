@@ -248,7 +248,7 @@ def cpu_throttling(paths: Iterable[str | Path]) -> tuple[int, int, float] | None
         fields = {}
         for line in _read(f).splitlines():
             k, _, v = line.partition(" ")
-            if v.strip().isdigit():
+            if v.strip().isascii() and v.strip().isdigit():
                 fields[k] = int(v)
         if "nr_periods" in fields and "nr_throttled" in fields:
             secs = fields["throttled_usec"] / 1e6 if "throttled_usec" in fields else \

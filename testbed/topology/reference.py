@@ -206,7 +206,7 @@ class Phase:
     messages: float = 1.0  # messages a rank sends per repetition (alpha is paid per message; gloo's
     #                        small all_reduce sends fewer than one per step: see _gloo_ring_messages)
     segments: int = 0      # gloo's ring: the segments a step's bytes go in, two in flight (0: one
-    #                        message, its software cost and its transfer one after the other)
+    #                        message, its software cost under its transfer: the longer of the two)
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,7 @@ class Prediction:
     time_s: float            # the median ECMP placement
     lo_s: float              # the best placement
     hi_s: float              # the worst placement
-    latency_s: float         # alpha and path delays (in time_s)
+    latency_s: float         # path delays and what alpha adds beyond the transfer (in time_s)
     bandwidth_s: float       # bytes over shares (in time_s)
     bottleneck: str          # what limits the slowest flow of the heaviest phase
     placements: str          # "single path", "all N placements", "N sampled of M"
@@ -227,7 +227,9 @@ class Prediction:
 
     @property
     def software_s(self) -> float:
-        """alpha's part of latency_s: what the constants' uncertainty moves."""
+        """alpha's part of latency_s: what it adds beyond the transfer it runs under (how far alpha's
+        uncertainty moves the time is not this where alpha and the transfer are close: the
+        verdict predicts again with alpha at either end of its spread)."""
         return max(0.0, self.latency_s - self.delay_s)
 
     @property
@@ -590,7 +592,10 @@ def _big(x: int) -> str:
 
 def cost_terms(op: str, nbytes: float, n: int = 2, backend: str = "gloo") -> tuple[float, float]:
     """(messages, bytes) a collective costs on n ranks when only software and host limit it:
-    time = messages x alpha + bytes x beta. What the calibration divides its measurements by."""
+    time = messages x alpha + bytes x beta. What the calibration divides its measurements by. (The
+    model takes the longer of a step's software and its bytes where it has one message, not their
+    sum: on the calibration's smallest size the bytes' host time is ~0.5% of alpha, which the
+    additive fit takes off alpha, within the calibration's own spread.)"""
     messages = nbytes_total = 0.0
     for p in phases(op, nbytes, n, backend):
         messages += p.count * p.messages
