@@ -101,3 +101,31 @@ def test_a_ddp_run_is_told_what_its_buckets_cost_its_steps(tmp_path):
         expected = (1.0 - (late - 1) * second * s) / s
         assert f"{100 * (0.25 / expected - 1):+.1f}% against {expected * 1e3:.4g} ms" in detail, detail
         assert v.status == ("faithful" if late < 1.1 else "not faithful"), v.lines()   # as the class says
+
+
+def test_step_and_collective_records_without_numbers_are_passed_over_not_a_crash(tmp_path):
+    """Ranks write the probe: a step whose time is a string, a collective whose duration is missing,
+    negative or not finite are passed over by the report and the verdict (they stopped `testbed
+    report` with a TypeError before), and the rest is judged as without them."""
+    from tests.test_sharing import _bucket
+    from tests.test_verdict import _model
+    from testbed.report.analyze import analyze, load_probe
+    from testbed.report.sharing import shared_times
+    from testbed.report.verdict import judge
+
+    s = 4.0
+    a, b, offset = _model(9 << 20), _model(13 << 20), 0.2 * _model(9 << 20)
+    first, second = shared_times([_bucket(0.0, a, end=1.0), _bucket(offset, b, end=1.0)], 2)
+    clean = judge(_run_with_steps(tmp_path / "clean", first, second, offset, s))
+    run = _run_with_steps(tmp_path / "hostile", first, second, offset, s)
+    bad = [{"ev": "step", "t": "4"}, {"ev": "step", "t": True}, {"ev": "step"},
+           {"ev": "coll", "op": "all_reduce", "bytes": 8, "t": 100.5, "g": "0", "gn": 2, "seq": 999},
+           {"ev": "coll", "op": "all_reduce", "bytes": 8, "t": 100.5, "dur": -1.0, "g": "0", "gn": 2, "seq": 998},
+           {"ev": "coll", "op": "all_reduce", "bytes": 8, "t": 100.5, "dur": "1", "g": "0", "gn": 2, "seq": 997}]
+    with open(run / "probe" / "rank-0.jsonl", "a") as f:
+        f.write("\n".join(json.dumps(r) for r in bad) + "\n")
+        f.write('{"ev": "coll", "op": "all_reduce", "t": 100.5, "dur": NaN, "g": "0", "gn": 2, "seq": 996}\n')
+    assert len(load_probe(run)["0"]) == len(load_probe(tmp_path / "clean")["0"])
+    assert analyze(run)["ranks"][0]["steps"] == 8
+    v = judge(run)
+    assert (v.status, [r.error for r in v.classes]) == (clean.status, [r.error for r in clean.classes]), v.lines()

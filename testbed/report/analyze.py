@@ -7,6 +7,7 @@ All times are divided by the run's time dilation factor (summary.json
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ def load_probe(run: Path) -> dict[str, list[dict[str, Any]]]:
                         rec = json.loads(line)
                     except (json.JSONDecodeError, UnicodeDecodeError):
                         continue
-                    if isinstance(rec, dict):
+                    if isinstance(rec, dict) and _timed(rec):
                         recs.append(rec)
             finally:
                 os.close(fd)
@@ -68,6 +69,20 @@ def load_probe(run: Path) -> dict[str, list[dict[str, Any]]]:
     finally:
         os.close(dfd)
     return dict(sorted(out.items(), key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0, kv[0])))
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _timed(rec: dict[str, Any]) -> bool:
+    """A step or collective record carries its times as numbers (a rank wrote it: one that does not
+    is passed over, as a line that is no JSON is, rather than stopping the report)."""
+    if rec.get("ev") == "step":
+        return _finite(rec.get("t"))
+    if rec.get("ev") == "coll":
+        return _finite(rec.get("t")) and _finite(rec.get("dur")) and rec["dur"] >= 0
+    return True
 
 
 def percentile(xs: list[float], q: float) -> float | None:
