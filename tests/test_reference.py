@@ -6,11 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from testbed.topology.fairness import max_min_rates
 from testbed.topology.loader import load_topology_text
 from testbed.topology.plan import plan_network
 from testbed.topology.reference import (
     COLLECTIVES, GLOO_TURNS_BYTES, NETWORK_ONLY, MachineConstants, ModelError, bus_factor, cost_terms, goodput,
-    max_min_rates, phases, predict, ring_time,
+    phases, predict, ring_time,
 )
 
 G = goodput(1500)   # 1448 / 1514
