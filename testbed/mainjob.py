@@ -84,10 +84,12 @@ def own_work(recs: list[dict[str, Any]], s: float) -> dict[int, dict[str, float]
     in the kernel, minor page faults, Python's garbage collector (the probe's "w" readings; steps
     without them are left out). From step 3: the first two are warm-up (the optimizer's first
     step makes its state: 45 MiB of page faults in the main job)."""
-    ends = sorted(float(r["t"]) for r in recs if r.get("ev") == "step" and _finite(r.get("t")))
+    from testbed.report.analyze import finite
+
+    ends = sorted(float(r["t"]) for r in recs if r.get("ev") == "step" and finite(r.get("t")))
     # records come from ranks: one without a finite time and duration is left out, not trusted
-    colls = [r for r in recs if r.get("ev") == "coll" and r.get("src") == "ddp" and _finite(r.get("t"))
-             and _finite(r.get("dur"))]
+    colls = [r for r in recs if r.get("ev") == "coll" and r.get("src") == "ddp" and finite(r.get("t"))
+             and finite(r.get("dur"))]
     out: dict[int, dict[str, float]] = {}
     for n in range(3, len(ends) + 1):
         prev = [c for c in colls if ends[n - 3] < c["t"] < ends[n - 2]]
@@ -106,10 +108,6 @@ def own_work(recs: list[dict[str, Any]], s: float) -> dict[int, dict[str, float]
         if all(math.isfinite(v) for v in x.values()):
             out[n] = x
     return out
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def step_compute(run_dir: Path, s: float) -> dict[str, float] | None:

@@ -253,3 +253,6 @@ def test_a_real_ddp_job_s_buckets_are_judged_in_flight_together(testbed, tmp_pat
     assert len(buckets) == 2, v.to_json()["classes"]
     assert all(r.model_s >= r.alone_s > 0 for r in v.classes)
     assert any(r.model_s > 1.2 * r.alone_s for r in buckets), [(r.nbytes, r.model_s, r.alone_s) for r in buckets]
+    # its steps against the same steps with the buckets at the model's time: said, deciding nothing
+    steps = [c for c in v.checks if c.name == "steps"]
+    assert len(steps) == 1 and steps[0].ok is None and steps[0].detail in v.reasons, v.lines()

@@ -71,7 +71,8 @@ def load_probe(run: Path) -> dict[str, list[dict[str, Any]]]:
     return dict(sorted(out.items(), key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0, kv[0])))
 
 
-def _finite(v: Any) -> bool:
+def finite(v: Any) -> bool:
+    """A number read from disk or from a rank: an int or float (not a bool), neither NaN nor infinite."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -79,9 +80,9 @@ def _timed(rec: dict[str, Any]) -> bool:
     """A step or collective record carries its times as numbers (a rank wrote it: one that does not
     is passed over, as a line that is no JSON is, rather than stopping the report)."""
     if rec.get("ev") == "step":
-        return _finite(rec.get("t"))
+        return finite(rec.get("t"))
     if rec.get("ev") == "coll":
-        return _finite(rec.get("t")) and _finite(rec.get("dur")) and rec["dur"] >= 0
+        return finite(rec.get("t")) and finite(rec.get("dur")) and rec["dur"] >= 0
     return True
 
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from itertools import zip_longest
 from typing import Any
 
+from testbed.report.analyze import finite
+
 TOLERANCE = 0.10   # |measured - model| / model beyond this is "off" (the floor of a class's tolerance)
 
 
@@ -84,7 +86,7 @@ def _cap_held_back(monitor: dict[str, Any]) -> str:
 
 
 def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+    return finite(x) and x >= 0
 
 
 def delay_line_checks(monitor: dict[str, Any], s: float) -> list[Check]:

@@ -19,6 +19,8 @@ import math
 import statistics
 from typing import Any, NamedTuple, Sequence
 
+from testbed.report.analyze import finite
+
 MIN_STEPS = 3   # steps (two iterations) before an expected iteration says anything
 
 
@@ -89,6 +91,6 @@ def step_ends(probe: dict[str, list[dict[str, Any]]]) -> tuple[int, list[float]]
     out = []
     for r in probe[ranks[0]]:
         t = r.get("t") if r.get("ev") == "step" else None
-        if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t):
+        if finite(t):
             out.append(float(t))
     return int(ranks[0]), sorted(out)
