@@ -13,7 +13,7 @@ Scale (--scale): a 64-worker leaf-spine (8 leaves x 8 workers), w0 real and 63 p
 `auto` dilation with one computing rank (up --real-ranks 1: phantoms compute nothing, the
 traffic of all 64 counts), the same MLP; time, memory per phantom, verdict.
 
-    sudo .venv/bin/python bench/phantom_agreement.py [--steps 20] [--scale] [--scale-only]
+    sudo .venv/bin/python bench/phantom_agreement.py [--steps 20] [--scale] [--scale-only] [--engine-spin-us US]
 
 Targets (issue: phantom ranks): phantom vs all-real within 5%, both within 10% of the model;
 the 64-rank job faithful. Writes bench/results/phantom_agreement.json.
@@ -147,7 +147,13 @@ def main() -> int:
     ap.add_argument("--scale", action="store_true", help="also the 64-worker job with one real rank")
     ap.add_argument("--scale-only", action="store_true")
     ap.add_argument("--scale-dilation", default="auto", help="the scale case's --time-dilation (default auto)")
+    ap.add_argument("--engine-spin-us", type=float, default=None,
+                    help="how early the delay-line engines' timer fires, in us (default: the engine's own)")
     args = ap.parse_args()
+    if args.engine_spin_us is not None:
+        from testbed.net import delayline
+
+        delayline.ENGINE_SPIN_S = args.engine_spin_us * 1e-6
     from testbed.jobs import calibration
 
     machine = calibration.get().constants()

@@ -266,6 +266,48 @@ def test_delay_line_lateness_fails_the_run(tmp_path):
     assert any("dropped 3 frame" in r for r in v.reasons), v.reasons
 
 
+def test_many_late_delay_lines_are_one_line(tmp_path):
+    # the 64-rank phantom run's verdict named all 192 directions of its 96 delay lines, one line each
+    late = [0] * 24
+    late[12] = 100   # 2-4 ms late on a 1 ms link
+    zero = {"delay_s": 1e-3, "drops": 0, "late_hist_us_log2": [0] * 24}
+    first = {str(i): {"ab": zero, "ba": zero} for i in range(6)}
+    last = {str(i): {"ab": {**zero, "late_hist_us_log2": late}, "ba": zero} for i in range(6)}
+    v = judge(_write_run(tmp_path, [_model()] * 3, s=2, monitor={"cores": 2, "cpu": [],
+                                                                  "delay_lines": {"first": first, "last": last}}))
+    said = [r for r in v.reasons if "late" in r and "delay" in r]
+    assert v.status == "not faithful" and len(said) == 1, v.reasons
+    assert said[0].startswith("6 delay-line directions left frames late: 3072-3072 us on average (307-307% of their "
+                              "delay), p99 up to 4096 us; the latest: delay line link "), said
+
+
+def _hot_and_cold(spans_at: list[float], busy_inside: float, busy_outside: float) -> dict:
+    inside = [{"t": t + 0.1 + 0.1 * k, "busy": busy_inside, "runnable": 40} for t in spans_at for k in range(4)]
+    outside = [{"t": t + 5, "busy": busy_outside, "runnable": 1} for t in spans_at]
+    return {"cores": 2, "cpu": inside + outside, "qdiscs": {}, "delay_lines": {}, "engines_cpu_share": 0.5}
+
+
+def test_misses_on_saturated_cpus_are_not_called_the_collectives_own_work(tmp_path):
+    # the 64-rank phantom run: 2.74x the model with both CPUs busy while its all_reduces ran, and a fix
+    # that said "with the CPUs not oversubscribed" (its CPU check looked only at ranks per core)
+    m = _model()
+    starts = [100.0 + 10 * i for i in range(5)]   # where _write_run's collectives start (they last ~0.7 s)
+    v = judge(_write_run(tmp_path / "hot", [m * 1.3] * 5, s=4, monitor=_hot_and_cold(starts, 1.0, 0.1)))
+    assert v.status == "not faithful"
+    assert ("CPUs saturated: while the collectives ran, the CPUs were 100% busy with 20.0 runnable tasks per core "
+            "(20 samples); the delay-line engines took 50% of the CPUs over the run") in v.reasons, v.reasons
+    assert any("took every CPU while the collectives ran" in f for f in v.fixes), v.fixes
+    assert not any("not oversubscribed" in f for f in v.fixes), v.fixes
+    # the same misses with the CPUs busy only between the collectives: theirs is the other fix
+    v = judge(_write_run(tmp_path / "cold", [m * 1.3] * 5, s=4, monitor=_hot_and_cold(starts, 0.3, 1.0)))
+    during = next(c for c in v.checks if c.name == "cpu while collectives")
+    assert during.ok is True and during.detail.startswith("while the collectives ran, the CPUs were 30% busy")
+    assert any("not oversubscribed" in f for f in v.fixes) and not any("took every CPU" in f for f in v.fixes)
+    # too few samples inside the collectives say nothing
+    v = judge(_write_run(tmp_path / "few", [m * 1.3] * 5, s=4, monitor=_hot_and_cold(starts[:1], 1.0, 1.0)))
+    assert not any(c.name == "cpu while collectives" for c in v.checks)
+
+
 # -- real runs --------------------------------------------------------------------------------------------
 
 

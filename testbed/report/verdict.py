@@ -53,8 +53,8 @@ from typing import Any
 
 from testbed.jobs import rundir
 from testbed.report.analyze import LATENCY_OP
-from testbed.report.checks import (OTHERS_MAX, TOLERANCE, Check, cpu_check, delay_line_checks, machine_check,
-                                   queue_check)
+from testbed.report.checks import (OTHERS_MAX, TOLERANCE, Check, cpu_check, cpu_while_collectives, delay_line_checks,
+                                   machine_check, queue_check)
 from testbed.report.instances import (active_window, instances, launches_only, rank_workers, recording_ranks,
                                       relative_ci95)
 from testbed.report.iteration import Span, expected_iteration, step_ends
@@ -439,6 +439,12 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
     if not monitor:
         checks.append(Check("monitor", None, "no CPU, queue or delay-line samples (monitor.json missing)"))
     checks += delay_line_checks(monitor, s)
+    during = cpu_while_collectives(monitor, [(sp.start, sp.end) for sp in spans])
+    saturated = during is not None and during.ok is None
+    if during is not None:
+        checks.append(during)
+        if saturated:   # informational, but the misses it explains must not be called anything else
+            reasons.append(during.detail)
     shared = machine_check(monitor)
     if shared is not None:
         checks.append(shared)
@@ -459,7 +465,9 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
     slow = [r for r in off_material if r.error > 0]
     fast = [r for r in off_material if r.error < 0]
     shared_busy = shared is not None and shared.ok is None
-    if slow and cpu.ok is not False and not shared_busy:
+    if slow and saturated:
+        fixes.append(during.fix)
+    elif slow and cpu.ok is not False and not shared_busy:
         fixes += slow_fixes(run, summary, machine, slow, s)
     if fast:
         fixes.append(", ".join(f"{r.op} {format_size(r.nbytes)}" for r in fast)
