@@ -1,4 +1,4 @@
-"""What to change when collectives ran slower than the model with the CPUs not oversubscribed:
+"""What to change when collectives ran slower than the model with fewer ranks per core than s:
 the fixes the verdict gives, by what the run's dilation and CPU cap left the ranks' bytes.
 
 - Classes that shared the links with collectives in flight beside them (DDP's buckets during
@@ -6,7 +6,8 @@ the fixes the verdict gives, by what the run's dilation and CPU cap left the ran
 - At a fixed dilation with the cap: the cap left each rank a fixed share of a core for its bytes,
   whatever s is; classes whose host work on that share outlasts 1/HOST_MARGIN of the links' time
   are the cap's, the others are not.
-- At auto: what is left is the collectives' own CPU work (reductions, gloo's copies).
+- At auto: what is left is the collectives' own CPU work (reductions, gloo's copies), unless the
+  CPUs were saturated while they ran (checks.cpu_while_collectives), whose fix is given instead.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from testbed.report.run_constants import recorded_rank_cores
 from testbed.topology.units import format_size
 
 
-def slow_fixes(run: Path, summary: dict[str, Any], machine: Any, slow: list[Any], s: float) -> list[str]:
+def slow_fixes(run: Path, summary: dict[str, Any], machine: Any, slow: list[Any], s: float,
+               saturated: str | None = None) -> list[str]:
     """The fixes for SLOW (the verdict's classes off the model on the slow side, with a material
-    share), on a run whose CPUs were not oversubscribed."""
+    share), on a run with no more ranks per core than s; saturated: the fix of the CPUs' saturation
+    while the collectives ran, which replaces "not oversubscribed" where the run says it."""
     fixes = []
     dil = summary.get("time_dilation") or {}
     margin = _host_margin(run) if dil.get("setting") == "auto" and dil.get("cap_cpu") else None
@@ -40,7 +43,8 @@ def slow_fixes(run: Path, summary: dict[str, Any], machine: Any, slow: list[Any]
         if by_cap:
             fixes.append(_fixed_cap(summary, beta, s, max(r.measured_s / r.model_s for r in by_cap)))
         if len(by_cap) < len(slow):
-            fixes.append(_not_the_cap([r for r in slow if r not in by_cap], s))
+            rest = [r for r in slow if r not in by_cap]
+            fixes.append(_not_the_cap(rest, s) if saturated is None else f"{_named(rest)}: {saturated}")
     elif dil.get("cap_cpu") or dil.get("setting") == "auto":
         # auto already hid the host's cost per byte; what is left is CPU work inside the collective
         # (reductions, gloo's copies), which runs at this machine's core speed at any dilation
@@ -48,11 +52,13 @@ def slow_fixes(run: Path, summary: dict[str, Any], machine: Any, slow: list[Any]
         fixes.append(f"collectives ran up to {worst:.2f}x the model with the CPUs not oversubscribed: what is "
                      "left is their own CPU work (reductions, gloo's copies of its output), which the emulation "
                      "runs at this machine's core speed whatever the dilation, so a higher --time-dilation does "
-                     "not remove it; docs/fidelity.md says which collectives and sizes it touches")
+                     "not remove it; docs/fidelity.md says which collectives and sizes it touches"
+                     if saturated is None else f"collectives ran up to {worst:.2f}x the model: {saturated}")
     else:
         fixes.append(f"the CPUs were not oversubscribed, yet collectives ran up to {worst:.2f}x the model: "
                      "--time-dilation auto chooses a dilation that hides this machine's cost per byte; "
-                     "docs/fidelity.md says what the model does not capture")
+                     "docs/fidelity.md says what the model does not capture"
+                     if saturated is None else f"collectives ran up to {worst:.2f}x the model: {saturated}")
     return fixes
 
 

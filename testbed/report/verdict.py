@@ -465,10 +465,8 @@ def judge(run: str | Path, expected_iteration_s: float | None = None, analysis: 
     slow = [r for r in off_material if r.error > 0]
     fast = [r for r in off_material if r.error < 0]
     shared_busy = shared is not None and shared.ok is None
-    if slow and saturated:
-        fixes.append(during.fix)
-    elif slow and cpu.ok is not False and not shared_busy:
-        fixes += slow_fixes(run, summary, machine, slow, s)
+    if slow and cpu.ok is not False and not shared_busy:
+        fixes += slow_fixes(run, summary, machine, slow, s, saturated=during.fix if saturated else None)
     if fast:
         fixes.append(", ".join(f"{r.op} {format_size(r.nbytes)}" for r in fast)
                      + " ran faster than the model: docs/fidelity.md says where the emulation is "
