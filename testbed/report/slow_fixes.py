@@ -1,4 +1,4 @@
-"""What to change when collectives ran slower than the model with fewer ranks per core than s:
+"""What to change when collectives ran slower than the model with no more ranks per core than s:
 the fixes the verdict gives, by what the run's dilation and CPU cap left the ranks' bytes.
 
 - Classes that shared the links with collectives in flight beside them (DDP's buckets during
