@@ -304,6 +304,8 @@ def test_a_malformed_monitor_does_not_stop_the_verdict(tmp_path):
     v = judge(_write_run(tmp_path, [_model()] * 3, s=2, monitor=bad))
     assert v.status == "faithful", v.lines()
     assert not any(c.name == "cpu while collectives" for c in v.checks)
+    v = judge(_write_run(tmp_path / "list", [_model()] * 3, s=2, monitor=[1, 2]))
+    assert v.status == "faithful" and any(c.name == "monitor" for c in v.checks), v.lines()
 
 
 def _hot_and_cold(spans_at: list[float], busy_inside: float, busy_outside: float) -> dict:
