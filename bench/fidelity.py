@@ -111,8 +111,14 @@ def chosen_workers(topo, ranks: int) -> list[str]:
     return spread(topo.workers, ranks)
 
 
+# Timed calls per size at the least. A class's noise is the 95% interval of its mean (Student's t):
+# with 3 calls t is 4.3 and one 64 MiB broadcast varying by 15% left the class "too uncertain"
+# (+-37%); with 8 (as CI's quick matrix) t is 2.4 and the interval 3x narrower for the same spread.
+MIN_ITERS = 8
+
+
 def run_cell_group(kind: str, ranks: int, dilation: str, ops, sizes, runs_dir: Path,
-                   echo=None, min_iters: int = 3, recheck=None) -> list[Cell]:
+                   echo=None, min_iters: int = MIN_ITERS, recheck=None) -> list[Cell]:
     """One testbed, one job: every (op, size) of it as cells."""
     from testbed import lifecycle
     from testbed.jobs import calibration
@@ -574,6 +580,8 @@ def main() -> int:
     ap.add_argument("--dilations", default=None, help="comma-separated dilation settings to run (default: "
                                                       f"{','.join(DILATIONS)}); a fresh results file")
     ap.add_argument("--max-ranks", type=int, default=None, help="leave out groups with more ranks")
+    ap.add_argument("--min-iters", type=int, default=MIN_ITERS,
+                    help=f"timed calls per size at the least (default {MIN_ITERS}; 3 before 2026-12-07 23:50)")
     ap.add_argument("--doc", action="store_true", help="write docs/fidelity.md even for --quick/--only")
     ap.add_argument("--render", action="store_true", help="only render the doc from the results file")
     ap.add_argument("--rejudge", action="store_true", help="with --render: judge the stored runs again "
@@ -627,7 +635,8 @@ def main() -> int:
         runs_dir = Path("/var/tmp/testbed-fidelity")
         meta = {"command": "sudo .venv/bin/python bench/fidelity.py" + (" --quick" if args.quick else "")
                 + (f" --dilations {args.dilations}" if args.dilations else "")
-                + (f" --max-ranks {args.max_ranks}" if args.max_ranks else ""),
+                + (f" --max-ranks {args.max_ranks}" if args.max_ranks else "")
+                + (f" --min-iters {args.min_iters}" if args.min_iters != MIN_ITERS else ""),
                 "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores, kernel {os.uname().release}",
                 "constants": cal.constants().describe(), "seconds": 0.0}
         earlier = 0.0
@@ -639,7 +648,7 @@ def main() -> int:
             meta["slices"] = old["meta"].get("slices", []) + [f"--only {args.only} on {meta['date']}"]
         for i, (kind, ranks, dilation, ops, sizes) in enumerate(matrix, 1):
             t1 = time.time()
-            got = run_cell_group(kind, ranks, dilation, ops, sizes, runs_dir, echo=print)
+            got = run_cell_group(kind, ranks, dilation, ops, sizes, runs_dir, echo=print, min_iters=args.min_iters)
             cells += got
             meta["seconds"] = earlier + time.time() - t0
             results.write_text(json.dumps({"meta": meta, "cells": [asdict(c) for c in cells]}, indent=1))

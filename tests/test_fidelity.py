@@ -35,7 +35,7 @@ def test_reduced_fidelity_matrix(root, state_dir, tmp_path):
     said: list[str] = []
     cells = []
     for kind, ranks, dilation, ops, sizes in fidelity.plan_matrix(quick=True):
-        cells += fidelity.run_cell_group(kind, ranks, dilation, ops, sizes, tmp_path, min_iters=8,
+        cells += fidelity.run_cell_group(kind, ranks, dilation, ops, sizes, tmp_path, min_iters=fidelity.MIN_ITERS,
                                          recheck=said.append)
     assert len(cells) == sum(len(ops) * len(sizes) for *_, ops, sizes in fidelity.QUICK)
     for c in cells:
