@@ -308,11 +308,11 @@ def test_a_malformed_monitor_does_not_stop_the_verdict(tmp_path):
     assert v.status == "faithful" and any(c.name == "monitor" for c in v.checks), v.lines()
 
 
-def _hot_and_cold(spans_at: list[float], busy_inside: float, busy_outside: float) -> dict:
+def _hot_and_cold(spans_at: list[float], busy_inside: float, busy_outside: float, engines: float = 0.5) -> dict:
     inside = [{"t": t + 0.3 + 0.1 * k, "busy": busy_inside, "runnable": 40} for t in spans_at for k in range(4)]
     outside = [{"t": t + 5, "busy": busy_outside, "runnable": 1} for t in spans_at]
     return {"cores": 2, "cpu": inside + outside, "sample_s": 0.2, "qdiscs": {}, "delay_lines": {},
-            "engines_cpu_share": 0.5}
+            "engines_cpu_share": engines}
 
 
 def test_misses_on_saturated_cpus_are_not_called_the_collectives_own_work(tmp_path):
@@ -326,6 +326,13 @@ def test_misses_on_saturated_cpus_are_not_called_the_collectives_own_work(tmp_pa
             "(20 samples); the delay-line engines took 50% of the CPUs over the run") in v.reasons, v.reasons
     assert any(f.startswith("collectives ran up to 1.30x the model: the testbed's own work") for f in v.fixes), v.fixes
     assert not any("not oversubscribed" in f for f in v.fixes), v.fixes
+    # engines with half the CPUs: raising s is not their fix (a frame costs them the same at any s)
+    assert any("A higher --time-dilation does not relieve the engines' CPU" in f for f in v.fixes), v.fixes
+    for engines in (0.1, 0.0, "half"):   # a minor share, none, or no number: not said
+        v = judge(_write_run(tmp_path / f"hot-{engines}", [m * 1.3] * 5, s=4,
+                             monitor=_hot_and_cold(starts, 1.0, 0.1, engines=engines)))
+        assert any("the testbed's own work" in f for f in v.fixes), v.fixes
+        assert not any("does not relieve the engines" in f for f in v.fixes), (engines, v.fixes)
     # the same misses with the CPUs busy only between the collectives: theirs is the other fix
     v = judge(_write_run(tmp_path / "cold", [m * 1.3] * 5, s=4, monitor=_hot_and_cold(starts, 0.3, 1.0)))
     during = next(c for c in v.checks if c.name == "cpu while collectives")

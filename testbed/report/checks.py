@@ -29,6 +29,9 @@ LINES_NAMED = 4    # late delay-line directions named one by one; beyond this, o
 SATURATED = 0.9
 MIN_SAMPLES = 5    # CPU samples inside the collectives before their busy share is said
 MAX_RUNNABLE = 1e6   # a sample's runnable count above this is no count (monitor.json comes from disk)
+# The delay-line engines' share of the CPUs above which a saturated run's fix says that a higher s does not
+# relieve them (chosen: the runs measured took 44-66%, docs/fidelity.md "What the delay lines cost")
+ENGINES_MATERIAL = 0.25
 
 
 @dataclass
@@ -131,14 +134,18 @@ def cpu_while_collectives(monitor: dict[str, Any], spans: list[tuple[float, floa
     if share < SATURATED:
         return Check("cpu while collectives", True, detail)
     engines = monitor.get("engines_cpu_share")
-    if _number(engines) and 0 < engines <= 1:
+    busy_engines = _number(engines) and 0 < engines <= 1
+    if busy_engines:
         detail += f"; the delay-line engines took {100 * engines:.0f}% of the CPUs over the run"
+    not_s = (" A higher --time-dilation does not relieve the engines' CPU (it only makes their lateness a smaller "
+             "share of each delay): TCP sends smaller frames at a lower rate, and a frame costs them about the "
+             "same whatever its size." if busy_engines and engines >= ENGINES_MATERIAL else "")
     return Check("cpu while collectives", None, "CPUs saturated: " + detail,
                  "the testbed's own work (its ranks, the kernel's forwarding at every hop, the delay-line engines) "
-                 "took every CPU while the collectives ran, so their times likely say more about this machine's "
-                 "CPUs than about the links. Not yet tried as fixes: fewer ranks on this machine (a phantom moves "
-                 "its bytes like a real rank), a kernel with sch_netem (no delay-line engines), more machines "
-                 "(testbed up --hosts); docs/fidelity.md has the 64-rank phantom run's measurements")
+                 f"took every CPU while the collectives ran, so their times likely say more about this machine's "
+                 f"CPUs than about the links.{not_s} Not yet tried as fixes: fewer ranks on this machine (a phantom "
+                 "moves its bytes like a real rank), a kernel with sch_netem (no delay-line engines), more machines "
+                 "(testbed up --hosts); docs/fidelity.md, \"What the delay lines cost\", has the measurements")
 
 
 def _cap_held_back(monitor: dict[str, Any]) -> str:
@@ -196,6 +203,7 @@ def delay_line_checks(monitor: dict[str, Any], s: float) -> list[Check]:
                 late.append((mean, p99, delay, name, what))
             else:
                 out.append(Check("delay line", True, what))
+    # (a frame's lateness is real microseconds: at a higher s it is a smaller share of each delay)
     fix = "a higher --time-dilation, a kernel with sch_netem, or fewer delayed links"
     if len(late) <= LINES_NAMED:
         return out + [Check("delay line", False, what, fix) for *_, what in late]
