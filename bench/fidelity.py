@@ -581,7 +581,7 @@ def main() -> int:
                                                       f"{','.join(DILATIONS)}); a fresh results file")
     ap.add_argument("--max-ranks", type=int, default=None, help="leave out groups with more ranks")
     ap.add_argument("--min-iters", type=int, default=MIN_ITERS,
-                    help=f"timed calls per size at the least (default {MIN_ITERS}; 3 before 2026-12-07 23:50)")
+                    help=f"timed calls per size at the least (default {MIN_ITERS}; 3 until 2026-12-07)")
     ap.add_argument("--doc", action="store_true", help="write docs/fidelity.md even for --quick/--only")
     ap.add_argument("--render", action="store_true", help="only render the doc from the results file")
     ap.add_argument("--rejudge", action="store_true", help="with --render: judge the stored runs again "
