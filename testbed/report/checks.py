@@ -144,8 +144,10 @@ def cpu_while_collectives(monitor: dict[str, Any], spans: list[tuple[float, floa
                  "the testbed's own work (its ranks, the kernel's forwarding at every hop, the delay-line engines) "
                  f"took every CPU while the collectives ran, so their times likely say more about this machine's "
                  f"CPUs than about the links.{not_s} Not yet tried as fixes: fewer ranks on this machine (a phantom "
-                 "moves its bytes like a real rank), a kernel with sch_netem (no delay-line engines), more machines "
-                 "(testbed up --hosts); docs/fidelity.md, \"What the delay lines cost\", has the measurements")
+                 "moves its bytes like a real rank), "
+                 + ("a kernel with sch_netem (no delay-line engines), " if busy_engines else "")
+                 + "more machines (testbed up --hosts); docs/fidelity.md, \"What the delay lines cost\", has the "
+                 "measurements")
 
 
 def _cap_held_back(monitor: dict[str, Any]) -> str:
