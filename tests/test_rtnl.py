@@ -248,3 +248,58 @@ def test_htb_requests_are_pyroute2s(bandwidth, queue):
     assert len(ours) == 3
     assert [m[4:6] for m in ours] == [m[4:6] for m in theirs]   # the types
     assert [m[:4] + m[6:8] + m[16:] for m in ours] == [m[:4] + m[6:8] + m[16:] for m in theirs]
+
+
+@pytest.mark.parametrize("netem, profile", [
+    (netem, profile) for netem in (False, True)
+    for profile in (dict(bandwidth_bps=500 * 10**6), dict(bandwidth_bps=10**10, queue=64),
+                    dict(bandwidth_bps=10**9, delay_s=0.005))] + [(True, dict(delay_s=0.01, jitter_s=0.001))])
+@pytest.mark.parametrize("mode", ["add", "change"])
+def test_a_changes_requests_are_pyroute2s(netem, profile, mode):
+    """shaping.change's batch: the requests pyroute2's tc calls sent before (_install), flags included
+    ('change': no HTB root, REQUEST|ACK|REPLACE), on the interface asked for."""
+    from testbed.net import shaping
+    from testbed.net.capabilities import Capabilities
+    from testbed.topology.model import LinkProfile
+
+    plan = shaping.make_plan(LinkProfile(**profile), Capabilities(htb=True, bpf=True, netem=netem))
+    shaping._pyroute2()
+    theirs = _compiled(lambda b: shaping._install(b, 7, plan, mode))
+    ours = [struct.unpack_from("=IHHII", m) for m in shaping._messages(7, plan, mode)]
+    assert [(kind, flags) for _len, kind, flags, _s, _p in ours] == [(kind, flags) for kind, flags, _b in theirs]
+    assert [m[16:] for m in shaping._messages(7, plan, mode)] == [body for _k, _f, body in theirs]
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_loss_filter_requests_are_pyroute2s(replace):
+    from testbed.net import lossfilter as lf
+
+    filt = _compiled(lambda b: b.tc("replace-filter" if replace else "add-filter", "bpf", 9, lf.LOSS_HANDLE,
+                                    parent=lf.EGRESS, prio=lf.LOSS_PRIO, protocol=lf.ETH_P_ALL, fd=11,
+                                    name="tb_loss_0.250000", direct_action=True))
+    msg = lf.filter_message(9, 11, 0.25, replace=replace)
+    assert filt == [(struct.unpack_from("=H", msg, 4)[0], struct.unpack_from("=H", msg, 6)[0], msg[16:])]
+    for ours, theirs in ((lf.clsact_message(9), lambda b: b.tc("add", "clsact", 9)),
+                         (lf.clsact_delete_message(9), lambda b: b.tc("del", index=9, handle=lf.CLSACT,
+                                                                     parent=lf.CLSACT_PARENT))):
+        assert _compiled(theirs) == [(struct.unpack_from("=H", ours, 4)[0], struct.unpack_from("=H", ours, 6)[0],
+                                      ours[16:])]
+
+
+def test_a_batch_beside_a_socket_is_in_its_namespace_and_may_let_errors_pass(scratch_ns):
+    """Batch.beside: a batch in the namespace of a socket made there (as an IPRoute's); a request's
+    `ok` errnos do not fail the batch, any other still does."""
+    with _batch_in(scratch_ns) as there:
+        with rtnl.Batch.beside(there.sock.fileno()) as b:
+            b.add(rtnl.RTM_NEWLINK, rtnl.CREATE, rtnl.bridge("brx", "02:00:00:00:02:01", index=60), "bridge")
+            b.add(rtnl.RTM_NEWLINK, rtnl.CREATE, rtnl.bridge("brx", "02:00:00:00:02:01", index=60), "again, EEXIST",
+                  ok=(17,))
+            b.commit()
+            assert b.links()["brx"][0] == 60
+            b.add(rtnl.RTM_NEWLINK, rtnl.CREATE, rtnl.bridge("brx", "02:00:00:00:02:01", index=60), "again, not ok",
+                  ok=(2,))
+            with pytest.raises(rtnl.RtnlError) as info:
+                b.commit()
+            assert info.value.errno == 17 and info.value.what == "again, not ok"
+    with rtnl.Batch() as root_side:
+        assert "brx" not in root_side.links()

@@ -27,6 +27,8 @@ import requires
 from testbed.errors import CapabilityError
 from testbed.net import capabilities as capmod
 from testbed.net import shaping
+import testbed.net.netns  # noqa: F401  shaping.change's modules, loaded here: their import is not a change's time
+import testbed.net.rtnl  # noqa: F401
 from testbed.topology.model import LinkProfile
 from waiting import tcp_sockets, udp_sockets, wait_for
 
@@ -200,9 +202,12 @@ def test_loss_program_shape():
 # engineers' jobs running beside; `python tests/timing_bands.py`), one measurement per test (no
 # second try): iperf3 goodput over rate x GOODPUT_RATIO 0.9968-0.9994 at 100 Mbit/s, 0.9956-0.9997
 # at 1 Gbit/s, 0.9721-0.9968 at 5 Gbit/s (the CPU starts to show), 0.9947-0.9996 at 500 Mbit/s over
-# 1 s; shaping.change of a rate 1.3-6.0 ms, of the layout (adding loss) 3.7-6.8 ms.
+# 1 s. shaping.change, one batch of requests since 2026-12-08 (20 runs, 10 of them with both CPUs
+# busy, as test_change_in_place_and_clear times it): of a rate 0.8-2.8 ms; the median of five
+# re-layouts (loss added and taken off) 0.7-2.7 ms, the first of them 10-25 ms (just after iperf3).
 HTB_TOLERANCE = {100 * 10**6: 0.02, 10**9: 0.02, 5 * 10**9: 0.05}   # each at least 1.8x the widest miss
-CHANGE_WITHIN_S = 0.030                                             # 4x the slowest change measured
+CHANGE_WITHIN_S = 0.012                                             # 4x the slowest change measured
+RELAYOUT_WITHIN_S = 0.011                                           # 4x the slowest median measured
 
 
 @pytest.mark.timing
@@ -265,12 +270,16 @@ def test_change_in_place_and_clear(pair):
     assert 500 * 10**6 in rates
     got = pair.iperf(seconds=1)
     assert abs(got - 500e6 * GOODPUT_RATIO) <= 0.02 * 500e6 * GOODPUT_RATIO, f"{got / 1e6:.1f} Mbit/s"
-    # a change of layout (adding loss) reinstalls, still fast
+    # a change of layout (adding loss, and taking it off) reinstalls, still fast: the median of five
+    # (the first Python work after this process sat blocked for iperf3's second runs 10-20x slower
+    # for some milliseconds on this VM, whatever the code: docs/HACKING.md, `timing`)
     lossy = new.with_changes(loss=0.5)
-    t0 = time.perf_counter()
-    shaping.change(pair.ipr_a, "eth0", new, lossy, c)
-    took = time.perf_counter() - t0
-    assert took < CHANGE_WITHIN_S, f"re-layout took {took * 1e3:.1f} ms"
+    took = []
+    for a, b in ((new, lossy), (lossy, new), (new, lossy), (lossy, new), (new, lossy)):
+        t0 = time.perf_counter()
+        shaping.change(pair.ipr_a, "eth0", a, b, c)
+        took.append(time.perf_counter() - t0)
+    assert statistics.median(took) < RELAYOUT_WITHIN_S, f"re-layouts took {[round(t * 1e3, 1) for t in took]} ms"
     pair.ping(3, 0.01)
     rtts, sent = pair.ping(400, 0.001)
     assert binomial_ok(sent - len(rtts), sent, 0.5)

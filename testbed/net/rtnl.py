@@ -27,11 +27,13 @@ placed by namespace descriptor.
 from __future__ import annotations
 
 import errno
+import fcntl
 import ipaddress
 import os
 import socket
 import struct
 from dataclasses import dataclass
+from typing import Iterable
 
 from testbed.errors import TestbedError
 
@@ -40,6 +42,7 @@ SOL_NETLINK = 270
 NETLINK_EXT_ACK = 11
 NETLINK_CAP_ACK = 10
 SO_RCVBUFFORCE = 33   # (not in Python's socket module)
+SIOCGSKNS = 0x894C    # a socket's network namespace, as an fd (Linux 4.10+)
 
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 NLM_F_REQUEST, NLM_F_MULTI, NLM_F_ACK = 0x1, 0x2, 0x4
@@ -178,6 +181,7 @@ class _Queued:
     flags: int
     body: bytes
     what: str
+    ok: frozenset[int] = frozenset()   # errnos that do not count as a failure
 
 
 class Batch:
@@ -204,6 +208,19 @@ class Batch:
         self.seq = 0
         self.sent = 0   # requests acknowledged so far (for callers that count)
 
+    @classmethod
+    def beside(cls, sock_fd: int) -> "Batch":
+        """A batch in the namespace of the socket `sock_fd` (an IPRoute's fileno(), say), found by
+        SIOCGSKNS: callers that hold a socket need not know which namespace it was made in."""
+        from testbed.net import netns
+
+        ns_fd = fcntl.ioctl(sock_fd, SIOCGSKNS)
+        try:
+            with netns.enter(ns_fd):
+                return cls()
+        finally:
+            os.close(ns_fd)
+
     def close(self) -> None:
         self.sock.close()
 
@@ -216,15 +233,16 @@ class Batch:
     def __len__(self) -> int:
         return len(self.queued)
 
-    def add(self, kind: int, flags: int, body: bytes, what: str) -> None:
-        """Queue one request (an RTM_* type, NLM_F_* flags, the message after its netlink header)."""
-        self.queued.append(_Queued(kind, flags, body, what))
+    def add(self, kind: int, flags: int, body: bytes, what: str, ok: Iterable[int] = ()) -> None:
+        """Queue one request (an RTM_* type, NLM_F_* flags, the message after its netlink header);
+        `ok`: errnos that this request may get without failing the batch."""
+        self.queued.append(_Queued(kind, flags, body, what, frozenset(ok)))
 
-    def add_message(self, message: bytes, what: str) -> None:
+    def add_message(self, message: bytes, what: str, ok: Iterable[int] = ()) -> None:
         """Queue a whole encoded message (header included: its type and flags are kept; the
         sequence number and port are set here)."""
         _len, kind, flags, _seq, _pid = _HDR.unpack_from(message)
-        self.add(kind, flags | NLM_F_ACK, message[_HDR.size:], what)
+        self.add(kind, flags | NLM_F_ACK, message[_HDR.size:], what, ok)
 
     def commit(self) -> None:
         """Send everything queued and wait for every answer; RtnlError for the first that failed."""
@@ -244,8 +262,9 @@ class Batch:
             self.sock.sendall(b"".join(chunk))
             base = self.seq - len(chunk)   # sequence numbers base+1 .. self.seq
             for seq, code, detail in self._acks(base + 1, self.seq):
-                if code and (failed is None or seq - base - 1 + first < failed[0]):
-                    failed = (seq - base - 1 + first, code, detail)
+                pos = seq - base - 1 + first
+                if code and code not in queued[pos].ok and (failed is None or pos < failed[0]):
+                    failed = (pos, code, detail)
             self.sent += len(chunk)
         if failed is not None:
             pos, code, detail = failed
