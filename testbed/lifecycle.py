@@ -320,7 +320,7 @@ def up(topo: Topology, name: str | None = None, *, progress: Progress | None = N
 
     signals = interrupts.Handlers()   # SIGTERM and SIGHUP roll back like Ctrl-C
     builder = Builder(name, topo, plan, caps, record=record, owner_label=owner_label(name), progress=progress,
-                      part=part)
+                      part=part, dilation=factor)
     pending = None
     try:
         store.save(name, st)

@@ -174,3 +174,35 @@ def test_failover_agg_core_link_down(testbed):
     doc = status_document(st["name"])
     assert doc["links"][link["index"]]["state"] == "down"
     _set_link(st, "agg0-0", link["ifnames"][0], "up")
+
+
+def test_a_dilated_workers_tcp_sizes_its_bursts_on_the_undilated_round_trip(testbed):
+    """Under dilation s a worker's tcp_tso_rtt_log is the kernel's 9 + log2(s) (TCP's 64 KiB burst bonus
+    then goes by the round trip the topology asks for, not the dilated one); a switch's is left alone,
+    and so is every namespace of an undilated testbed."""
+    from testbed import names
+    from testbed.net import builder, netns
+
+    if not builder.tcp_sysctls(2.0):
+        pytest.skip("this kernel has no net.ipv4.tcp_tso_rtt_log (Linux 5.18+): TCP's bursts are not adjusted")
+
+    def rtt_log(st: dict, node: str) -> int:
+        with netns.enter(names.netns(st["name"], node)):
+            return int(netns.read_sysctl(builder.TSO_RTT_LOG))
+
+    text = "name: d\ngenerator: star\nparams: {n: 2}\ntiers:\n  host: {bandwidth: 10gbit, delay: 2us}\n"
+    st = testbed(load_topology_text(text), time_dilation=16)
+    assert st["time_dilation"] == 16
+    assert [rtt_log(st, n) for n in ("w0", "w1", "s0")] == [13, 13, 9]
+    plain = testbed(load_topology_text(text), time_dilation="none")
+    assert [rtt_log(plain, n) for n in ("w0", "w1", "s0")] == [9, 9, 9]
+
+
+@pytest.mark.parametrize("s, log", [(1.0, None), (1.4, 9), (2.0, 10), (40.0, 14), (49.2, 15), (3144.1, 21)])
+def test_tcp_sysctls_raise_the_rtt_log_by_log2_of_s(s, log):
+    from testbed.net import builder
+
+    got = builder.tcp_sysctls(s)
+    if log is not None and not got:
+        pytest.skip("this kernel has no net.ipv4.tcp_tso_rtt_log (Linux 5.18+)")
+    assert got == ({} if log is None else {builder.TSO_RTT_LOG: str(log)})

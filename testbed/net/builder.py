@@ -8,7 +8,8 @@ switch namespaces are made here. Then, phase by phase (timed, see
   sysctls    per namespace, through /proc/sys/net after setns (never the root
              namespace): IPv6 off, rp_filter loose, ignore_routes_with_linkdown;
              switches also forward and hash multipath on L4
-             (fib_multipath_hash_policy=1).
+             (fib_multipath_hash_policy=1); workers of a dilated testbed size
+             TCP's bursts on the undilated round trip (tcp_sysctls).
   links      one veth pair per link, both ends created directly in their
              namespaces (IFLA_NET_NS_FD on the device and on the peer), with
              fixed MAC addresses and ifindexes, sent in batches; or a delay
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -71,6 +73,12 @@ SWITCH_SYSCTLS = {
     "net/ipv4/fib_multipath_hash_policy": "1",
 }
 WORKER_SYSCTLS = dict(COMMON_SYSCTLS)
+# TCP sizes its TSO/GSO bursts by its pacing rate (1 ms of it) plus, since Linux 5.18, a bonus of up
+# to 64 KiB for a flow whose min RTT is under 2**tcp_tso_rtt_log us (9: 512 us), halved per multiple
+# of that. Dilated by s, every RTT is s times longer: a datacenter flow loses the bonus that the hosts
+# it emulates have and sends smaller frames, which every hop (and every delay line: it costs per
+# frame) pays for. Raised by log2(s), the log judges the undilated RTT (docs/fidelity.md, "TCP's bursts").
+TSO_RTT_LOG, TSO_RTT_LOG_DEFAULT = "net/ipv4/tcp_tso_rtt_log", 9   # (the kernel's for a new namespace)
 FIRST_IFINDEX = 16
 LOOPBACK_IFINDEX = 1   # the kernel's, in every namespace
 # in a delayed cut link's own namespace (no sch_netem: Builder._delayed_tunnel_end): the node's
@@ -84,6 +92,13 @@ Recorder = Callable[[str, Any], None]
 
 def _plain(cidr: str) -> str:
     return cidr.split("/")[0]
+
+
+def tcp_sysctls(s: float) -> dict[str, str]:
+    """A worker's TCP sysctls under dilation s: {} at s = 1, or on a kernel without tcp_tso_rtt_log."""
+    if s <= 1 or not os.path.exists(f"/proc/sys/{TSO_RTT_LOG}"):
+        return {}
+    return {TSO_RTT_LOG: str(TSO_RTT_LOG_DEFAULT + max(0, round(math.log2(s))))}
 
 
 def no_delay_element(topo: Topology, caps: Any) -> list[dict[str, Any]]:
@@ -156,6 +171,7 @@ class Builder:
     # (node, ifname) -> ifindex of the veth ends create_links made (chosen here: configure needs no
     # dump of a namespace whose ports are all veths)
     veth_index: dict[tuple[str, str], int] = field(default_factory=dict)
+    dilation: float = 1.0   # the factor `topo` is dilated by (its workers' TCP: tcp_sysctls)
 
     def ns(self, node: str) -> str:
         return names.netns(self.testbed, node)
@@ -192,12 +208,13 @@ class Builder:
 
     def set_worker_sysctls(self) -> None:
         t0 = time.perf_counter()
+        sysctls = {**WORKER_SYSCTLS, **tcp_sysctls(self.dilation)}
         with netns.Home() as home:
             for w in (w for w in self.topo.workers if self.here(w)):
                 fd = os.open(netns.path(self.ns(w)), os.O_RDONLY | os.O_CLOEXEC)
                 try:
                     netns.setns(fd)
-                    netns.write_sysctls(WORKER_SYSCTLS)
+                    netns.write_sysctls(sysctls)
                 finally:
                     home.back()
                     os.close(fd)
