@@ -302,4 +302,7 @@ def test_a_batch_beside_a_socket_is_in_its_namespace_and_may_let_errors_pass(scr
                 b.commit()
             assert info.value.errno == 17 and info.value.what == "again, not ok"
     with rtnl.Batch() as root_side:
-        assert "brx" not in root_side.links()
+        stray = root_side.links().get("brx")
+    if stray is not None and stray[0] == 60:   # (made in the wrong namespace: ours by its index; removed)
+        subprocess.run(["ip", "link", "del", "brx"], check=False)
+    assert stray is None, "the batch beside the namespace's socket made its bridge in this namespace"

@@ -448,3 +448,22 @@ def test_netem_runtime_change(pair):
     _assert_changed_in_place(before, _our_qdiscs(pair))
     rtts, _ = pair.ping(10, 0.01)
     assert rtts and min(rtts) >= 0.018 * 0.98, f"RTTs {[round(r * 1e3, 2) for r in rtts]} ms after 2 -> 20±2 ms"
+
+
+@root
+def test_a_reinstall_removes_what_is_there_not_what_the_state_says(pair):
+    """shaping.change's reinstall deletes the root qdisc and the loss filter whatever `old` claims: a
+    state that drifted from the kernel (a change that failed half-way, a job with net_admin) still
+    ends with the new shaping alone."""
+    c = caps()
+    if not c.can_lose:
+        pytest.skip("neither netem nor cls_bpf: no loss to leave behind")
+    shaping.apply(pair.ipr_a, "eth0", LinkProfile(bandwidth_bps=100 * 10**6, loss=0.5), c)
+    pair.ping(3, 0.01)
+    # the state claims nothing was installed; the new layout differs, so this reinstalls
+    shaping.change(pair.ipr_a, "eth0", LinkProfile(), LinkProfile(bandwidth_bps=200 * 10**6), c)
+    d = shaping.describe(pair.ipr_a, "eth0")
+    assert not [q for q in d["qdiscs"] if q["kind"] in ("clsact", "netem")], d["qdiscs"]
+    assert 200 * 10**6 in [cl.get("rate_bps") for cl in d["classes"]]
+    rtts, sent = pair.ping(200, 0.001)
+    assert len(rtts) == sent
