@@ -17,6 +17,8 @@ from typing import Any
 
 from pyroute2.netlink.exceptions import NetlinkError
 
+from testbed.net import rtnl
+
 CLSACT = 0xFFFF0000
 CLSACT_PARENT = 0xFFFFFFF1   # TC_H_CLSACT: where a clsact qdisc hangs
 EGRESS = 0xFFFFFFF3          # TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_EGRESS)
@@ -84,39 +86,28 @@ def load_loss_program(p: float) -> int:
 RTM_NEWQDISC, RTM_DELQDISC, RTM_NEWTFILTER = 36, 37, 44
 TCA_KIND, TCA_OPTIONS = 1, 2
 TCA_BPF_FD, TCA_BPF_NAME, TCA_BPF_FLAGS, TCA_BPF_FLAG_ACT_DIRECT = 6, 7, 8, 1
-_REQUEST, _ACK, _REPLACE, _EXCL, _CREATE = 0x1, 0x4, 0x100, 0x200, 0x400
-
-
-def _rtattr(kind: int, payload: bytes) -> bytes:
-    n = 4 + len(payload)
-    return struct.pack("=HH", n, kind) + payload + b"\0" * (-n & 3)
-
-
-def _tcmsg(kind: int, flags: int, idx: int, handle: int, parent: int, info: int = 0, attrs: bytes = b"") -> bytes:
-    body = struct.pack("=BxxxiIII", 0, idx, handle, parent, info) + attrs
-    return struct.pack("=IHHII", 16 + len(body), kind, flags, 0, 0) + body
+NLM_F_REPLACE = 0x100
 
 
 def clsact_message(idx: int) -> bytes:
     """Add the clsact qdisc (EEXIST when one is there)."""
-    return _tcmsg(RTM_NEWQDISC, _REQUEST | _ACK | _EXCL | _CREATE, idx, CLSACT, CLSACT_PARENT,
-                  attrs=_rtattr(TCA_KIND, b"clsact\0"))
+    return rtnl.tc(RTM_NEWQDISC, rtnl.CREATE, idx, CLSACT, CLSACT_PARENT, attrs=rtnl.attr(TCA_KIND, b"clsact\0"))
 
 
 def clsact_delete_message(idx: int) -> bytes:
     """Delete the clsact qdisc, and with it the filter (ENOENT/EINVAL when none is there)."""
-    return _tcmsg(RTM_DELQDISC, _REQUEST | _ACK, idx, CLSACT, CLSACT_PARENT)
+    return rtnl.tc(RTM_DELQDISC, rtnl.NLM_F_REQUEST | rtnl.NLM_F_ACK, idx, CLSACT, CLSACT_PARENT)
 
 
 def filter_message(idx: int, fd: int, p: float, replace: bool = False) -> bytes:
     """Add (or replace) the filter running the loaded program `fd`, as install() does."""
-    options = (_rtattr(TCA_BPF_FD, struct.pack("=I", fd))
-               + _rtattr(TCA_BPF_NAME, f"tb_loss_{p:.6f}".encode() + b"\0")
-               + _rtattr(TCA_BPF_FLAGS, struct.pack("=I", TCA_BPF_FLAG_ACT_DIRECT)))
-    flags = _REQUEST | _ACK | _CREATE | (_REPLACE if replace else _EXCL)
+    options = (rtnl.attr(TCA_BPF_FD, struct.pack("=I", fd))
+               + rtnl.attr(TCA_BPF_NAME, f"tb_loss_{p:.6f}".encode() + b"\0")
+               + rtnl.attr(TCA_BPF_FLAGS, struct.pack("=I", TCA_BPF_FLAG_ACT_DIRECT)))
+    flags = rtnl.NLM_F_REQUEST | rtnl.NLM_F_ACK | rtnl.NLM_F_CREATE | (NLM_F_REPLACE if replace else rtnl.NLM_F_EXCL)
     info = (LOSS_PRIO << 16) | socket.htons(ETH_P_ALL)
-    return _tcmsg(RTM_NEWTFILTER, flags, idx, LOSS_HANDLE, EGRESS, info,
-                  _rtattr(TCA_KIND, b"bpf\0") + _rtattr(TCA_OPTIONS, options))
+    return rtnl.tc(RTM_NEWTFILTER, flags, idx, LOSS_HANDLE, EGRESS, info,
+                   rtnl.attr(TCA_KIND, b"bpf\0") + rtnl.attr(TCA_OPTIONS, options))
 
 
 def install(ipr: Any, idx: int, p: float, replace: bool = False) -> None:

@@ -90,6 +90,13 @@ def attr(kind: int, payload: bytes) -> bytes:
     return struct.pack("=HH", n, kind) + payload + b"\0" * (-n & 3)
 
 
+def tc(kind: int, flags: int, index: int, handle: int, parent: int, info: int = 0, attrs: bytes = b"") -> bytes:
+    """A whole tc message (header included: for `Batch.add_message`): tcmsg on interface `index`, then
+    `attrs` (encoded with `attr`)."""
+    body = struct.pack("=BxxxiIII", 0, index, handle, parent, info) + attrs
+    return _HDR.pack(_HDR.size + len(body), kind, flags, 0, 0) + body
+
+
 def _str(s: str) -> bytes:
     return s.encode() + b"\0"
 

@@ -284,8 +284,9 @@ def _messages(index: int, plan: Plan, mode: str) -> list[bytes]:
 def _delete_message(index: int, handle: int, parent: int) -> bytes:
     """A kind-less delete of the qdisc `handle` under `parent` (handle 0 at the root: whatever qdisc is
     there, as `tc qdisc del dev X root`; the kernel's default one answers ENOENT)."""
-    body = struct.pack("=BxxxiIII", 0, index, handle, parent, 0)
-    return struct.pack("=IHHII", 16 + len(body), RTM_DELQDISC, 0x1 | 0x4, 0, 0) + body
+    from testbed.net import rtnl
+
+    return rtnl.tc(RTM_DELQDISC, rtnl.NLM_F_REQUEST | rtnl.NLM_F_ACK, index, handle, parent)
 
 
 def _compile(plan: Plan) -> list[bytes]:
